@@ -1,0 +1,111 @@
+"""The one interface every inference backend implements.
+
+Agent loops never see an engine directly: they talk to an EngineServer over the bus
+(`rollout/`), and the server drives exactly one object that satisfies `Engine`. Keeping the
+contract token-in/token-out (ids in, ids + logprobs out) is what lets the trainer learn from
+exactly the tokens the model produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # torch is heavy; the bus and the router never need it
+    import torch
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling. `logprobs` are always returned for every generated token.
+
+    Logprobs are of the temperature-scaled distribution before top-k/top-p truncation,
+    i.e. log_softmax(logits / temperature) (raw logits when temperature == 0), which is what
+    the actor recomputes during training.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k} must be -1 (off) or >= 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown sampling params {sorted(unknown)}; allowed: {sorted(known)}")
+        return cls(**d)
+
+
+@dataclass
+class GenerateOutput:
+    """What one generate call returns: the engine's own tokens, never re-tokenized text."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # one of FINISH_REASONS
+    cached_prompt_tokens: int = 0  # prompt tokens the engine served from its prefix cache
+
+
+@dataclass
+class EngineStats:
+    """Load and cache figures an engine reports; the router balances on `waiting + running`."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_cache_usage: float = 0.0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    sleeping: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A backend the EngineServer drives. All methods run on the server's asyncio loop."""
+
+    async def start(self) -> None:
+        """Load the model; called once before any other method."""
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
+        """Generate for one request; many calls run concurrently and are batched inside."""
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request; its generate() returns with finish_reason 'abort'."""
+
+    async def update_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """Load one bucket of HF-named tensors into the live model (may be called many times)."""
+
+    async def sleep(self) -> None:
+        """Free accelerator memory (KV cache, optionally weights) while the trainer runs."""
+
+    async def wake(self) -> None:
+        """Undo sleep()."""
+
+    def stats(self) -> EngineStats:
+        """Current load; must be cheap, it is called for every reply."""
+
+    async def close(self) -> None:
+        """Release everything; the engine is not used again."""

@@ -1,0 +1,61 @@
+"""A model-free engine that answers instantly: the bus benchmark's and protocol tests' backend.
+
+It replies with `max_tokens` tokens cycled from the prompt and logprob 0.0, so any time a
+request takes is the transport's, not a model's. It is a real Engine (the server cannot tell
+the difference) and never a stand-in for a model in tests about generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Iterable
+
+from engines.inference.base import EngineStats, GenerateOutput, SamplingParams
+
+
+class EchoEngine:
+    def __init__(self, model: str = "echo", delay_s: float = 0.0, **_: Any) -> None:
+        self.delay_s = float(delay_s)
+        self._running = 0
+        self._aborted: set[str] = set()
+        self._stats = EngineStats()
+        self.loaded: dict[str, Any] = {}
+
+    async def start(self) -> None:
+        return None
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
+        self._running += 1
+        try:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            if request_id in self._aborted:
+                self._aborted.discard(request_id)
+                return GenerateOutput([], [], "abort")
+            n = params.max_tokens
+            ids = (list(prompt_ids) * (n // max(len(prompt_ids), 1) + 1))[:n]
+            self._stats.prompt_tokens += len(prompt_ids)
+            self._stats.generated_tokens += n
+            return GenerateOutput(ids, [0.0] * n, "length")
+        finally:
+            self._running -= 1
+
+    async def abort(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+
+    async def update_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        for name, tensor in weights:
+            self.loaded[name] = tensor
+
+    async def sleep(self) -> None:
+        self._stats.sleeping = True
+
+    async def wake(self) -> None:
+        self._stats.sleeping = False
+
+    def stats(self) -> EngineStats:
+        self._stats.running = self._running
+        return self._stats
+
+    async def close(self) -> None:
+        return None

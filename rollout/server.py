@@ -1,0 +1,282 @@
+"""EngineServer: one ZMQ ROUTER in front of one engine, many requests in flight.
+
+Every received multipart becomes a task, so the engine sees all concurrent requests at once and
+batches them; the loop itself only parses and dispatches, which keeps health and load replies
+prompt while the engine is busy. A frame that cannot be parsed gets an `Error` reply and the
+server goes on: no client can stop it by sending garbage.
+
+Run one per engine (per engine DP group):
+    python -m rollout.server --backend hf --model tiny-llama --address ipc:///tmp/e0.sock
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import zmq
+import zmq.asyncio
+
+from engines.inference import Engine, SamplingParams, make_engine
+from rollout import protocol as P
+
+log = logging.getLogger("switchyard.server")
+
+
+class EngineServer:
+    """Serves `engine` on `address` (tcp:// across nodes, ipc:// on one node)."""
+
+    def __init__(self, engine: Engine, address: str, engine_id: str, request_log: str | None = None) -> None:
+        self.engine = engine
+        self.address = address
+        self.engine_id = engine_id
+        self.weight_version = 0
+        self._request_log: TextIO | None = open(request_log, "a", buffering=1) if request_log else None
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._outbox: asyncio.Queue[list[Any]] = asyncio.Queue()
+        self._inflight: dict[tuple[bytes, str], asyncio.Task] = {}
+        self._aborted: set[tuple[bytes, str]] = set()  # aborted before reaching the engine
+        self._weight_jobs: asyncio.Queue[tuple[bytes, P.Message]] = asyncio.Queue()
+        self._gate = asyncio.Condition()  # guards sleeping / updating / weight_version
+        self._sleeping = False
+        self._updating = False
+        self._generating = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._stop = asyncio.Event()
+        self.bad_frames = 0
+
+    # ---------------------------------------------------------------- life cycle
+    async def run(self) -> None:
+        """Start the engine, bind, serve until stop(); the engine is closed on the way out."""
+        await self.engine.start()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.bind(self.address)
+        log.info("engine %s serving on %s", self.engine_id, self.address)
+        tasks = [asyncio.create_task(self._send_loop()), asyncio.create_task(self._weights_loop()),
+                 asyncio.create_task(self._recv_loop())]
+        await self._stop.wait()
+        for t in [*tasks, *self._inflight.values()]:
+            t.cancel()
+        await asyncio.gather(*tasks, *self._inflight.values(), return_exceptions=True)
+        await self.engine.close()
+        self._sock.close(0)
+        self._ctx.term()
+        if self._request_log:
+            self._request_log.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ---------------------------------------------------------------- transport
+    async def _send_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._outbox.get()
+            await self._sock.send_multipart(frames, copy=False)
+
+    def _reply(self, identity: bytes, msg: P.Message) -> None:
+        self._outbox.put_nowait([identity, *msg.encode()])
+
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            identity, body = frames[0].bytes, [f.buffer for f in frames[1:]]
+            try:
+                msg = P.decode(body)
+                self._dispatch(identity, msg)
+            except P.ProtocolError as e:
+                self.bad_frames += 1
+                self._reply(identity, P.Error(rid=P.request_id_of(body) if body else "", code="bad_frame", message=str(e)))
+            except Exception as e:  # a bug in dispatch must not take the server down either
+                self.bad_frames += 1
+                log.exception("dispatch failed")
+                self._reply(identity, P.Error(rid="", code="internal", message=f"{type(e).__name__}: {e}"))
+
+    def _dispatch(self, identity: bytes, msg: P.Message) -> None:
+        if isinstance(msg, P.Generate):
+            key = (identity, msg.rid)
+            if key in self._inflight:
+                self._reply(identity, P.Error(rid=msg.rid, code="duplicate_rid",
+                                              message=f"request {msg.rid!r} is already in flight; use a new rid"))
+                return
+            task = asyncio.create_task(self._generate(identity, msg))
+            self._inflight[key] = task
+            task.add_done_callback(lambda _t, k=key: (self._inflight.pop(k, None), self._aborted.discard(k)))
+        elif isinstance(msg, P.Abort):
+            if (identity, msg.rid) in self._inflight:
+                self._aborted.add((identity, msg.rid))
+                asyncio.create_task(self.engine.abort(self._engine_rid(identity, msg.rid)))
+        elif isinstance(msg, (P.LoadRequest, P.Health)):
+            self._reply(identity, self._status(msg.rid))
+        elif isinstance(msg, (P.Sleep, P.Wake, P.WeightsBegin, P.WeightsBucket, P.WeightsCommit)):
+            self._weight_jobs.put_nowait((identity, msg))  # applied strictly in arrival order
+        else:
+            self._reply(identity, P.Error(rid=msg.rid, code="unexpected",
+                                          message=f"a server does not accept {msg.TYPE!r} messages"))
+
+    def _status(self, rid: str) -> P.Status:
+        stats = self.engine.stats().to_dict()
+        stats["sleeping"] = self._sleeping
+        stats["updating"] = self._updating
+        stats["bad_frames"] = self.bad_frames
+        return P.Status(rid=rid, engine_id=self.engine_id, weight_version=self.weight_version, stats=stats)
+
+    @staticmethod
+    def _engine_rid(identity: bytes, rid: str) -> str:
+        return f"{identity.hex()}:{rid}"
+
+    # ---------------------------------------------------------------- generation
+    async def _generate(self, identity: bytes, msg: P.Generate) -> None:
+        try:
+            params = SamplingParams.from_dict(msg.sampling)
+        except (TypeError, ValueError) as e:
+            self._reply(identity, P.Error(rid=msg.rid, code="bad_sampling", message=str(e)))
+            return
+        async with self._gate:  # held while sleeping, mid weight update, or behind the wanted version
+            await self._gate.wait_for(lambda: not self._sleeping and not self._updating
+                                      and self.weight_version >= msg.min_weight_version)
+            self._generating += 1
+            self._idle.clear()
+        try:
+            if (identity, msg.rid) in self._aborted:  # aborted while held at the gate
+                self._reply(identity, P.Result(rid=msg.rid, finish_reason="abort", engine_id=self.engine_id,
+                                               weight_version=self.weight_version))
+                return
+            out = await self.engine.generate(self._engine_rid(identity, msg.rid), msg.prompt_ids.tolist(), params)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("generate %s failed", msg.rid)
+            self._reply(identity, P.Error(rid=msg.rid, code="engine_error", message=f"{type(e).__name__}: {e}"))
+            return
+        finally:
+            self._generating -= 1
+            if self._generating == 0:
+                self._idle.set()
+        if self._request_log:  # logged before the reply leaves, so an audit never misses one
+            self._request_log.write(json.dumps({
+                "rid": msg.rid, "sid": msg.session_id, "gid": msg.group_id, "engine_id": self.engine_id,
+                "weight_version": self.weight_version, "prompt_len": int(msg.prompt_ids.size),
+                "token_ids": list(map(int, out.token_ids)), "finish_reason": out.finish_reason}) + "\n")
+        stats = self.engine.stats()
+        self._reply(identity, P.Result(
+            rid=msg.rid, token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason,
+            weight_version=self.weight_version, engine_id=self.engine_id,
+            cached_prompt_tokens=out.cached_prompt_tokens, load=stats.waiting + stats.running))
+
+    # ---------------------------------------------------------------- control plane
+    async def _set_gate(self, **flags: Any) -> None:
+        async with self._gate:
+            for k, v in flags.items():
+                setattr(self, k, v)
+            self._gate.notify_all()
+
+    async def _weights_loop(self) -> None:
+        from rollout.weight_sync import tensors_from_bucket
+
+        pending_version: int | None = None
+        loaded = 0
+        while True:
+            identity, msg = await self._weight_jobs.get()
+            try:
+                if isinstance(msg, P.Sleep):
+                    await self._set_gate(_sleeping=True)
+                    await self._idle.wait()
+                    await self.engine.sleep()
+                elif isinstance(msg, P.Wake):
+                    await self.engine.wake()
+                    await self._set_gate(_sleeping=False)
+                elif isinstance(msg, P.WeightsBegin):
+                    if msg.version <= self.weight_version:
+                        raise ValueError(f"weight version {msg.version} is not newer than the engine's "
+                                         f"{self.weight_version}; versions must increase")
+                    await self._set_gate(_updating=True)
+                    await self._idle.wait()  # requests already admitted finish on the old weights
+                    pending_version, loaded = msg.version, 0
+                elif isinstance(msg, P.WeightsBucket):
+                    if msg.version != pending_version:
+                        raise ValueError(f"bucket for version {msg.version} but the update in progress is "
+                                         f"{pending_version}; send weights_begin first")
+                    await self.engine.update_weights(tensors_from_bucket(msg))
+                    loaded += 1
+                elif isinstance(msg, P.WeightsCommit):
+                    if msg.version != pending_version or msg.num_buckets != loaded:
+                        raise ValueError(f"commit of version {msg.version} with {msg.num_buckets} buckets, but "
+                                         f"{loaded} buckets of version {pending_version} were loaded")
+                    self.weight_version, pending_version = msg.version, None
+                    await self._set_gate(_updating=False)
+                self._reply(identity, P.Ack(rid=msg.rid, of=msg.TYPE, weight_version=self.weight_version))
+            except Exception as e:
+                log.warning("%s %s failed: %s", msg.TYPE, msg.rid, e)
+                self._reply(identity, P.Error(rid=msg.rid, code=f"{msg.TYPE}_failed", message=f"{type(e).__name__}: {e}"))
+
+
+def start_server_process(backend: str, model: str, address: str, engine_id: str,
+                         options: dict[str, Any] | None = None, request_log: str | Path | None = None,
+                         env: dict[str, str] | None = None, log_file: str | Path | None = None) -> subprocess.Popen:
+    """Launch `python -m rollout.server` as its own process; pair with GenerateClient.wait_ready()."""
+    cmd = [sys.executable, "-m", "rollout.server", "--backend", backend, "--model", model,
+           "--address", address, "--engine-id", engine_id]
+    for k, v in (options or {}).items():
+        cmd += ["--option", f"{k}={json.dumps(v)}"]
+    if request_log:
+        cmd += ["--request-log", str(request_log)]
+    root = str(Path(__file__).resolve().parent.parent)
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH")) if p)
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    return subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT if log_file else None)
+
+
+def _parse_options(pairs: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--option {pair!r}: expected key=value, e.g. --option max_batch_size=32")
+        try:
+            options[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            options[key] = raw
+    return options
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Serve one inference engine on the switchyard bus.")
+    ap.add_argument("--backend", default="hf", help="hf | vllm | sglang | echo")
+    ap.add_argument("--model", default="tiny-llama", help="built-in name, HF directory or hub id")
+    ap.add_argument("--address", required=True, help="tcp://host:port or ipc:///path")
+    ap.add_argument("--engine-id", default=None, help="name reported in every reply (default: the address)")
+    ap.add_argument("--option", action="append", default=[], help="engine option key=json-value, repeatable")
+    ap.add_argument("--request-log", default=None, help="append one JSON line per reply sent (audits, tests)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("SWITCHYARD_LOG", "INFO"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine = make_engine(args.backend, args.model, **_parse_options(args.option))
+    server = EngineServer(engine, args.address, args.engine_id or args.address, args.request_log)
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, server.stop)
+        await server.run()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

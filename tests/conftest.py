@@ -1,0 +1,73 @@
+"""Shared fixtures: real EngineServer processes on ipc sockets, killed at the end of the test."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (runs on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+class Servers:
+    """Handles to started servers: `addresses`, `procs`, `request_logs`, `log_files`."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.addresses: list[str] = []
+        self.procs: list[subprocess.Popen] = []
+        self.request_logs: list[Path] = []
+        self.log_files: list[Path] = []
+
+    def start(self, n: int, backend: str = "hf", model: str = "tiny-llama", options: dict[str, Any] | None = None,
+              env: dict[str, str] | None = None) -> "Servers":
+        from rollout.server import start_server_process
+
+        for _ in range(n):
+            i = len(self.procs)
+            addr = f"ipc://{self.tmp}/e{i}.sock"
+            req_log, out_log = self.tmp / f"e{i}.requests.jsonl", self.tmp / f"e{i}.log"
+            self.procs.append(start_server_process(backend, model, addr, f"e{i}", options, req_log, env, out_log))
+            self.addresses.append(addr)
+            self.request_logs.append(req_log)
+            self.log_files.append(out_log)
+        return self
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in self.log_files if p.exists())
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Servers]:
+    # a short directory: ipc socket paths are limited to ~107 bytes
+    handles: list[Servers] = []
+
+    def start(n: int, **kw: Any) -> Servers:
+        s = Servers(tmp_path_factory.mktemp("srv")).start(n, **kw)
+        handles.append(s)
+        return s
+
+    yield start
+    for h in handles:
+        h.stop()

@@ -1,0 +1,148 @@
+"""A live EngineServer process: garbage never stops it; sleep/wake and weight updates gate generation."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from garbage import garbage_frames
+from rollout import protocol as P
+from rollout.client import GenerateClient, RequestFailed
+
+N_GARBAGE = 10_000
+
+
+def _invalid_garbage(rng: random.Random) -> list[bytes]:
+    while True:  # a mutation can leave a valid message; the test wants only invalid ones
+        frames = garbage_frames(rng)
+        try:
+            P.decode(frames)
+        except P.ProtocolError:
+            return frames
+
+
+def test_ten_thousand_garbage_frames_never_stop_the_server(servers):
+    srv = servers(1)
+
+    async def main():
+        async with GenerateClient(srv.addresses) as client:
+            await client.wait_ready(timeout_s=300)
+            ctx = zmq.asyncio.Context()
+            socks = [ctx.socket(zmq.DEALER) for _ in range(4)]
+            for s in socks:
+                s.setsockopt(zmq.LINGER, 0)
+                s.connect(srv.addresses[0])
+            rng = random.Random(1)
+
+            async def spray(sock, n):
+                for _ in range(n):
+                    await sock.send_multipart(_invalid_garbage(rng))
+                codes = []
+                for _ in range(n):
+                    codes.append(P.decode(await asyncio.wait_for(sock.recv_multipart(), 60)))
+                return codes
+
+            async def real_work():  # generation keeps going while the garbage arrives
+                return await asyncio.gather(*(client.generate([1, 2, 3, 4], {"max_tokens": 4, "ignore_eos": True})
+                                              for _ in range(20)))
+
+            replies, work = await asyncio.gather(asyncio.gather(*(spray(s, N_GARBAGE // 4) for s in socks)), real_work())
+            after = await client.generate([5, 6, 7], {"max_tokens": 3, "ignore_eos": True})
+            status = await client.status(0)
+            for s in socks:
+                s.close(0)
+            ctx.term()
+            return [r for rs in replies for r in rs], work, after, status
+
+    replies, work, after, status = asyncio.run(main())
+    assert len(replies) == N_GARBAGE and all(isinstance(r, P.Error) for r in replies)
+    assert {r.code for r in replies} == {"bad_frame"}
+    assert len(work) == 20 and all(len(r.token_ids) == 4 for r in work)
+    assert len(after.token_ids) == 3
+    assert status.stats["bad_frames"] == N_GARBAGE
+    assert srv.procs[0].poll() is None
+
+
+def test_bad_sampling_params_are_refused_with_the_reason(servers):
+    srv = servers(1, backend="echo", model="echo")
+
+    async def main():
+        async with GenerateClient(srv.addresses) as client:
+            await client.wait_ready(timeout_s=60)
+            with pytest.raises(RequestFailed, match="top_p=1.5 must be in"):
+                await client.generate([1], {"top_p": 1.5})
+            with pytest.raises(RequestFailed, match=r"unknown sampling params \['beam'\]"):
+                await client.generate([1], {"beam": 4})
+            return await client.generate([1, 2], {"max_tokens": 2})
+
+    assert asyncio.run(main()).token_ids == [1, 2]
+
+
+def test_sleep_holds_requests_until_wake(servers):
+    srv = servers(1, backend="echo", model="echo")
+
+    async def main():
+        async with GenerateClient(srv.addresses) as client:
+            await client.wait_ready(timeout_s=60)
+            await client.broadcast(P.Sleep())
+            pending = asyncio.create_task(client.generate([1, 2], {"max_tokens": 2}))
+            await asyncio.sleep(0.5)
+            held = not pending.done()
+            assert (await client.status(0)).stats["sleeping"] is True
+            await client.broadcast(P.Wake())
+            return held, await asyncio.wait_for(pending, 10)
+
+    held, result = asyncio.run(main())
+    assert held and result.token_ids == [1, 2]
+
+
+def test_weight_update_bumps_version_and_changes_the_model(servers):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engines.models import resolve_model
+    from rollout.weight_sync import iter_buckets
+
+    path = resolve_model("tiny-llama")
+    torch.manual_seed(123)
+    new = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).float().eval()
+    srv = servers(1)
+    prompt = [1, 50, 60, 70, 80]
+
+    async def main():
+        async with GenerateClient(srv.addresses) as client:
+            await client.wait_ready(timeout_s=300)
+            before = await client.generate(prompt, {"max_tokens": 6, "temperature": 0, "ignore_eos": True})
+            buckets = list(iter_buckets(new.state_dict().items(), version=1, bucket_bytes=1 << 20))
+            await client.call(0, P.WeightsBegin(version=1))
+            # a corrupted bucket is refused and nothing else breaks
+            bad = buckets[0]
+            good_frame = bad.frames[0]
+            bad.frames[0] = bytes(good_frame)[:-4] + b"\0\0\0\0"
+            with pytest.raises(RequestFailed, match="checksum"):
+                await client.call(0, bad)
+            bad.frames[0] = good_frame
+            for b in buckets:
+                await client.call(0, b)
+            with pytest.raises(RequestFailed, match="commit of version 1 with 99 buckets"):
+                await client.call(0, P.WeightsCommit(version=1, num_buckets=99))
+            ack = await client.call(0, P.WeightsCommit(version=1, num_buckets=len(buckets)))
+            after = await client.generate(prompt, {"max_tokens": 6, "temperature": 0, "ignore_eos": True},
+                                          min_weight_version=1)
+            with pytest.raises(RequestFailed, match="not newer"):
+                await client.call(0, P.WeightsBegin(version=1))
+            return before, ack, after
+
+    before, ack, after = asyncio.run(main())
+    assert ack.weight_version == 1 and before.weight_version == 0 and after.weight_version == 1
+    with torch.no_grad():
+        ids = torch.tensor([prompt + after.token_ids])
+        logp = torch.log_softmax(new(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+    expected = logp.gather(-1, torch.tensor(after.token_ids)[:, None])[:, 0]
+    assert torch.allclose(expected, torch.tensor(after.logprobs), atol=1e-4)
+    assert after.token_ids == logp.argmax(-1).tolist()  # greedy under the new weights
+    assert before.logprobs != after.logprobs
