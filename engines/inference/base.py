@@ -98,6 +98,9 @@ class Engine(Protocol):
     async def update_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
         """Load one bucket of HF-named tensors into the live model (may be called many times)."""
 
+    async def finish_weight_update(self) -> None:
+        """All buckets of one version have arrived: apply what was staged (vLLM reloads here)."""
+
     async def sleep(self) -> None:
         """Free accelerator memory (KV cache, optionally weights) while the trainer runs."""
 

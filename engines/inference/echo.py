@@ -47,6 +47,9 @@ class EchoEngine:
         for name, tensor in weights:
             self.loaded[name] = tensor
 
+    async def finish_weight_update(self) -> None:
+        return None
+
     async def sleep(self) -> None:
         self._stats.sleeping = True
 

@@ -150,6 +150,9 @@ class HFEngine:
         items = list(weights)
         await asyncio.get_running_loop().run_in_executor(self._pool, self._load_weights, items)
 
+    async def finish_weight_update(self) -> None:
+        """Buckets are applied as they arrive; nothing is staged."""
+
     async def sleep(self) -> None:
         """Pause scheduling; on CUDA also move the weights to host memory and free the cache.
 
