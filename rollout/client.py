@@ -147,6 +147,11 @@ class GenerateClient:
                             type(e).__name__)
                 failed.add(engine)
                 continue
+            if isinstance(reply, P.Error) and reply.code == "engine_dead":
+                log.warning("engine %d died serving %s (%s); re-issuing", engine, rid, reply.message)
+                self._down(engine, "engine reported itself dead")
+                failed.add(engine)
+                continue
             if isinstance(reply, P.Error):
                 raise RequestFailed(reply.code, reply.message)
             assert isinstance(reply, P.Result)

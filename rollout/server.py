@@ -25,7 +25,7 @@ from typing import Any, TextIO
 import zmq
 import zmq.asyncio
 
-from engines.inference import Engine, SamplingParams, make_engine
+from engines.inference import Engine, EngineDeadError, SamplingParams, make_engine
 from rollout import protocol as P
 
 log = logging.getLogger("switchyard.server")
@@ -54,6 +54,7 @@ class EngineServer:
         self._idle.set()
         self._stop = asyncio.Event()
         self.bad_frames = 0
+        self.exit_code = 0
 
     # ---------------------------------------------------------------- life cycle
     async def run(self) -> None:
@@ -68,6 +69,7 @@ class EngineServer:
         tasks = [asyncio.create_task(self._send_loop()), asyncio.create_task(self._weights_loop()),
                  asyncio.create_task(self._recv_loop())]
         await self._stop.wait()
+        await asyncio.sleep(0.05)  # let queued replies (e.g. engine_dead errors) leave
         for t in [*tasks, *self._inflight.values()]:
             t.cancel()
         await asyncio.gather(*tasks, *self._inflight.values(), return_exceptions=True)
@@ -159,6 +161,12 @@ class EngineServer:
             out = await self.engine.generate(self._engine_rid(identity, msg.rid), msg.prompt_ids.tolist(), params)
         except asyncio.CancelledError:
             raise
+        except EngineDeadError as e:  # say so, then exit: clients re-issue on a live engine
+            log.error("engine is dead, shutting the server down: %s", e)
+            self._reply(identity, P.Error(rid=msg.rid, code="engine_dead", message=str(e)))
+            self.exit_code = 1
+            self.stop()
+            return
         except Exception as e:
             log.exception("generate %s failed", msg.rid)
             self._reply(identity, P.Error(rid=msg.rid, code="engine_error", message=f"{type(e).__name__}: {e}"))
@@ -285,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         await server.run()
 
     asyncio.run(serve())
+    sys.exit(server.exit_code)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from engines.inference.base import Engine, EngineStats, GenerateOutput, SamplingParams
+from engines.inference.base import Engine, EngineDeadError, EngineStats, GenerateOutput, SamplingParams
 
 BACKENDS: dict[str, str] = {
     "hf": "engines.inference.hf:HFEngine",
@@ -34,4 +34,4 @@ def make_engine(backend: str, model: str, **options: Any) -> Engine:
     return getattr(module, cls_name)(model=model, **options)
 
 
-__all__ = ["BACKENDS", "Engine", "EngineStats", "GenerateOutput", "SamplingParams", "make_engine"]
+__all__ = ["BACKENDS", "Engine", "EngineDeadError", "EngineStats", "GenerateOutput", "SamplingParams", "make_engine"]

