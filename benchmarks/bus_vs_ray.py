@@ -65,6 +65,18 @@ async def drive(call: Callable[[np.ndarray], Awaitable[list[int]]], prompts: lis
             "rps": total / wall, "requests": total}
 
 
+async def measure(name: str, call: Callable[[np.ndarray], Awaitable[list[int]]], levels: list[tuple[int, int]],
+                  prompts: list[np.ndarray], warmup: int) -> dict[int, dict]:
+    """Check one answer, then time every concurrency level after its own warm-up."""
+    if await call(prompts[0]) != expected_reply(prompts[0]):
+        raise RuntimeError(f"{name} echo returned the wrong tokens; refusing to time it")
+    out = {}
+    for c, n in levels:
+        await drive(call, prompts, c, warmup)
+        out[c] = await drive(call, prompts, c, n)
+    return out
+
+
 async def bench_bus(levels: list[tuple[int, int]], prompts: list[np.ndarray], warmup: int) -> dict[int, dict]:
     from rollout.client import GenerateClient
     from rollout.server import start_server_process
@@ -78,13 +90,7 @@ async def bench_bus(levels: list[tuple[int, int]], prompts: list[np.ndarray], wa
             async def call(prompt: np.ndarray) -> list[int]:
                 return (await client.generate(prompt, SAMPLING)).token_ids
 
-            if await call(prompts[0]) != expected_reply(prompts[0]):
-                raise RuntimeError("bus echo returned the wrong tokens; refusing to time it")
-            out = {}
-            for c, n in levels:
-                await drive(call, prompts, c, warmup)
-                out[c] = await drive(call, prompts, c, n)
-            return out
+            return await measure("bus", call, levels, prompts, warmup)
     finally:
         proc.terminate()
         proc.wait(10)
@@ -119,13 +125,7 @@ def bench_ray(levels: list[tuple[int, int]], prompts: list[np.ndarray], warmup: 
                 ids, _, _ = await actor.generate.remote(prompt, SAMPLING)
                 return ids.tolist()
 
-            if await call(prompts[0]) != expected_reply(prompts[0]):
-                raise RuntimeError("ray echo returned the wrong tokens; refusing to time it")
-            out = {}
-            for c, n in levels:
-                await drive(call, prompts, c, warmup)
-                out[c] = await drive(call, prompts, c, n)
-            return out
+            return await measure("ray", call, levels, prompts, warmup)
 
         return asyncio.run(main())
     finally:
