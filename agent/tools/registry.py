@@ -1,0 +1,78 @@
+"""Load tools from a tools.yaml in verl's format:
+
+    tools:
+      - class_name: agent.tools.calculator.CalculatorTool
+        config: {max_expression_chars: 200}
+        tool_schema: {type: function, function: {name: calculator, description: ..., parameters: {...}}}
+
+A bad entry fails loudly at start-up, naming the entry, rather than mid-rollout.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agent.tools.base import BaseTool, schema_name
+
+
+class ToolConfigError(ValueError):
+    """A tools.yaml entry that cannot be turned into a tool; the message names the entry."""
+
+
+def load_tools(path: str | Path) -> dict[str, BaseTool]:
+    """Read a tools.yaml and build every tool in it, keyed by function name."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ToolConfigError(f"tools config {str(path)!r} does not exist; fix the path") from None
+    if not isinstance(data, dict) or not isinstance(data.get("tools"), list):
+        raise ToolConfigError(f"{path}: expected a top-level `tools:` list, got {type(data).__name__}")
+    return build_tools(data["tools"], source=str(path))
+
+
+def build_tools(entries: list[dict[str, Any]], source: str = "<tools>") -> dict[str, BaseTool]:
+    """Build tools from already-parsed entries (what the yaml's `tools:` list holds)."""
+    tools: dict[str, BaseTool] = {}
+    for i, entry in enumerate(entries):
+        where = f"{source}: tools[{i}]"
+        if not isinstance(entry, dict):
+            raise ToolConfigError(f"{where} is {entry!r}; expected a mapping with class_name, config, tool_schema")
+        dotted = entry.get("class_name")
+        if not isinstance(dotted, str) or not dotted:
+            raise ToolConfigError(f"{where} has no class_name; add e.g. "
+                                  "`class_name: agent.tools.calculator.CalculatorTool`")
+        where = f"{where} ({dotted})"
+        cls = _import_class(dotted, where)
+        try:
+            name = schema_name(entry.get("tool_schema"))
+        except ValueError as e:
+            raise ToolConfigError(f"{where}: {e}") from None
+        if name in tools:
+            raise ToolConfigError(f"{where}: duplicate tool name {name!r} (already used by an earlier entry); "
+                                  "give each tool_schema.function.name a unique value")
+        try:
+            tools[name] = cls(entry.get("config") or {}, entry["tool_schema"])
+        except Exception as e:
+            raise ToolConfigError(f"{where}: constructing tool {name!r} failed: {e}") from e
+    return tools
+
+
+def _import_class(dotted: str, where: str) -> type[BaseTool]:
+    module_name, _, attr = dotted.rpartition(".")
+    if not module_name:
+        raise ToolConfigError(f"{where}: class_name {dotted!r} is not a dotted path; use module.path.ClassName")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ToolConfigError(f"{where}: cannot import module {module_name!r} for class_name {dotted!r}: {e}") from e
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ToolConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}; check class_name {dotted!r}")
+    if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
+        raise ToolConfigError(f"{where}: {dotted!r} is not a BaseTool subclass")
+    return cls
