@@ -30,6 +30,8 @@ def load_tools(path: str | Path) -> dict[str, BaseTool]:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise ToolConfigError(f"tools config {str(path)!r} does not exist; fix the path") from None
+    except yaml.YAMLError as e:
+        raise ToolConfigError(f"{path} is not valid YAML: {e}") from None
     if not isinstance(data, dict) or not isinstance(data.get("tools"), list):
         raise ToolConfigError(f"{path}: expected a top-level `tools:` list, got {type(data).__name__}")
     return build_tools(data["tools"], source=str(path))

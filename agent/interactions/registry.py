@@ -1,0 +1,93 @@
+"""Load interactions from an interaction.yaml in verl's format:
+
+    interaction:
+      - name: gsm8k                     # optional; defaults to the class's default_name
+        class_name: agent.interactions.gsm8k.Gsm8kInteraction
+        config: {max_retries: 2}
+
+Rows pick one with `interaction_kwargs.name`. A bad entry fails loudly at start-up, naming the
+entry, rather than mid-rollout.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agent.interactions.base import BaseInteraction
+
+ENTRY_KEYS = ("name", "class_name", "config")
+
+
+class InteractionConfigError(ValueError):
+    """An interaction.yaml entry that cannot be turned into an interaction; the message names the entry."""
+
+
+def load_interactions(path: str | Path) -> dict[str, BaseInteraction]:
+    """Read an interaction.yaml and build every interaction in it, keyed by name."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise InteractionConfigError(f"interaction config {str(path)!r} does not exist; fix the path") from None
+    except yaml.YAMLError as e:
+        raise InteractionConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("interaction"), list):
+        got = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise InteractionConfigError(f"{path}: expected a top-level `interaction:` list of entries, got {got}")
+    return build_interactions(data["interaction"], source=str(path))
+
+
+def build_interactions(entries: list[dict[str, Any]], source: str = "<interaction>") -> dict[str, BaseInteraction]:
+    """Build interactions from already-parsed entries (what the yaml's `interaction:` list holds)."""
+    built: dict[str, BaseInteraction] = {}
+    for i, entry in enumerate(entries):
+        where = f"{source}: interaction[{i}]"
+        if not isinstance(entry, dict):
+            raise InteractionConfigError(f"{where} is {entry!r}; expected a mapping with name, class_name, config")
+        unknown = sorted(set(entry) - set(ENTRY_KEYS))
+        if unknown:
+            raise InteractionConfigError(f"{where}: unknown key(s) {unknown}; allowed keys are {list(ENTRY_KEYS)}")
+        dotted = entry.get("class_name")
+        if not isinstance(dotted, str) or not dotted:
+            raise InteractionConfigError(f"{where} has no class_name; add e.g. "
+                                         "`class_name: agent.interactions.gsm8k.Gsm8kInteraction`")
+        where = f"{where} ({dotted})"
+        cls = _import_class(dotted, where)
+        config = entry.get("config") or {}
+        if not isinstance(config, dict):
+            raise InteractionConfigError(f"{where}: config is {config!r}; expected a mapping (or leave it out)")
+        name = entry.get("name") or config.get("name") or cls.default_name
+        if not isinstance(name, str):
+            raise InteractionConfigError(f"{where}: name {name!r} must be a string")
+        if name in built:
+            raise InteractionConfigError(f"{where}: duplicate interaction name {name!r} (already used by an earlier "
+                                         "entry); give each entry a unique `name:`")
+        try:
+            built[name] = cls({**config, "name": name})
+        except Exception as e:
+            raise InteractionConfigError(f"{where}: constructing interaction {name!r} failed: {e}") from e
+    return built
+
+
+def _import_class(dotted: str, where: str) -> type[BaseInteraction]:
+    module_name, _, attr = dotted.rpartition(".")
+    if not module_name:
+        raise InteractionConfigError(f"{where}: class_name {dotted!r} is not a dotted path; "
+                                     "use module.path.ClassName")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise InteractionConfigError(f"{where}: cannot import module {module_name!r} for class_name "
+                                     f"{dotted!r}: {e}") from e
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise InteractionConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}; "
+                                     f"check class_name {dotted!r}")
+    if not (isinstance(cls, type) and issubclass(cls, BaseInteraction)):
+        raise InteractionConfigError(f"{where}: {dotted!r} is not a subclass of "
+                                     "agent.interactions.base.BaseInteraction")
+    return cls

@@ -1,0 +1,192 @@
+"""What one trajectory produces, the base class every agent loop derives from, and the registry
+that picks a loop by the dataset's `agent_name` column.
+
+An agent loop owns one trajectory: it encodes the row's messages once, asks the engines for
+tokens through the GenerateClient, and appends everything else it adds (tool results, user
+turns, template glue) with mask 0. `Trajectory` is the only way tokens enter the output, so the
+three response lists can never drift apart.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from agent.interactions.base import BaseInteraction
+    from agent.tools.base import BaseTool
+    from rollout.client import GenerateClient, GenerateResult
+
+# Why a trajectory ended. Trainers may treat the budget/turn-limit ones as truncation.
+TERMINATIONS = ("stop", "length", "max_assistant_turns", "max_user_turns", "token_budget", "interaction_done",
+                "abort", "error")
+
+
+@dataclass
+class AgentLoopOutput:
+    """One finished trajectory, ready to be padded into a training batch.
+
+    `response_logprobs[i]` is the engine's logprob where `response_mask[i] == 1` and 0.0 where
+    the loop added the token itself. `turns` holds one dict of metrics per step of the loop
+    (generation, tool round, interaction), `request_ids` the bus ids of every generation in order
+    (what EngineServers write to their request logs), `weight_versions` the policy version each
+    generation reported.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float]
+    reward: float
+    num_turns: int
+    termination: str
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+    reward_extra: dict[str, float] = field(default_factory=dict)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    session_id: str = ""
+    error: str = ""
+
+    def check(self) -> None:
+        """Raise if the response lists disagree in length or a mask-0 token carries a logprob."""
+        n = len(self.response_ids)
+        if len(self.response_mask) != n or len(self.response_logprobs) != n:
+            raise AssertionError(f"trajectory {self.session_id}: {n} response ids, {len(self.response_mask)} mask "
+                                 f"entries, {len(self.response_logprobs)} logprobs; they must be equal")
+        if self.termination not in TERMINATIONS:
+            raise AssertionError(f"trajectory {self.session_id}: termination {self.termination!r} is not one of "
+                                 f"{TERMINATIONS}")
+
+    def model_token_ids(self) -> list[int]:
+        """The mask-1 tokens in order: exactly what the engines returned."""
+        return [t for t, m in zip(self.response_ids, self.response_mask) if m]
+
+
+class Trajectory:
+    """The growing token sequence of one trajectory; every append keeps ids, mask and logprobs aligned."""
+
+    def __init__(self, prompt_ids: Sequence[int]) -> None:
+        self.prompt_ids = list(prompt_ids)
+        self.response_ids: list[int] = []
+        self.response_mask: list[int] = []
+        self.response_logprobs: list[float] = []
+
+    def add_model(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        if len(token_ids) != len(logprobs):
+            raise ValueError(f"engine returned {len(token_ids)} tokens but {len(logprobs)} logprobs")
+        self.response_ids += list(token_ids)
+        self.response_mask += [1] * len(token_ids)
+        self.response_logprobs += [float(x) for x in logprobs]
+
+    def add_context(self, token_ids: Sequence[int]) -> None:
+        """Tokens the loop adds itself (tool/user turns, template glue): mask 0, never trained on."""
+        self.response_ids += list(token_ids)
+        self.response_mask += [0] * len(token_ids)
+        self.response_logprobs += [0.0] * len(token_ids)
+
+    def all_ids(self) -> list[int]:
+        """What the engine continues from: prompt + every response token so far."""
+        return self.prompt_ids + self.response_ids
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+
+@dataclass
+class AgentContext:
+    """What a loop needs from its worker: the bus client, the tokenizer, tools and interactions
+    (shared by all trajectories of the worker; their state is per instance), and the loop's config."""
+
+    client: "GenerateClient"
+    tokenizer: Any
+    tools: Mapping[str, "BaseTool"] = field(default_factory=dict)
+    interactions: Mapping[str, "BaseInteraction"] = field(default_factory=dict)
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+
+class AgentLoopBase:
+    """Subclass and implement `run`. Register the class in YAML under `agent_loops:` by dotted path,
+    then put its name in the dataset's `agent_name` column.
+
+    `run(sampling_params, **row)` receives the dataset row's columns as keyword arguments
+    (`raw_prompt` messages, `reward_model`, `extra_info`, `interaction_kwargs`, ...) plus
+    `session_id` and `group_id` from the manager.
+    """
+
+    def __init__(self, ctx: AgentContext) -> None:
+        self.ctx = ctx
+        self.client = ctx.client
+        self.tokenizer = ctx.tokenizer
+        self.config = dict(ctx.config)
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        raise NotImplementedError(f"{type(self).__name__} must implement run()")
+
+    async def generate(self, traj: Trajectory, sampling_params: dict[str, Any], session_id: str,
+                       group_id: str | None, turns: list[dict[str, Any]]) -> "GenerateResult":
+        """One generation continuing `traj`; appends the model tokens (mask 1) and records a turn."""
+        t0 = time.perf_counter()
+        result = await self.client.generate(traj.all_ids(), sampling_params, session_id=session_id,
+                                            group_id=group_id)
+        traj.add_model(result.token_ids, result.logprobs)
+        turns.append({"kind": "generate", "request_id": result.request_id, "tokens": len(result.token_ids),
+                      "prompt_tokens": len(traj.prompt_ids) + len(traj) - len(result.token_ids),
+                      "cached_prompt_tokens": result.cached_prompt_tokens, "finish_reason": result.finish_reason,
+                      "weight_version": result.weight_version, "engine_id": result.engine_id,
+                      "latency_s": time.perf_counter() - t0})
+        return result
+
+
+def new_session_id() -> str:
+    return uuid.uuid4().hex
+
+
+# Built-in loops by name; user loops are added by dotted path in the config (`agent_loops:`).
+BUILTIN_AGENT_LOOPS: Mapping[str, str] = {
+    "single_turn_agent": "agent.single_turn.SingleTurnAgentLoop",
+    "tool_agent": "agent.tool_agent.ToolAgentLoop",
+}
+DEFAULT_AGENT_NAME = "single_turn_agent"
+
+
+class AgentLoopRegistry:
+    """Maps `agent_name` values to loop classes: the built-ins plus `extra` ({name: "pkg.mod.Class"}).
+
+    Every name is imported and checked at construction, so a typo fails at start-up, not mid-rollout.
+    """
+
+    def __init__(self, extra: Mapping[str, str] | None = None) -> None:
+        self._paths = {**BUILTIN_AGENT_LOOPS, **dict(extra or {})}
+        self._classes: dict[str, type[AgentLoopBase]] = {}
+        for name, dotted in (extra or {}).items():
+            self._classes[name] = _import_loop(name, dotted)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._paths)
+
+    def get(self, name: str | None) -> type[AgentLoopBase]:
+        name = name or DEFAULT_AGENT_NAME
+        if name not in self._paths:
+            raise KeyError(f"unknown agent_name {name!r}; known: {self.names}. Register your loop in the config "
+                           f"under `agent_loops: {{{name}: your.module.YourLoop}}`")
+        if name not in self._classes:
+            self._classes[name] = _import_loop(name, self._paths[name])
+        return self._classes[name]
+
+
+def _import_loop(name: str, dotted: str) -> type[AgentLoopBase]:
+    module_name, _, attr = str(dotted).rpartition(".")
+    if not module_name:
+        raise ValueError(f"agent_loops.{name}: {dotted!r} is not a dotted path; use package.module.ClassName")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"agent_loops.{name}: cannot import {dotted!r}: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, AgentLoopBase)):
+        raise ValueError(f"agent_loops.{name}: {dotted!r} is not a subclass of agent.loop.AgentLoopBase")
+    return cls

@@ -1,0 +1,294 @@
+"""The multi-turn tool-calling loop: a small state machine around one trajectory.
+
+    PENDING ──► GENERATING ──► PROCESSING_TOOLS ──► GENERATING ...
+                    │    └───► INTERACTING ──────► GENERATING ...
+                    └──────────────────────────────► TERMINATED
+
+Model tokens go into the trajectory exactly as the engine returned them (mask 1). Tool results,
+user turns from an interaction and the template's glue are encoded by `ChatEncoder` and appended
+with mask 0. Tools of one turn run concurrently, each under a deadline; a tool that raises, hangs
+or floods becomes an observation the model reads, never a stalled or failed batch. Every tool
+instance created for the trajectory is released, and the interaction finalized, whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from agent.chat import ChatEncoder
+from agent.loop import AgentContext, AgentLoopBase, AgentLoopOutput, Trajectory, new_session_id
+from agent.parsers import ToolCall, get_tool_parser
+from agent.tools.base import BaseTool, ToolResponse
+
+log = logging.getLogger("switchyard.tool_agent")
+
+
+class State(enum.Enum):
+    PENDING = "pending"
+    GENERATING = "generating"
+    PROCESSING_TOOLS = "processing_tools"
+    INTERACTING = "interacting"
+    TERMINATED = "terminated"
+
+
+TRUNCATE_SIDES = ("left", "right", "middle")
+
+
+@dataclass
+class ToolAgentConfig:
+    """Limits of one trajectory. Token budgets count tokens, not characters.
+
+    max_turn_tokens: most tokens one generation may produce (caps sampling max_tokens).
+    max_response_tokens: the whole response (model + tool + user tokens) of a trajectory.
+    max_tool_response_tokens: one tool observation; longer ones are cut on `truncate_side`
+      ("left" keeps the end, "right" keeps the start, "middle" keeps both ends).
+    tool_timeout_s: a call's deadline unless the tool's own config sets `timeout_s`.
+    """
+
+    max_assistant_turns: int = 5
+    max_user_turns: int = 3
+    max_parallel_calls: int = 4
+    max_turn_tokens: int = 512
+    max_response_tokens: int = 2048
+    max_tool_response_tokens: int = 256
+    truncate_side: str = "middle"
+    tool_timeout_s: float = 30.0
+    tool_parser: str = "hermes"
+    reward_shaping: Mapping[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_assistant_turns", "max_parallel_calls", "max_turn_tokens", "max_response_tokens",
+                     "max_tool_response_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"tool_agent.{name}={getattr(self, name)} must be >= 1")
+        if self.max_user_turns < 0:
+            raise ValueError(f"tool_agent.max_user_turns={self.max_user_turns} must be >= 0")
+        if self.truncate_side not in TRUNCATE_SIDES:
+            raise ValueError(f"tool_agent.truncate_side={self.truncate_side!r}; allowed: {TRUNCATE_SIDES}")
+        if self.tool_timeout_s <= 0:
+            raise ValueError(f"tool_agent.tool_timeout_s={self.tool_timeout_s} must be > 0")
+        get_tool_parser(self.tool_parser)  # unknown names fail here, at start-up
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> "ToolAgentConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown tool_agent options {sorted(unknown)}; allowed: {sorted(known)}")
+        return cls(**d)
+
+
+def truncate_tokens(tokenizer: Any, text: str, max_tokens: int, side: str) -> tuple[str, bool]:
+    """`text` cut to at most about `max_tokens` tokens on `side`, and whether it was cut.
+
+    A token covers at least one character, so the first cut by characters (cheap even for 1 MB)
+    never removes text the token cut would keep.
+    """
+    if len(text) <= max_tokens:
+        return text, False
+    chars = max_tokens * 32
+    text_cut = text if len(text) <= 2 * chars else text[:chars] + text[-chars:]
+    ids = tokenizer.encode(text_cut, add_special_tokens=False)
+    if len(ids) <= max_tokens and text_cut is text:
+        return text, False
+    marker = "...(truncated)..."
+    keep = max(1, max_tokens - 8)  # room for the marker
+    if side == "right":
+        return tokenizer.decode(ids[:keep]) + marker, True
+    if side == "left":
+        return marker + tokenizer.decode(ids[-keep:]), True
+    head = keep // 2
+    return tokenizer.decode(ids[:head]) + marker + tokenizer.decode(ids[-(keep - head):]), True
+
+
+class ToolAgentLoop(AgentLoopBase):
+    """Generate, run the tools the model called, feed results back; repeat within the limits.
+
+    Row columns used: `prompt` (messages), `extra_info.tools_kwargs.<tool>.create_kwargs`,
+    `interaction_kwargs` (or `extra_info.interaction_kwargs`) with `name` selecting the interaction,
+    `reward_model` / `data_source` for the rule reward. `num_turns` counts assistant generations.
+    """
+
+    def __init__(self, ctx: AgentContext) -> None:
+        super().__init__(ctx)
+        self.cfg = ToolAgentConfig.from_mapping(self.config)
+        self.parser = get_tool_parser(self.cfg.tool_parser)
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        session_id = row.get("session_id") or new_session_id()
+        messages = [dict(m) for m in row["prompt"]]
+        extra = row.get("extra_info") or {}
+        tools_kwargs = extra.get("tools_kwargs") or {}
+        tools = {name: tool for name, tool in self.ctx.tools.items()
+                 if not extra.get("tools") or name in extra["tools"]}
+        inter_kwargs = dict(row.get("interaction_kwargs") or extra.get("interaction_kwargs") or {})
+        encoder = ChatEncoder(self.tokenizer, tools=[t.tool_schema for t in tools.values()] or None)
+
+        traj = Trajectory(encoder.initial(messages))
+        turns: list[dict[str, Any]] = []
+        versions: list[int] = []
+        request_ids: list[str] = []
+        instances: dict[str, str] = {}
+        interaction, inter_id = None, None
+        stats = {"tool_calls": 0, "tool_successes": 0, "invalid_calls": 0}
+        termination, error, last_text = "stop", "", ""
+        reward, reward_extra = 0.0, {}
+        assistant_turns = user_turns = 0
+        state = State.PENDING
+        try:
+            for name, tool in tools.items():
+                instances[name] = await tool.create(**((tools_kwargs.get(name) or {}).get("create_kwargs") or {}))
+            if inter_kwargs:
+                iname = inter_kwargs.pop("name", None) or next(iter(self.ctx.interactions), None)
+                if iname not in self.ctx.interactions:
+                    raise KeyError(f"interaction {iname!r} is not loaded; known: {sorted(self.ctx.interactions)}")
+                interaction = self.ctx.interactions[iname]
+                inter_id = await interaction.start(**inter_kwargs)
+            state, parsed = State.GENERATING, None
+            while state is not State.TERMINATED:
+                if state is State.GENERATING:
+                    remaining = self.cfg.max_response_tokens - len(traj)
+                    params = {**sampling_params,
+                              "max_tokens": min(self.cfg.max_turn_tokens, remaining,
+                                                int(sampling_params.get("max_tokens", remaining)))}
+                    result = await self.generate(traj, params, session_id, row.get("group_id"), turns)
+                    assistant_turns += 1
+                    versions.append(result.weight_version)
+                    request_ids.append(result.request_id)
+                    last_text = self._decode(result.token_ids, encoder.end_of_turn_id)
+                    messages.append({"role": "assistant", "content": last_text})
+                    if result.finish_reason in ("abort", "length"):
+                        termination = ("token_budget" if result.finish_reason == "length" and
+                                       len(traj) >= self.cfg.max_response_tokens else result.finish_reason)
+                        break
+                    traj.add_context(encoder.close_assistant_turn(result.token_ids))
+                    parsed = self.parser.parse(last_text)
+                    if not parsed.calls and not parsed.errors:
+                        if interaction is None:
+                            termination = "stop"
+                            break
+                        state = State.INTERACTING
+                    elif assistant_turns >= self.cfg.max_assistant_turns:
+                        termination = "max_assistant_turns"
+                        break
+                    else:
+                        state = State.PROCESSING_TOOLS
+                elif state is State.PROCESSING_TOOLS:
+                    new = await self._run_tools(parsed, tools, instances, stats, turns)
+                    if not self._append(traj, encoder, messages, new):
+                        termination = "token_budget"
+                        break
+                    state = State.GENERATING
+                elif state is State.INTERACTING:
+                    t0 = time.perf_counter()
+                    done, text, score = await interaction.generate_response(inter_id, messages)
+                    turns.append({"kind": "interaction", "done": bool(done), "score": float(score),
+                                  "latency_s": time.perf_counter() - t0})
+                    if done:
+                        termination = "interaction_done"
+                        break
+                    if user_turns >= self.cfg.max_user_turns:
+                        termination = "max_user_turns"
+                        break
+                    user_turns += 1
+                    if not self._append(traj, encoder, messages, [{"role": "user", "content": text}]):
+                        termination = "token_budget"
+                        break
+                    state = State.GENERATING
+            tool_reward = sum([await tools[n].calc_reward(i) for n, i in instances.items()])
+            inter_score = await interaction.calculate_score(inter_id) if interaction is not None else None
+            reward, reward_extra = self._score(row, last_text, stats, termination, tool_reward, inter_score)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a broken trajectory is reported, not allowed to fail the batch
+            log.exception("trajectory %s failed in state %s", session_id, state.value)
+            termination, error = "error", f"{type(e).__name__}: {e}"
+        finally:
+            self.client.end_session(session_id)
+            await self._cleanup(tools, instances, interaction, inter_id)
+        return AgentLoopOutput(
+            prompt_ids=traj.prompt_ids, response_ids=traj.response_ids, response_mask=traj.response_mask,
+            response_logprobs=traj.response_logprobs, reward=reward, num_turns=assistant_turns,
+            termination=termination, turns=turns, weight_versions=versions, request_ids=request_ids,
+            reward_extra=reward_extra, messages=messages, session_id=session_id, error=error)
+
+    def _decode(self, token_ids: list[int], end_of_turn_id: int) -> str:
+        ids = token_ids[:-1] if token_ids and token_ids[-1] == end_of_turn_id else token_ids
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _append(self, traj: Trajectory, encoder: ChatEncoder, messages: list[dict[str, Any]],
+                new: list[dict[str, Any]]) -> bool:
+        """Append a non-model turn if it leaves room to generate at least one token."""
+        ids = encoder.turn_tokens(new)
+        if len(traj) + len(ids) >= self.cfg.max_response_tokens:
+            return False
+        traj.add_context(ids)
+        messages.extend(new)
+        return True
+
+    async def _run_tools(self, parsed: Any, tools: Mapping[str, BaseTool], instances: Mapping[str, str],
+                         stats: dict[str, int], turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Run this turn's calls concurrently; one tool message per call, parse error and skipped call."""
+        t0 = time.perf_counter()
+        calls = parsed.calls[:self.cfg.max_parallel_calls]
+        skipped = parsed.calls[self.cfg.max_parallel_calls:]
+        responses = await asyncio.gather(*[self._call(c, tools, instances) for c in calls])
+        texts, truncated = [], 0
+        for resp in responses:
+            text, cut = truncate_tokens(self.tokenizer, resp.text, self.cfg.max_tool_response_tokens,
+                                        self.cfg.truncate_side)
+            texts.append(text)
+            truncated += cut
+            stats["tool_successes"] += bool(resp.success)
+        texts += [f"Error: {e}" for e in parsed.errors]
+        texts += [f"Error: call to {c.name!r} was not run: at most {self.cfg.max_parallel_calls} tool calls "
+                  f"per turn" for c in skipped]
+        stats["tool_calls"] += len(calls)
+        stats["invalid_calls"] += len(parsed.errors) + sum(bool(not r.success and r.metrics.get("invalid")) for r in responses)
+        turns.append({"kind": "tools", "calls": len(calls), "parse_errors": len(parsed.errors),
+                      "skipped": len(skipped), "failed": sum(not r.success for r in responses),
+                      "timeouts": sum(bool(r.metrics.get("timeout")) for r in responses), "truncated": truncated,
+                      "latency_s": time.perf_counter() - t0})
+        return [{"role": "tool", "content": t} for t in texts]
+
+    async def _call(self, call: ToolCall, tools: Mapping[str, BaseTool], instances: Mapping[str, str]) -> ToolResponse:
+        tool = tools.get(call.name)
+        if tool is None:
+            return ToolResponse(f"Error: unknown tool {call.name!r}; available tools: {sorted(tools)}", False,
+                                {"invalid": True})
+        timeout = float(tool.config.get("timeout_s", self.cfg.tool_timeout_s))
+        try:
+            resp = await asyncio.wait_for(tool.execute(instances[call.name], call.arguments), timeout)
+        except asyncio.TimeoutError:
+            return ToolResponse(f"Error: tool {call.name!r} did not answer within {timeout:g} s", False,
+                                {"timeout": True})
+        except Exception as e:
+            return ToolResponse(f"Error: tool {call.name!r} failed: {type(e).__name__}: {e}", False)
+        return resp if isinstance(resp, ToolResponse) else ToolResponse(str(resp))
+
+    def _score(self, row: Mapping[str, Any], text: str, stats: dict[str, int], termination: str,
+               tool_reward: float, inter_score: float | None) -> tuple[float, dict[str, float]]:
+        from agent.rewards import TrajectoryStats, score_trajectory
+
+        st = TrajectoryStats(hit_turn_limit=termination in ("max_assistant_turns", "max_user_turns"), **stats)
+        return score_trajectory(row, text, shaping=self.cfg.reward_shaping, stats=st, tool_reward=tool_reward,
+                                interaction_score=inter_score)
+
+    async def _cleanup(self, tools: Mapping[str, BaseTool], instances: Mapping[str, str], interaction: Any,
+                       inter_id: str | None) -> None:
+        """Release every created instance and finalize the interaction, even if one of them raises."""
+        for name, iid in instances.items():
+            try:
+                await tools[name].release(iid)
+            except Exception:
+                log.exception("tool %r: release(%s) failed", name, iid)
+        if interaction is not None and inter_id is not None:
+            try:
+                await interaction.finalize(inter_id)
+            except Exception:
+                log.exception("interaction finalize(%s) failed", inter_id)
