@@ -6,12 +6,16 @@ The trainer side groups HF-named tensors into size-bounded buckets; each bucket 
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator
 
-from rollout.protocol import ProtocolError, WeightsBucket, checksum
+from rollout.protocol import Ack, ProtocolError, WeightsBegin, WeightsBucket, WeightsCommit, checksum
 
 if TYPE_CHECKING:
     import torch
+
+    from rollout.client import GenerateClient
 
 
 def bucket_from_tensors(tensors: list[tuple[str, "torch.Tensor"]], version: int, index: int,
@@ -61,3 +65,36 @@ def iter_buckets(named: Iterable[tuple[str, "torch.Tensor"]], version: int,
         size += nbytes
     if pending:
         yield bucket_from_tensors(pending, version, index)
+
+
+@dataclass
+class SyncReport:
+    version: int
+    engines: int
+    buckets: int
+    bytes: int
+    seconds: float
+
+
+async def push_weights(client: "GenerateClient", named: Iterable[tuple[str, "torch.Tensor"]], version: int,
+                       bucket_bytes: int = 256 << 20, timeout_s: float = 600.0) -> SyncReport:
+    """Load weight version `version` into every live engine behind `client`, bucket by bucket.
+
+    Each engine pauses admission at `weights_begin` (running requests finish first), checks every
+    bucket's CRC32 as it arrives, and switches at `weights_commit`; the call returns only after
+    every engine acknowledged the commit with `version`, so the next rollout is on-policy. Buckets
+    are produced lazily, so the trainer never holds more than one extra bucket of bytes.
+    """
+    t0 = time.perf_counter()
+    begun = await client.broadcast(WeightsBegin(version=version), timeout_s)
+    buckets = nbytes = 0
+    for bucket in iter_buckets(named, version, bucket_bytes):
+        await client.broadcast(bucket, timeout_s)
+        buckets += 1
+        nbytes += sum(len(f) for f in bucket.frames)
+    acks = await client.broadcast(WeightsCommit(version=version, num_buckets=buckets), timeout_s)
+    wrong = [a for a in acks if not isinstance(a, Ack) or a.weight_version != version]
+    if wrong or len(acks) != len(begun):
+        raise RuntimeError(f"weight version {version} was not committed by every engine ({len(acks)} acks for "
+                           f"{len(begun)} engines, unexpected: {wrong[:3]}); check the engine server logs")
+    return SyncReport(version, len(acks), buckets, nbytes, time.perf_counter() - t0)

@@ -212,3 +212,20 @@ def test_user_turn_limit_and_finalize_on_failure(tok):
     assert out.termination == "error" and len(tutor.finalized) == 2 and tutor.instances == {}
     out, _, _ = run(tok, ["#### 1"], row={**ROW, "interaction_kwargs": {"name": "nope"}}, interactions={"gsm8k": tutor})
     assert out.termination == "error" and "interaction 'nope' is not loaded" in out.error
+
+
+def test_shipped_tool_and_interaction_configs_load(tok):
+    from pathlib import Path
+
+    from agent.interactions import load_interactions
+    from agent.tools import load_tools
+
+    configs = Path(__file__).resolve().parents[1] / "launch" / "configs"
+    tools = load_tools(configs / "tools_gsm8k.yaml")
+    interactions = load_interactions(configs / "interaction_gsm8k.yaml")
+    assert sorted(tools) == ["calc_gsm8k_reward", "calculator"] and list(interactions) == ["gsm8k"]
+    row = {**ROW_TUTOR, "extra_info": {"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "42"}}}}}
+    submit = '<tool_call>{"name": "calc_gsm8k_reward", "arguments": {"answer": "42"}}</tool_call>'
+    out, _, _ = run(tok, [call("6*7"), submit, "#### 42"], row=row, tools=tools, interactions=interactions)
+    assert out.termination == "interaction_done" and out.reward_extra["tool"] == 1.0
+    assert [m["content"] for m in out.messages if m["role"] == "tool"][0] == "42"

@@ -1,0 +1,1 @@
+"""Training backends (actor, reference) and the RL loss; one module per backend, no orchestration."""

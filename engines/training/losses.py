@@ -1,0 +1,299 @@
+"""The RL objective over padded token batches: PPO-clip policy loss, KL, entropy, aggregation.
+
+Everything works on [B, T] tensors aligned with `response_mask` (1 = a token the model
+generated and we train on; 0 = prompt, tool output, template, padding). Masked positions may
+hold garbage (padding logprobs can be -inf), so masking uses `torch.where`, never `x * mask`,
+which would turn -inf * 0 into NaN; `policy_loss` and `compute_loss` zero masked inputs before
+any arithmetic, so garbage there reaches neither the loss nor its gradient.
+
+One loss is built from three terms, each aggregated the same way (`agg_loss`):
+    loss = policy_loss + kl_coef * kl_penalty  (only when the KL is a loss)  - entropy_coef * entropy
+When the KL belongs in the reward instead, the trainer takes the per-token `kl_penalty(...)`
+and hands it to `rollout.advantages.reinforce_pp(kl=..., kl_coef=...)` or subtracts it from the
+rewards; `compute_loss` then leaves it out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_KINDS = ("k1", "k2", "k3", "abs")
+_MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: any real ratio is far inside; stops inf/NaN from a bad row
+_K3_MAX = 10.0
+
+
+def _check_like(mask: torch.Tensor, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.shape != mask.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but response_mask is {tuple(mask.shape)}; "
+                             "pass per-token [B, T] tensors aligned with the mask")
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `x` over positions where `mask` is 1 (over all of them, or along `dim`).
+
+    A slice with no mask-1 positions averages to 0, not NaN: a micro-batch made only of tool
+    tokens must not poison the step.
+    """
+    keep = mask.bool()
+    total = torch.where(keep, x, 0).sum() if dim is None else torch.where(keep, x, 0).sum(dim)
+    count = keep.sum() if dim is None else keep.sum(dim)
+    return total / count.clamp_min(1).to(total.dtype)
+
+
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+             denominator: float | None = None) -> torch.Tensor:
+    """Reduce a per-token loss [B, T] to a scalar; the mode decides how much each token weighs.
+
+    - "token-mean": sum over all mask-1 tokens of the batch / their number. Every token weighs
+      the same, so long answers are not discounted (DAPO's token-level loss; verl's default).
+    - "seq-mean-token-sum": each sequence's token sum, averaged over sequences. The normaliser
+      does not depend on a sequence's length (Dr. GRPO, which divides by a constant; its extra
+      constant "max tokens" factor only rescales the learning rate and is left out).
+    - "seq-mean-token-mean": each sequence's token mean, averaged over sequences (the original
+      GRPO objective; every sequence weighs the same whatever its length).
+    Sequences without a mask-1 token are not counted in the seq-mean modes.
+
+    `denominator`: with gradient accumulation or data parallelism, pass the number of mask-1
+    tokens ("token-mean") or of sequences with a mask-1 token (the seq modes) in the whole
+    mini-batch, over all micro-batches and ranks. The result is then sum / denominator, so the
+    micro-batch losses add up to exactly the mini-batch loss instead of a mean of means.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {list(AGG_MODES)}")
+    if denominator is not None and not denominator > 0:
+        raise ValueError(f"denominator={denominator}; it must be > 0 (a count of tokens or sequences "
+                         "across the mini-batch), or None to normalise by this batch alone")
+    _check_like(mask, loss_mat=loss_mat)
+    keep = mask.bool()
+    masked = torch.where(keep, loss_mat, 0)
+    if mode == "token-mean":
+        total, count = masked.sum(), keep.sum()
+    else:
+        per_seq = masked.sum(dim=-1)
+        if mode == "seq-mean-token-mean":
+            per_seq = per_seq / keep.sum(dim=-1).clamp_min(1)
+        total, count = per_seq.sum(), keep.any(dim=-1).sum()
+    if denominator is not None:
+        return total / denominator
+    return total / count.clamp_min(1).to(total.dtype)
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                response_mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
+                dual_clip_c: float | None = None, agg: str = "token-mean",
+                denominator: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate: per token max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)).
+
+    r = exp(logprobs - old_logprobs). Asymmetric bounds are DAPO's "clip-higher": a larger
+    `clip_high` lets low-probability tokens with positive advantage grow further, which keeps
+    entropy from collapsing. Where the clip is active the loss is constant in `logprobs`, so
+    those tokens get no gradient.
+
+    `dual_clip_c` (> 1; Ye et al. 2020, "dual-clip PPO") caps the loss of negative-advantage
+    tokens at -A * c: a token whose ratio has already exploded (stale data, off-policy engine)
+    cannot dominate the step. It does not touch positive advantages.
+
+    Metrics (floats over mask-1 tokens): `clipfrac` (the clip bound was active),
+    `clipfrac_high` / `clipfrac_low` (which side), `dual_clipfrac`, `approx_kl` (the k3
+    estimate of KL(old || new), r - 1 - log r >= 0), `ratio_mean`, `ratio_max`; all 0 with no mask-1 tokens.
+    """
+    if not 0 <= clip_low < 1 or not clip_high >= 0:
+        raise ValueError(f"clip_low={clip_low}, clip_high={clip_high}; need 0 <= clip_low < 1 and "
+                         "clip_high >= 0 (the ratio is clipped to [1 - clip_low, 1 + clip_high])")
+    if dual_clip_c is not None and not dual_clip_c > 1:
+        raise ValueError(f"dual_clip_c={dual_clip_c}; it must be > 1 (3.0 is usual) or None to disable")
+    _check_like(response_mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
+    keep = response_mask.bool()
+    # zero the masked positions *before* any arithmetic: a -inf there would give NaN gradients
+    adv = torch.where(keep, advantages.detach(), 0)
+    log_ratio = torch.where(keep, logprobs - old_logprobs.detach(), 0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(keep)
+    if dual_clip_c is not None:
+        cap = -adv * dual_clip_c
+        dual = (adv < 0) & (loss_mat > cap)
+        loss_mat = torch.where(adv < 0, torch.minimum(loss_mat, cap), loss_mat)
+    loss = agg_loss(loss_mat, response_mask, agg, denominator)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        high = (adv > 0) & (r > 1 + clip_high)
+        low = (adv < 0) & (r < 1 - clip_low)
+        mean = lambda x: masked_mean(x.float(), keep).item()  # noqa: E731
+        metrics = {
+            "pg_loss": loss.item(),
+            "clipfrac": mean(high | low),
+            "clipfrac_high": mean(high),
+            "clipfrac_low": mean(low),
+            "dual_clipfrac": mean(dual),
+            "approx_kl": mean(torch.expm1(log_ratio.detach()) - log_ratio.detach()),
+            "ratio_mean": mean(r),
+            "ratio_max": torch.where(keep, r, 0).max().item() if keep.numel() else 0.0,
+        }
+    return loss, metrics
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from tokens sampled by the policy.
+
+    With d = logprobs - ref_logprobs (Schulman, "Approximating KL divergence", 2020):
+    - "k1": d. Unbiased for the KL value, high variance, can be negative. The estimator for
+      KL-in-reward; as a loss its expected gradient is zero, so it does nothing there.
+    - "k2": d^2 / 2. Biased value, but as a loss its gradient is that of KL(policy || ref).
+    - "k3": exp(-d) - 1 + d. Unbiased, never negative, low variance (the "low_var_kl" of GRPO).
+      exp(-d) explodes when the policy drifts far below the reference, so d is clamped to
+      [-20, 20] and the result to at most 10; clamped tokens get no gradient.
+    - "abs": |d|.
+    Returns [B, T]; aggregate it with `agg_loss` for a KL loss, or add `-kl_coef *` it to the
+    token rewards for KL-in-reward.
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {list(KL_KINDS)}")
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} "
+                         "differ in shape; both must be per-token [B, T] for the same tokens")
+    d = logprobs - ref_logprobs.detach()
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d.square()
+    if kind == "abs":
+        return d.abs()
+    d = d.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return (torch.expm1(-d) + d).clamp(min=0.0, max=_K3_MAX)
+
+
+def _rows(t: torch.Tensor, chunk_rows: int) -> list[torch.Tensor]:
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows={chunk_rows}; it must be >= 1 (rows of logits processed at once)")
+    return list(t.split(chunk_rows, dim=0)) if t.shape[0] else [t]
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 logsumexp loses the small logprobs the ratio depends on; work in fp32."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """log softmax(logits)[label] for every position: [..., V] logits, [...] labels -> [...].
+
+    Computed as logits[label] - logsumexp(logits), chunk by chunk of `chunk_rows` positions.
+    `log_softmax` + gather would write a full [N, V] output and keep it alive for backward;
+    logsumexp keeps only [N] numbers besides the logits themselves, and chunking bounds the
+    temporary exp() buffer (and the fp32 copy of bf16 logits) to one chunk. This matters when V
+    is 150k and N is a whole packed batch.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"labels have shape {tuple(labels.shape)} but logits are {tuple(logits.shape)}; "
+                         "labels must match logits without the vocab dimension (shift them before calling)")
+    flat, ids = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1, 1).long()
+    out = []
+    for x, i in zip(_rows(flat, chunk_rows), _rows(ids, chunk_rows)):
+        x = _upcast(x)
+        out.append(x.gather(-1, i).squeeze(-1) - torch.logsumexp(x, dim=-1))
+    return torch.cat(out).reshape(labels.shape)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """Entropy of softmax(logits) at every position: [..., V] -> [...], differentiable.
+
+    H = logsumexp(z) - sum(softmax(z) * z). No log of a probability is taken, so tiny
+    probabilities cannot underflow to log(0); -inf logits (masked vocabulary) count as
+    probability 0. Works chunk by chunk in fp32, like `logprobs_from_logits`.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = []
+    for x in _rows(flat, chunk_rows):
+        x = _upcast(x)
+        x = x.clamp_min(torch.finfo(x.dtype).min)  # -inf -> finite, so 0 * z stays 0
+        lse = torch.logsumexp(x, dim=-1)
+        p = torch.exp(x - lse[:, None])
+        out.append(lse - (p * x).sum(-1))
+    return torch.cat(out).reshape(logits.shape[:-1])
+
+
+@dataclass
+class LossConfig:
+    """The loss knobs of the trainer config; validated on construction so a bad YAML value fails
+    before any model loads."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip_c: float | None = None
+    agg: str = "token-mean"
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    use_kl_loss: bool = False  # True: kl_coef * KL is a loss term; False: the KL goes in the reward
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        def bad(field: str, value: object, allowed: str) -> ValueError:
+            return ValueError(f"loss.{field}={value!r} is invalid; allowed: {allowed}")
+
+        for field in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(field, value, "a finite number")
+        if not 0 <= self.clip_low < 1:
+            raise bad("clip_low", self.clip_low, "0 <= clip_low < 1 (lower ratio bound is 1 - clip_low)")
+        if self.clip_high < 0:
+            raise bad("clip_high", self.clip_high, "clip_high >= 0 (upper ratio bound is 1 + clip_high)")
+        if self.dual_clip_c is not None and (isinstance(self.dual_clip_c, bool)
+                                             or not isinstance(self.dual_clip_c, (int, float))
+                                             or not self.dual_clip_c > 1):
+            raise bad("dual_clip_c", self.dual_clip_c, "a number > 1 (3.0 is usual), or null to disable")
+        if self.agg not in AGG_MODES:
+            raise bad("agg", self.agg, ", ".join(AGG_MODES))
+        if self.kl_kind not in KL_KINDS:
+            raise bad("kl_kind", self.kl_kind, ", ".join(KL_KINDS))
+        if self.kl_coef < 0:
+            raise bad("kl_coef", self.kl_coef, "kl_coef >= 0")
+        if not isinstance(self.use_kl_loss, bool):
+            raise bad("use_kl_loss", self.use_kl_loss, "true or false")
+        if self.entropy_coef < 0:
+            raise bad("entropy_coef", self.entropy_coef, "entropy_coef >= 0 (it is a bonus subtracted from the loss)")
+
+
+def compute_loss(cfg: LossConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                 response_mask: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
+                 entropy: torch.Tensor | None = None,
+                 denominator: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The scalar the actor backpropagates: policy loss (+ KL loss) (- entropy bonus).
+
+    `ref_logprobs` is needed when `cfg.use_kl_loss` and `cfg.kl_coef > 0`; `entropy` (per token,
+    from `entropy_from_logits`) when `cfg.entropy_coef > 0`. Given but unused, they are still
+    reported as metrics (`kl`, `entropy`). `denominator` as in `agg_loss`, applied to every term.
+    """
+    loss, metrics = policy_loss(logprobs, old_logprobs, advantages, response_mask, cfg.clip_low, cfg.clip_high,
+                                cfg.dual_clip_c, cfg.agg, denominator)
+    kl_as_loss = cfg.use_kl_loss and cfg.kl_coef > 0
+    if kl_as_loss and ref_logprobs is None:
+        raise ValueError(f"loss.use_kl_loss is true with kl_coef={cfg.kl_coef} but no ref_logprobs were "
+                         "given; compute reference logprobs, or set use_kl_loss=false / kl_coef=0")
+    if ref_logprobs is not None:
+        _check_like(response_mask, ref_logprobs=ref_logprobs)
+        keep = response_mask.bool()  # as in policy_loss: padding values must not reach the gradient
+        per_token = kl_penalty(torch.where(keep, logprobs, 0), torch.where(keep, ref_logprobs, 0), cfg.kl_kind)
+        kl = agg_loss(per_token, response_mask, cfg.agg, denominator)
+        metrics["kl"] = kl.item()
+        if kl_as_loss:
+            loss = loss + cfg.kl_coef * kl
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError(f"loss.entropy_coef={cfg.entropy_coef} but no entropy was given; pass "
+                         "entropy_from_logits(logits) per token, or set entropy_coef=0")
+    if entropy is not None:
+        _check_like(response_mask, entropy=entropy)
+        ent = agg_loss(entropy, response_mask, cfg.agg, denominator)
+        metrics["entropy"] = ent.item()
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * ent
+    metrics["loss"] = loss.item()
+    return loss, metrics

@@ -1,0 +1,197 @@
+"""Advantages from outcome rewards, without a critic: GRPO, RLOO and REINFORCE++.
+
+Every estimator takes the padded batch the manager builds (DESIGN.md, data flow step 7):
+`rewards` [B] (one scalar per trajectory) and `response_mask` [B, T] (1 = a token the model
+generated and we train on, 0 = tool output, template or padding), and returns advantages [B, T]
+that are zero wherever the mask is 0, so a loss over the mask never sees tool tokens.
+
+GRPO and RLOO compare each trajectory with the other samples of the same prompt; `group_index`
+[B] says which prompt a sample belongs to. It may be any hashable labels (ints, strings, a
+tensor) and the samples of a group need not be adjacent: the manager collects trajectories in
+the order they finish, not in prompt order.
+
+Statistics are computed in float64 (rewards are few, and a group's std can be tiny) and the
+result is returned as float32, the dtype the loss works in.
+
+GAE is absent on purpose: it needs a value model, and there is none yet (issue 4).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
+
+GroupIndex = torch.Tensor | Sequence[Any]
+
+
+def _as_batch(rewards: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check shapes once so every estimator fails with the same clear message."""
+    rewards = torch.as_tensor(rewards)
+    response_mask = torch.as_tensor(response_mask)
+    if response_mask.dim() != 2:
+        raise ValueError(f"response_mask has shape {tuple(response_mask.shape)}; it must be [B, T] "
+                         "(one row of 0/1 per trajectory, as the manager pads it)")
+    if rewards.dim() != 1 or rewards.shape[0] != response_mask.shape[0]:
+        raise ValueError(f"rewards has shape {tuple(rewards.shape)} but response_mask is "
+                         f"{tuple(response_mask.shape)}; pass one scalar reward per trajectory, shape "
+                         f"[{response_mask.shape[0]}]")
+    if not torch.isfinite(rewards.double()).all():
+        raise ValueError(f"rewards contain non-finite values {rewards.tolist()}; fix the reward "
+                         "function (a failed trajectory should get a finite reward such as 0)")
+    return rewards.to(device=response_mask.device, dtype=torch.float64), response_mask.bool()
+
+
+def group_ids(group_index: GroupIndex, batch_size: int) -> tuple[torch.Tensor, int]:
+    """Map arbitrary group labels to ids 0..G-1 (long tensor [B]) and return G.
+
+    Labels are compared by value, so `["q1", "q2", "q1"]`, `[7, 3, 7]` and a tensor
+    `[7, 3, 7]` all mean the same two groups.
+    """
+    if isinstance(group_index, torch.Tensor):
+        if group_index.dim() != 1:
+            raise ValueError(f"group_index has shape {tuple(group_index.shape)}; it must be 1-D, one "
+                             f"label per trajectory ([{batch_size}])")
+        labels: list[Any] = group_index.tolist()
+    elif hasattr(group_index, "tolist"):  # numpy arrays, including arrays of strings
+        labels = list(group_index.tolist())
+    else:
+        labels = list(group_index)
+    if len(labels) != batch_size:
+        raise ValueError(f"group_index has {len(labels)} labels but the batch has {batch_size} "
+                         "trajectories; pass one label (e.g. the prompt's uid) per trajectory")
+    first_seen: dict[Any, int] = {}
+    try:
+        ids = [first_seen.setdefault(label, len(first_seen)) for label in labels]
+    except TypeError as err:
+        raise TypeError(f"group_index labels must be hashable (ints, strings, tuples); got {err}") from err
+    return torch.tensor(ids, dtype=torch.long), len(first_seen)
+
+
+def _group_sums(values: torch.Tensor, ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, ids, values)
+
+
+def _broadcast(per_sequence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Every trained token of a trajectory gets the trajectory's advantage; others get 0."""
+    return torch.where(mask, per_sequence[:, None], 0.0).float()
+
+
+def grpo(rewards: torch.Tensor, group_index: GroupIndex, response_mask: torch.Tensor,
+         norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantage: (reward - group mean) / (group std + eps), on every mask-1 token.
+
+    The std is the unbiased (Bessel-corrected, n - 1) sample std of the group's rewards. That is
+    what the common GRPO implementations use (a `tensor.std()` over the group), so advantage
+    scales and learning rates carry over from their recipes; with the biased std a group of 2
+    with rewards {0, 1} would get +-1 instead of +-0.71.
+
+    `norm_by_std=False` keeps only the mean baseline (Dr. GRPO argues the std division
+    over-weights prompts that are nearly always or nearly never solved).
+    A group of one sample, or one where every sample got the same reward, carries no relative
+    signal and gets advantage 0.
+    """
+    r, mask = _as_batch(rewards, response_mask)
+    ids, num_groups = group_ids(group_index, r.shape[0])
+    ids = ids.to(r.device)
+    counts = _group_sums(torch.ones_like(r), ids, num_groups)
+    mean = _group_sums(r, ids, num_groups) / counts
+    centered = r - mean[ids]  # exactly 0 for a group of one or of equal rewards, so stays 0 below
+    if norm_by_std:
+        sq = _group_sums(centered * centered, ids, num_groups)
+        std = torch.sqrt(sq / (counts - 1).clamp_min(1))
+        centered = centered / (std[ids] + eps)
+    return _broadcast(centered, mask)
+
+
+def rloo(rewards: torch.Tensor, group_index: GroupIndex, response_mask: torch.Tensor) -> torch.Tensor:
+    """RLOO advantage: reward minus the mean reward of the *other* samples of the same prompt.
+
+    Leaving the sample out keeps the baseline independent of the sample's own action, so the
+    gradient estimate stays unbiased (Kool et al. 2019; Ahmadian et al. 2024). It equals
+    n/(n-1) * (reward - group mean). A group of one sample has no other samples and gets 0.
+    """
+    r, mask = _as_batch(rewards, response_mask)
+    ids, num_groups = group_ids(group_index, r.shape[0])
+    ids = ids.to(r.device)
+    counts = _group_sums(torch.ones_like(r), ids, num_groups)[ids]
+    others = (_group_sums(r, ids, num_groups)[ids] - r) / (counts - 1).clamp_min(1)
+    adv = torch.where(counts > 1, r - others, 0.0)
+    return _broadcast(adv, mask)
+
+
+def reinforce_pp(rewards: torch.Tensor, response_mask: torch.Tensor, kl: torch.Tensor | None = None,
+                 kl_coef: float = 0.0, gamma: float = 1.0, eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++ advantage: per-token discounted returns, whitened over the whole batch.
+
+    Token rewards are the trajectory's outcome reward on its last mask-1 token, minus
+    `kl_coef * kl` on every mask-1 token (the KL-in-reward form; `kl` is a per-token penalty
+    such as `engines.training.losses.kl_penalty(logprobs, ref_logprobs, "k1")`). The return of a
+    token is the discounted sum of token rewards from it to the end. Discounting counts only
+    model tokens: tool and template tokens (mask 0) are not actions of the policy, so a long
+    tool observation does not shrink the reward of the turn before it.
+
+    Returns are then whitened over all mask-1 tokens of the batch (mean 0, unbiased std 1).
+    The batch-wide baseline, not a per-prompt one, is what distinguishes REINFORCE++ from GRPO
+    (Hu 2025). A trajectory with no mask-1 tokens has nothing to train and gets 0 everywhere.
+    """
+    r, mask = _as_batch(rewards, response_mask)
+    if gamma <= 0 or gamma > 1:
+        raise ValueError(f"gamma={gamma}; the discount must be in (0, 1] (1.0 = no discounting)")
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef={kl_coef}; a KL penalty coefficient must be >= 0")
+    B, T = mask.shape
+    token_rewards = torch.zeros(B, T, dtype=torch.float64, device=mask.device)
+    has_tokens = mask.any(dim=1)
+    # last mask-1 position of each row: the largest index whose mask is 1
+    positions = torch.arange(T, device=mask.device).expand(B, T)
+    last = torch.where(mask, positions, -1).max(dim=1).values.clamp_min(0)
+    token_rewards[torch.arange(B, device=mask.device), last] = torch.where(has_tokens, r, 0.0)
+    if kl is not None:
+        kl = torch.as_tensor(kl)
+        if kl.shape != mask.shape:
+            raise ValueError(f"kl has shape {tuple(kl.shape)}; it must match response_mask "
+                             f"{tuple(mask.shape)} (one penalty per token)")
+        token_rewards = token_rewards - kl_coef * kl.detach().to(token_rewards)
+    token_rewards = torch.where(mask, token_rewards, 0.0)
+
+    if gamma == 1.0:  # undiscounted: a reverse cumulative sum, no Python loop over T
+        returns = token_rewards.flip(1).cumsum(1).flip(1)
+    else:
+        returns = torch.zeros_like(token_rewards)
+        running = torch.zeros(B, dtype=torch.float64, device=mask.device)
+        for t in range(T - 1, -1, -1):
+            running = torch.where(mask[:, t], token_rewards[:, t] + gamma * running, running)
+            returns[:, t] = running
+
+    n = mask.sum()
+    if n == 0:
+        return torch.zeros(B, T, dtype=torch.float32, device=mask.device)
+    mean = returns[mask].mean()
+    centered = returns - mean
+    if n > 1:
+        var = (centered[mask] ** 2).sum() / (n - 1)
+        centered = centered / (var.sqrt() + eps)
+    return torch.where(mask, centered, 0.0).float()
+
+
+_REGISTRY: dict[str, Callable[..., torch.Tensor]] = {"grpo": grpo, "rloo": rloo, "reinforce_pp": reinforce_pp}
+
+
+def compute_advantages(name: str, rewards: torch.Tensor, response_mask: torch.Tensor,
+                       group_index: GroupIndex | None = None, **kwargs: Any) -> torch.Tensor:
+    """Pick an estimator by its config name, so the trainer's config stays a plain string.
+
+    `group_index` is required by the group estimators (grpo, rloo) and ignored by reinforce_pp;
+    extra keyword arguments go to the estimator (e.g. `norm_by_std`, `kl`, `kl_coef`, `gamma`).
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {list(ESTIMATORS)}")
+    if name == "reinforce_pp":
+        return reinforce_pp(rewards, response_mask, **kwargs)
+    if group_index is None:
+        raise ValueError(f"advantage estimator {name!r} compares samples of the same prompt and needs "
+                         "group_index (one prompt label per trajectory); pass it, or use 'reinforce_pp'")
+    return _REGISTRY[name](rewards, group_index, response_mask, **kwargs)
