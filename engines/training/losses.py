@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+IGNORE_INDEX = -100  # label of tokens a cross entropy skips (PyTorch's default ignore_index)
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_KINDS = ("k1", "k2", "k3", "abs")
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: any real ratio is far inside; stops inf/NaN from a bad row

@@ -1,0 +1,253 @@
+"""Dataset rows in verl's format: load them unchanged, check them before any model loads, build
+new ones for tool_agent, and stream them in a seeded order a resumed run can continue exactly.
+
+A row is one dict (see the README's "Agent loops"):
+
+    {"data_source": "openai/gsm8k", "agent_name": "tool_agent",
+     "prompt": [{"role": "system", "content": ...}, {"role": "user", "content": ...}],
+     "reward_model": {"style": "rule", "ground_truth": "72"},
+     "extra_info": {"tools": ["calculator"], "tools_kwargs": {"calculator": {"create_kwargs": {...}}}},
+     "interaction_kwargs": {"name": "gsm8k", "ground_truth": "72"}}        # optional
+
+Rows are handed to the agent loops as they are, so datasets prepared for verl work here and a
+row written by this project reads the same in verl.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Collection, Iterator, Mapping, Sequence
+
+MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+FORMATS = (".jsonl", ".json", ".parquet")
+
+
+class RowError(ValueError):
+    """Rows that the loops would fail on mid-rollout; the message names each row index and key."""
+
+
+def _suffix(path: Path) -> str:
+    if path.suffix not in FORMATS:
+        raise ValueError(f"{str(path)!r}: unknown dataset format {path.suffix!r}; use one of {list(FORMATS)}")
+    return path.suffix
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise ImportError("reading or writing .parquet rows needs pyarrow, which is not installed; "
+                          "`pip install pyarrow`, or convert the data to .jsonl") from None
+    return pyarrow
+
+
+def _drop_nulls(value: Any) -> Any:
+    """Parquet keeps one schema per file, so a key that only some rows (or messages) have comes
+    back as null in the others. Dropping those nulls makes a row read back as it was written."""
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def load_rows(path: str) -> list[dict[str, Any]]:
+    """All rows of a `.jsonl`, `.json` (a list of rows) or `.parquet` file, unchanged."""
+    p = Path(path).expanduser()
+    kind = _suffix(p)
+    if not p.is_file():
+        raise FileNotFoundError(f"dataset file {str(p)!r} does not exist; fix the path (or use the built-in "
+                                "'arithmetic' task, which needs no file)")
+    if kind == ".parquet":
+        rows = [_drop_nulls(r) for r in _pyarrow().parquet.read_table(p).to_pylist()]
+    elif kind == ".json":
+        rows = json.loads(p.read_text())
+        if not isinstance(rows, list):
+            raise RowError(f"{p}: a .json dataset must hold a list of rows, got {type(rows).__name__}; "
+                           "use .jsonl for one row per line")
+    else:
+        rows = []
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise RowError(f"{p}:{n}: not valid JSON ({e.msg} at column {e.colno}); fix that line") from None
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise RowError(f"{p}: row {i} is a {type(row).__name__}, not a mapping of columns")
+    return rows
+
+
+def save_rows(rows: Sequence[Mapping[str, Any]], path: str) -> Path:
+    """Write rows as `.jsonl`, `.json` or `.parquet` (the format follows the suffix)."""
+    p = Path(path).expanduser()
+    kind = _suffix(p)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if kind == ".parquet":
+        pa = _pyarrow()
+        try:
+            columns = list(dict.fromkeys(k for r in rows for k in r))  # every row's keys, not the first's
+            pa.parquet.write_table(pa.table({k: pa.array([r.get(k) for r in rows]) for k in columns}), p)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+            raise RowError(f"{p}: these rows do not fit one parquet schema ({e}); parquet cannot hold empty "
+                           "dicts or a key whose type differs between rows; write .jsonl instead") from None
+    elif kind == ".json":
+        p.write_text(json.dumps(list(rows), ensure_ascii=False))
+    else:
+        p.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return p
+
+
+def tool_row(data_source: str, system: str, question: str, ground_truth: str, extra_info: Mapping[str, Any],
+             tools: Sequence[str] = ("calculator",), interaction: str | None = None) -> dict[str, Any]:
+    """A tool_agent row offering `tools` (tool_agent offers a row only the tools in
+    `extra_info.tools`). Every tool gets the ground truth in its create_kwargs, as verl's GSM8K
+    rows do: answer-checking tools need it, the others ignore it."""
+    extra = dict(extra_info)
+    extra["tools"] = list(tools)
+    extra["tools_kwargs"] = {t: {"create_kwargs": {"ground_truth": ground_truth}} for t in tools}
+    row = {"data_source": data_source, "agent_name": "tool_agent",
+           "prompt": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+           "reward_model": {"style": "rule", "ground_truth": ground_truth}, "extra_info": extra}
+    if interaction:
+        row["interaction_kwargs"] = {"name": interaction, "ground_truth": ground_truth}
+    return row
+
+
+def _row_errors(row: Any, known_agent_names: Collection[str] | None, known_tools: Collection[str] | None,
+                known_interactions: Collection[str] | None) -> Iterator[str]:
+    from agent.loop import DEFAULT_AGENT_NAME
+    from agent.rewards import RULE_SCORERS
+
+    if not isinstance(row, Mapping):
+        yield f"is a {type(row).__name__}, not a mapping of columns"
+        return
+    prompt = row.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        yield f"key 'prompt' must be a non-empty list of messages, got {str(prompt)[:60]!r}"
+    else:
+        for j, m in enumerate(prompt):
+            if not isinstance(m, Mapping):
+                yield f"key 'prompt[{j}]' must be a message mapping with role and content, got {str(m)[:60]!r}"
+            elif m.get("role") not in MESSAGE_ROLES:
+                yield f"key 'prompt[{j}].role' is {m.get('role')!r}; allowed: {list(MESSAGE_ROLES)}"
+            elif m["role"] == "system" and j != 0:
+                yield f"key 'prompt[{j}].role' is 'system' but a system message may only come first"
+            elif not isinstance(m.get("content"), str):
+                yield f"key 'prompt[{j}].content' must be a string, got {type(m.get('content')).__name__}"
+        if not any(isinstance(m, Mapping) and m.get("role") == "user" for m in prompt):
+            yield "key 'prompt' has no user message; add the question as {'role': 'user', 'content': ...}"
+    agent = row.get("agent_name") or DEFAULT_AGENT_NAME
+    if known_agent_names is not None and agent not in known_agent_names:
+        yield (f"key 'agent_name' is {agent!r}; known: {sorted(known_agent_names)} (register a loop under "
+               "`agent_loops:` in the config)")
+    rm = row.get("reward_model")
+    if rm is not None and not isinstance(rm, Mapping):
+        yield f"key 'reward_model' must be a mapping like {{style: rule, ground_truth: '72'}}, got {rm!r}"
+    elif rm and rm.get("style") == "rule" and row.get("data_source") in RULE_SCORERS and rm.get("ground_truth") is None:
+        yield f"key 'reward_model.ground_truth' is missing; data_source {row.get('data_source')!r} is scored by rule"
+    extra = row.get("extra_info") or {}
+    if not isinstance(extra, Mapping):
+        yield f"key 'extra_info' must be a mapping, got {type(extra).__name__}"
+        return
+    tools_kwargs = extra.get("tools_kwargs") or {}
+    if not isinstance(tools_kwargs, Mapping):
+        yield f"key 'extra_info.tools_kwargs' must map tool names to {{create_kwargs: ...}}, got {tools_kwargs!r}"
+        tools_kwargs = {}
+    named = [(f"extra_info.tools_kwargs.{t}", t) for t in tools_kwargs]
+    named += [(f"extra_info.tools[{j}]", t) for j, t in enumerate(extra.get("tools") or [])]
+    if known_tools is not None:
+        for key, tool in named:
+            if tool not in known_tools:
+                yield (f"key '{key}' names tool {tool!r}, which is not loaded; loaded tools: {sorted(known_tools)} "
+                       "(add it to the tools config or drop it from the row)")
+    inter = row.get("interaction_kwargs") or extra.get("interaction_kwargs")
+    if inter and known_interactions is not None and inter.get("name") not in known_interactions:
+        yield (f"key 'interaction_kwargs.name' is {inter.get('name')!r}; loaded interactions: "
+               f"{sorted(known_interactions)}")
+
+
+def validate_rows(rows: Sequence[Any], known_agent_names: Collection[str] | None,
+                  known_tools: Collection[str] | None, known_interactions: Collection[str] | None = None,
+                  max_errors: int = 10) -> None:
+    """Raise RowError listing the first problems (row index and key) before any model loads,
+    instead of a trajectory failing mid-rollout. `None` for a `known_*` skips that check."""
+    if not rows:
+        raise RowError("the dataset has no rows; check the file or the generator's size")
+    problems: list[str] = []
+    for i, row in enumerate(rows):
+        problems += [f"row {i}: {e}" for e in _row_errors(row, known_agent_names, known_tools, known_interactions)]
+        if len(problems) >= max_errors:
+            break
+    if problems:
+        raise RowError(f"{len(problems)} problem(s) in the dataset (showing up to {max_errors}):\n  "
+                       + "\n  ".join(problems[:max_errors]))
+
+
+class RowStream:
+    """Rows in a seeded, shuffled order, epoch after epoch, with a position that a checkpoint
+    saves so a resumed run continues with exactly the next row: nothing repeated, nothing skipped.
+
+    Epoch `e` visits every row once, in a permutation fixed by (seed, e). A batch that runs past
+    the end of an epoch takes the rest of that epoch and the start of the next, so no row is ever
+    dropped to make batches even.
+    """
+
+    def __init__(self, rows: Sequence[dict[str, Any]], seed: int = 0, shuffle: bool = True) -> None:
+        if not rows:
+            raise RowError("RowStream needs at least one row; the dataset is empty")
+        self.rows = list(rows)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.epoch = 0
+        self.index = 0
+        self._order = self._permutation(0)
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(epoch, index within the epoch's order) of the next row to be handed out."""
+        return self.epoch, self.index
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def __iter__(self) -> "RowStream":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self.index >= len(self._order):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        row = self.rows[self._order[self.index]]
+        self.index += 1
+        return row
+
+    def next_batch(self, k: int) -> list[dict[str, Any]]:
+        """The next `k` rows (crossing into the next epoch when this one runs out)."""
+        if int(k) < 1:
+            raise ValueError(f"next_batch(k={k}): k must be >= 1")
+        return [next(self) for _ in range(int(k))]
+
+    def state_dict(self) -> dict[str, int | bool]:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "shuffle": self.shuffle,
+                "num_rows": len(self.rows)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a saved position. The dataset size, seed and shuffle must match: with
+        others the saved index points into a different order, silently repeating or skipping rows."""
+        for key, mine in (("num_rows", len(self.rows)), ("seed", self.seed), ("shuffle", self.shuffle)):
+            if key in state and state[key] != mine:
+                raise ValueError(f"data position was saved with {key}={state[key]!r} but this run has {key}={mine!r}; "
+                                 "resume with the same dataset and data seed, or start a fresh run")
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index <= len(self.rows):
+            raise ValueError(f"bad data position epoch={epoch} index={index} for {len(self.rows)} rows")
+        self.epoch, self.index = epoch, index
+        self._order = self._permutation(epoch)

@@ -1,0 +1,94 @@
+"""Where a run's numbers go: the console, a JSONL file (always), wandb (when configured), and a
+reward-curve PNG at the end. The JSONL file is appended to, so a resumed run continues it."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: Path, wandb_project: str | None = None, config: dict[str, Any] | None = None,
+                 resume_step: int = 0) -> None:
+        self.path = output_dir / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._drop_after(resume_step)
+        self._wandb = None
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise RuntimeError("trainer.wandb_project is set but wandb is not installed; pip install wandb, "
+                                   "or unset trainer.wandb_project") from None
+            self._wandb = wandb.init(project=wandb_project, config=config, dir=str(output_dir), resume="allow")
+
+    def _drop_after(self, step: int) -> None:
+        """A run killed after logging step k but before its checkpoint redoes step k: keep one line per step."""
+        if not self.path.exists():
+            return
+        lines = [ln for ln in self.path.read_text().splitlines() if ln.strip()]
+        keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
+        self.path.write_text("".join(ln + "\n" for ln in keep))
+
+    def log(self, step: int, metrics: dict[str, Any], console: tuple[str, ...] = ()) -> None:
+        record = {"step": step, "time": round(time.time(), 3),
+                  **{k: _plain(v) for k, v in sorted(metrics.items())}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+        shown = " ".join(f"{k}={_fmt(record[k])}" for k in console if k in record)
+        print(f"step {step:>4} {shown}", flush=True)
+
+    def history(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def plot_rewards(history: list[dict[str, Any]], path: Path, key: str = "reward/mean") -> Path | None:
+    """The reward curve of a run as a PNG; None when matplotlib is missing or nothing was logged."""
+    points = [(r["step"], r[key]) for r in history if r.get(key) is not None]
+    if not points:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; skipping the reward plot (pip install matplotlib)")
+        return None
+    steps, values = zip(*points)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, values, marker="o", label=key)
+    if len(values) >= 5:
+        avg = [sum(values[max(0, i - 4):i + 1]) / len(values[max(0, i - 4):i + 1]) for i in range(len(values))]
+        ax.plot(steps, avg, label="5-step mean")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,607 @@
+"""AgentLoopManager: fans dataset rows × n samples out to agent worker processes, collects their
+AgentLoopOutputs in input order and pads them into a training `Batch` (DESIGN.md steps 2 and 7).
+
+Why worker processes: tokenization, chat templating, reward scoring and tool glue are Python CPU
+work; one event loop saturates one core long before the engines do. Each worker is long-lived
+(started once per run) and builds its GenerateClient, tokenizer, tools and interactions once;
+its trajectories run concurrently under asyncio. Workers are spawned, not forked, because the
+parent (the trainer) holds threads, ZMQ sockets and CUDA state a fork must not copy. Each worker
+has its own pair of pipes, so a worker killed mid-write corrupts nothing the others use, and its
+process sentinel tells the parent at once that it died.
+
+All n samples of a row share a `group_id` and go to the same worker, so that worker's router
+starts them on one engine (the shared prompt is prefilled once) and GRPO's group statistics are
+computed over samples that saw the same engine state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from tqdm import tqdm
+
+from agent.loop import DEFAULT_AGENT_NAME, AgentContext, AgentLoopOutput, AgentLoopRegistry
+from agent.traces import TraceConfig, TrajectoryTracer, prepare_experiment
+from rollout.client import GenerateClient
+from rollout.router import POLICIES
+
+log = logging.getLogger("switchyard.manager")
+START_METHODS = ("spawn", "forkserver")
+
+
+@dataclass
+class ManagerConfig:
+    """addresses: EngineServer addresses. tokenizer: model name or directory whose tokenizer the
+    loops use (`engines.models.resolve_model`). num_workers: agent processes; 0 runs the loops on
+    an event loop thread inside this process (tests, debugging). agent_configs: per agent_name,
+    the mapping a loop gets as `AgentContext.config`. agent_loops: extra {name: "pkg.mod.Class"}.
+    max_concurrent: trajectories in flight per worker."""
+
+    addresses: list[str]
+    tokenizer: str
+    num_workers: int = 2
+    n: int = 1
+    sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 1.0, "max_tokens": 256})
+    agent_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    agent_loops: dict[str, str] = field(default_factory=dict)
+    tools_config: str | None = None
+    interaction_config: str | None = None
+    router_policy: str = "sticky_group"
+    tracing: TraceConfig = field(default_factory=TraceConfig)
+    max_concurrent: int = 128
+    start_method: str = "spawn"
+    ready_timeout_s: float = 300.0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tracing, Mapping):
+            self.tracing = TraceConfig(**self.tracing)
+        if not self.addresses:
+            raise ValueError("rollout.addresses is empty; give the EngineServer addresses, e.g. ['ipc:///tmp/e0.sock']")
+        for name, value, low in (("num_workers", self.num_workers, 0), ("n", self.n, 1),
+                                 ("max_concurrent", self.max_concurrent, 1)):
+            if int(value) < low:
+                raise ValueError(f"rollout.{name}={value} must be >= {low}")
+        if self.router_policy not in POLICIES:
+            raise ValueError(f"rollout.router_policy={self.router_policy!r}; choose one of {list(POLICIES)}")
+        if self.start_method not in START_METHODS:
+            raise ValueError(f"rollout.start_method={self.start_method!r}; choose one of {list(START_METHODS)} "
+                             "(fork is unsafe: the trainer holds threads and sockets)")
+
+
+class WorkerCrashed(RuntimeError):
+    """An agent worker process died; its trajectories are lost and the manager must be restarted."""
+
+
+# ==================================================================== the batch
+@dataclass
+class Batch:
+    """Padded trajectories: prompts left-padded, responses right-padded, so prompt and response
+    meet at column P for every row. Rows with `valid` False ended with termination "error" (a
+    loop or engine failure, not a model behaviour): the trainer should drop them from the loss
+    and from their group's baseline, e.g. multiply `response_mask` by `valid` (`loss_mask`) and
+    compute advantages over valid rows only. `reward_extra` lists hold NaN where a row's loop
+    did not report that key."""
+
+    prompts: torch.Tensor  # [B, P] long
+    responses: torch.Tensor  # [B, R] long
+    response_mask: torch.Tensor  # [B, R] long, 1 = model token
+    rollout_logprobs: torch.Tensor  # [B, R] float32, 0 where mask is 0
+    attention_mask: torch.Tensor  # [B, P + R] long
+    position_ids: torch.Tensor  # [B, P + R] long
+    rewards: torch.Tensor  # [B] float32
+    group_index: torch.Tensor  # [B] long: rows with equal index are samples of one prompt
+    valid: torch.Tensor  # [B] bool
+    num_turns: list[int]
+    termination: list[str]
+    weight_versions: list[list[int]]
+    reward_extra: dict[str, list[float]]
+    request_ids: list[list[str]]
+    session_ids: list[str]
+    errors: list[str]
+    turns: list[list[dict[str, Any]]]
+
+    def __len__(self) -> int:
+        return int(self.prompts.shape[0])
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompts, self.responses], dim=1)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """`response_mask` with invalid rows zeroed: what a policy loss should average over."""
+        return self.response_mask * self.valid.to(self.response_mask.dtype)[:, None]
+
+    def metrics(self) -> dict[str, float]:
+        """Rollout numbers for the step log; rewards and lengths over valid rows only."""
+        v = self.valid
+        p = self.prompts.shape[1]
+        resp_len = self.attention_mask[:, p:].sum(1).float()
+        nan = float("nan")
+        m: dict[str, float] = {
+            "rollout/trajectories": float(len(self)), "rollout/invalid": float((~v).sum()),
+            "rollout/reward_mean": float(self.rewards[v].mean()) if v.any() else nan,
+            "rollout/reward_std": float(self.rewards[v].std()) if v.sum() > 1 else nan,
+            "rollout/response_length_mean": float(resp_len[v].mean()) if v.any() else nan,
+            "rollout/response_length_max": float(resp_len.max()) if len(self) else nan,
+            "rollout/model_tokens_mean": float(self.response_mask[v].sum(1).float().mean()) if v.any() else nan,
+            "rollout/num_turns_mean": sum(self.num_turns) / max(1, len(self.num_turns)),
+        }
+        for t in sorted(set(self.termination)):
+            m[f"rollout/termination/{t}"] = float(self.termination.count(t))
+        tool_turns = [t for ts in self.turns for t in ts if t.get("kind") == "tools"]
+        for key in ("calls", "failed", "timeouts", "parse_errors"):
+            m[f"rollout/tool_{key}"] = float(sum(int(t.get(key, 0)) for t in tool_turns))
+        m["rollout/tool_calls_per_trajectory"] = m["rollout/tool_calls"] / max(1, len(self))
+        gen = [float(t["latency_s"]) for ts in self.turns for t in ts if t.get("kind") == "generate"]
+        if gen:
+            m["rollout/generate_latency_mean_s"] = sum(gen) / len(gen)
+            m["rollout/generate_latency_max_s"] = max(gen)
+        for key, vals in self.reward_extra.items():
+            x = torch.tensor(vals, dtype=torch.float64)
+            m[f"rollout/reward_extra/{key}"] = float(x.nanmean()) if len(x) else nan
+        return m
+
+
+def pad_outputs(outputs: Sequence[AgentLoopOutput], pad_id: int, group_index: Sequence[int],
+                prompt_length: int | None = None, response_length: int | None = None) -> Batch:
+    """Pad trajectories into a Batch. Fixed `prompt_length`/`response_length` give static shapes;
+    a trajectory longer than them is an error (cutting it would train on a different sequence
+    than the one sampled), so raise the loop's token budget instead."""
+    if len(group_index) != len(outputs):
+        raise ValueError(f"group_index has {len(group_index)} entries for {len(outputs)} outputs; give one per output")
+    for i, o in enumerate(outputs):
+        try:
+            o.check()
+        except AssertionError as e:
+            raise ValueError(f"output {i} is inconsistent: {e}") from None
+    p = max([len(o.prompt_ids) for o in outputs], default=0)
+    r = max([len(o.response_ids) for o in outputs], default=0)
+    for name, got, fixed in (("prompt_length", p, prompt_length), ("response_length", r, response_length)):
+        if fixed is not None and got > fixed:
+            raise ValueError(f"{name}={fixed} but a trajectory has {got} tokens; raise {name} or lower the "
+                             "loops' token budgets (max_response_tokens)")
+    p, r = prompt_length if prompt_length is not None else p, response_length if response_length is not None else r
+    b = len(outputs)
+    prompts = torch.full((b, p), int(pad_id), dtype=torch.long)
+    responses = torch.full((b, r), int(pad_id), dtype=torch.long)
+    response_mask = torch.zeros((b, r), dtype=torch.long)
+    logprobs = torch.zeros((b, r), dtype=torch.float32)
+    attention = torch.zeros((b, p + r), dtype=torch.long)
+    for i, o in enumerate(outputs):
+        lp, lr = len(o.prompt_ids), len(o.response_ids)
+        if lp:
+            prompts[i, p - lp:] = torch.tensor(o.prompt_ids, dtype=torch.long)
+        if lr:
+            responses[i, :lr] = torch.tensor(o.response_ids, dtype=torch.long)
+            response_mask[i, :lr] = torch.tensor(o.response_mask, dtype=torch.long)
+            logprobs[i, :lr] = torch.tensor(o.response_logprobs, dtype=torch.float32)
+        attention[i, p - lp:p + lr] = 1
+    keys = sorted({k for o in outputs for k in o.reward_extra})
+    return Batch(
+        prompts=prompts, responses=responses, response_mask=response_mask, rollout_logprobs=logprobs,
+        attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0),
+        rewards=torch.tensor([float(o.reward) for o in outputs], dtype=torch.float32),
+        group_index=torch.tensor(list(group_index), dtype=torch.long),
+        valid=torch.tensor([o.termination != "error" for o in outputs], dtype=torch.bool),
+        num_turns=[o.num_turns for o in outputs], termination=[o.termination for o in outputs],
+        weight_versions=[list(o.weight_versions) for o in outputs],
+        reward_extra={k: [float(o.reward_extra.get(k, float("nan"))) for o in outputs] for k in keys},
+        request_ids=[list(o.request_ids) for o in outputs], session_ids=[o.session_id for o in outputs],
+        errors=[o.error for o in outputs], turns=[list(o.turns) for o in outputs])
+
+
+# ==================================================================== inside a worker
+class _VersionedClient(GenerateClient):
+    """Every request of a call asks for at least the call's weight version; servers hold it until
+    they have loaded that version, so no trajectory mixes in stale weights after a sync."""
+
+    min_weight_version = 0
+
+    async def generate(self, prompt_ids: Any, sampling: Any = None, session_id: str | None = None,
+                       group_id: str | None = None, min_weight_version: int = 0) -> Any:
+        return await super().generate(prompt_ids, sampling, session_id, group_id,
+                                      max(min_weight_version, self.min_weight_version))
+
+
+class _AgentWorker:
+    """What one worker builds once and shares across its trajectories."""
+
+    def __init__(self, cfg: ManagerConfig, index: int, experiment_id: str | None) -> None:
+        self.cfg, self.index, self.experiment_id = cfg, index, experiment_id
+        self.client: _VersionedClient | None = None
+        self.tools: dict[str, Any] = {}
+        self.interactions: dict[str, Any] = {}
+        self.tracer: TrajectoryTracer | None = None
+        self._trace_pool: ThreadPoolExecutor | None = None
+
+    async def start(self) -> None:
+        from agent.interactions.registry import load_interactions
+        from agent.tools.registry import load_tools
+        from engines.models import load_tokenizer
+
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.tools = load_tools(cfg.tools_config) if cfg.tools_config else {}
+        self.interactions = load_interactions(cfg.interaction_config) if cfg.interaction_config else {}
+        self.client = _VersionedClient(cfg.addresses, policy=cfg.router_policy)
+        await self.client.start()
+        self.registry = AgentLoopRegistry(cfg.agent_loops)
+        self.contexts = {name: AgentContext(self.client, self.tokenizer, self.tools, self.interactions,
+                                            dict(cfg.agent_configs.get(name) or {})) for name in self.registry.names}
+        # a bad loop config fails here, at start-up; built-ins nobody configured are imported on
+        # first use, so an optional package (langgraph) is only needed by datasets that use it
+        for name in sorted({*cfg.agent_configs, *cfg.agent_loops}):
+            self.registry.get(name)(self.contexts[name])
+        self.tracer = TrajectoryTracer(cfg.tracing, self.experiment_id)
+        self._trace_pool = ThreadPoolExecutor(1, thread_name_prefix="trace") if self.tracer.enabled else None
+        await self.client.wait_ready(timeout_s=cfg.ready_timeout_s)
+        self.sem = asyncio.Semaphore(cfg.max_concurrent)
+
+    async def run_items(self, items: list[dict[str, Any]], sampling: dict[str, Any], weight_version: int | None,
+                        emit: Callable[[dict[str, Any]], None]) -> None:
+        assert self.client is not None
+        self.client.min_weight_version = int(weight_version or 0)
+        await asyncio.gather(*(self._run_one(it, sampling, emit) for it in items))
+
+    async def _run_one(self, item: dict[str, Any], sampling: dict[str, Any],
+                       emit: Callable[[dict[str, Any]], None]) -> None:
+        row = item["row"]
+        name = row.get("agent_name") or DEFAULT_AGENT_NAME
+        async with self.sem:
+            t0 = time.time_ns()
+            try:
+                out = await self.registry.get(name)(self.contexts[name]).run(dict(sampling), **row)
+                out.check()
+            except Exception as e:  # one broken trajectory is flagged in the batch, not fatal to it
+                log.exception("worker %d: trajectory %s (%s) failed", self.index, row.get("session_id"), name)
+                out = self._error_output(row, e)
+            t1 = time.time_ns()
+        if self._trace_pool is not None and self.tracer is not None:
+            await asyncio.get_running_loop().run_in_executor(self._trace_pool, self.tracer.record_trajectory,
+                                                             out, row, t0, t1)
+        emit({"op": "result", "index": item["index"], "output": dataclasses.asdict(out)})
+
+    def _error_output(self, row: Mapping[str, Any], err: Exception) -> AgentLoopOutput:
+        from agent.chat import ChatEncoder
+
+        try:  # keep the prompt so the row still lines up with its group
+            prompt_ids = ChatEncoder(self.tokenizer).initial(list(row["prompt"]))
+        except Exception:
+            prompt_ids = []
+        return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=[], response_mask=[], response_logprobs=[],
+                               reward=0.0, num_turns=0, termination="error", session_id=str(row.get("session_id", "")),
+                               error=f"{type(err).__name__}: {err}")
+
+    async def close(self) -> None:
+        """Close the client, every tool and interaction that has a close(), and flush traces."""
+        for obj in [*self.tools.values(), *self.interactions.values()]:
+            close = getattr(obj, "close", None)
+            if callable(close):
+                try:
+                    res = close()
+                    if asyncio.iscoroutine(res):
+                        await res
+                except Exception:
+                    log.exception("worker %d: closing %r failed", self.index, obj)
+        if self.client is not None:
+            await self.client.close()
+        if self.tracer is not None:
+            self.tracer.flush()
+        if self._trace_pool is not None:
+            self._trace_pool.shutdown(wait=True)
+
+
+def _worker_main(index: int, cfg_dict: dict[str, Any], experiment_id: str | None, tasks: Connection,
+                 results: Connection) -> None:
+    """Entry point of a worker process: one event loop for the process's whole life."""
+    logging.basicConfig(level=logging.WARNING, format=f"[agent-worker {index}] %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve(index, ManagerConfig(**cfg_dict), experiment_id, tasks, results))
+
+
+async def _serve(index: int, cfg: ManagerConfig, experiment_id: str | None, tasks: Connection,
+                 results: Connection) -> None:
+    worker = _AgentWorker(cfg, index, experiment_id)
+    try:
+        await worker.start()
+    except Exception:
+        results.send({"op": "start_failed", "error": traceback.format_exc()})
+        await worker.close()
+        return
+    results.send({"op": "ready"})
+    reader = ThreadPoolExecutor(1, thread_name_prefix="tasks")  # the event loop keeps running while idle
+    loop = asyncio.get_running_loop()
+    running: set[asyncio.Task] = set()
+    try:
+        while True:  # keep reading while calls run, so `stop` is answered at once
+            try:
+                msg = await loop.run_in_executor(reader, tasks.recv)
+            except (EOFError, OSError):
+                break  # the parent is gone
+            if msg["op"] == "stop":
+                break
+            task = asyncio.create_task(_run_call(worker, msg, results))
+            running.add(task)
+            task.add_done_callback(running.discard)
+    finally:
+        pending = list(running)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        reader.shutdown(wait=False)
+        await worker.close()
+
+
+async def _run_call(worker: _AgentWorker, msg: dict[str, Any], results: Connection) -> None:
+    call = msg["call"]
+    try:
+        await worker.run_items(msg["items"], msg["sampling"], msg["weight_version"],
+                               lambda d: results.send({**d, "call": call}))
+    except Exception:
+        results.send({"op": "call_failed", "call": call, "error": traceback.format_exc()})
+
+
+# ==================================================================== the parent side
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"exit code {code} (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+class AgentLoopManager:
+    """Long-lived agent workers: `start()` once (or use as a context manager), `generate()` per step.
+
+    Scripts that use num_workers > 0 must create the manager under `if __name__ == "__main__":`
+    (spawned workers re-import the main module). Agent loops in the dataset must be registered:
+    unknown `agent_name`s are refused before anything is dispatched.
+    """
+
+    def __init__(self, cfg: ManagerConfig) -> None:
+        self.cfg = cfg
+        self.registry = AgentLoopRegistry(cfg.agent_loops)  # bad dotted paths fail here
+        unknown = sorted(set(cfg.agent_configs) - set(self.registry.names))
+        if unknown:
+            raise ValueError(f"agent_configs for unknown agent loop(s) {unknown}; known: {self.registry.names}. "
+                             "Register them under agent_loops or fix the names")
+        self.pad_id: int | None = None
+        self._procs: list[Any] = []
+        self._tasks: list[Connection] = []
+        self._results: list[Connection] = []
+        self._inproc: tuple[_AgentWorker, asyncio.AbstractEventLoop, threading.Thread] | None = None
+        self._calls = itertools.count()
+        self._broken: str | None = None
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # ---------------------------------------------------------------- life cycle
+    def start(self) -> "AgentLoopManager":
+        """Start workers and wait until each has built its tools and reached every engine."""
+        from engines.models import load_tokenizer
+
+        tok = load_tokenizer(self.cfg.tokenizer)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        if pad is None:
+            raise ValueError(f"tokenizer {self.cfg.tokenizer!r} has neither pad_token_id nor eos_token_id; set one")
+        self.pad_id = int(pad)
+        experiment_id = prepare_experiment(self.cfg.tracing)  # mlflow missing fails here, before any worker
+        try:
+            if self.cfg.num_workers == 0:
+                self._start_in_process(experiment_id)
+            else:
+                self._start_processes(experiment_id)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start_in_process(self, experiment_id: str | None) -> None:
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="agent-worker-0", daemon=True)
+        thread.start()
+        worker = _AgentWorker(self.cfg, 0, experiment_id)
+        self._inproc = (worker, loop, thread)
+        asyncio.run_coroutine_threadsafe(worker.start(), loop).result(self.cfg.ready_timeout_s + 60)
+
+    def _start_processes(self, experiment_id: str | None) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context(self.cfg.start_method)
+        cfg_dict = dataclasses.asdict(self.cfg)
+        for i in range(self.cfg.num_workers):
+            task_r, task_w = ctx.Pipe(duplex=False)
+            res_r, res_w = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker_main, args=(i, cfg_dict, experiment_id, task_r, res_w),
+                               name=f"agent-worker-{i}", daemon=True)
+            proc.start()
+            task_r.close()
+            res_w.close()
+            self._procs.append(proc)
+            self._tasks.append(task_w)
+            self._results.append(res_r)
+        waiting = set(range(len(self._procs)))
+        deadline = time.monotonic() + self.cfg.ready_timeout_s + 120  # + process start and imports
+        while waiting:
+            for w, msg in self._receive(waiting, deadline, "start"):
+                if msg["op"] == "start_failed":
+                    raise RuntimeError(f"agent worker {w} failed to start:\n{msg['error']}")
+                waiting.discard(w)
+
+    def _receive(self, workers: set[int], deadline: float, what: str) -> list[tuple[int, dict[str, Any]]]:
+        """Messages from `workers`, waiting at most 1 s; a dead worker or the deadline raises."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"agent workers {sorted(workers)} did not finish {what} in time; check their "
+                               f"logs and that the engines at {self.cfg.addresses} answer")
+        conns = {self._results[w]: w for w in workers}
+        sentinels = {self._procs[w].sentinel: w for w in workers}
+        got: list[tuple[int, dict[str, Any]]] = []
+        dead: set[int] = set()
+        for obj in wait([*conns, *sentinels], timeout=min(1.0, left)):
+            if obj in conns:
+                w = conns[obj]
+                try:
+                    while obj.poll():
+                        got.append((w, obj.recv()))
+                except (EOFError, OSError):
+                    dead.add(w)
+            else:
+                dead.add(sentinels[obj])
+        for w in sorted(dead):
+            proc = self._procs[w]
+            proc.join(timeout=5)
+            self._broken = (f"agent worker {w} (pid {proc.pid}) died with {_describe_exit(proc.exitcode)} during "
+                            f"{what}; its trajectories are lost. Look for its log lines above (a SIGKILL is often "
+                            "the out-of-memory killer)")
+            raise WorkerCrashed(f"{self._broken}; close() this manager and start a new one")
+        return got
+
+    def close(self) -> None:
+        """Stop the workers (closing their clients, tools and interactions); safe to call twice."""
+        for conn in self._tasks:
+            try:
+                conn.send({"op": "stop"})
+            except (OSError, ValueError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                log.warning("agent worker %s did not stop in 30 s; terminating it", proc.name)
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in [*self._tasks, *self._results]:
+            conn.close()
+        self._procs, self._tasks, self._results = [], [], []
+        if self._inproc is not None:
+            worker, loop, thread = self._inproc
+            self._inproc = None
+            try:
+                asyncio.run_coroutine_threadsafe(worker.close(), loop).result(60)
+            finally:
+                loop.call_soon_threadsafe(loop.stop)
+                thread.join(timeout=30)
+                loop.close()
+
+    def __enter__(self) -> "AgentLoopManager":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- rollout
+    def generate(self, rows: Sequence[Mapping[str, Any]], weight_version: int | None = None,
+                 sampling: Mapping[str, Any] | None = None, n: int | None = None,
+                 timeout_s: float | None = None) -> Batch:
+        """Roll out `n` (default cfg.n) samples of every row and pad them; row i's samples are rows
+        i*n .. i*n+n-1 of the batch with group_index i."""
+        n = int(n or self.cfg.n)
+        outputs = self.generate_outputs(rows, weight_version, sampling, n, timeout_s)
+        assert self.pad_id is not None
+        return pad_outputs(outputs, self.pad_id, [k // n for k in range(len(outputs))])
+
+    def generate_outputs(self, rows: Sequence[Mapping[str, Any]], weight_version: int | None = None,
+                         sampling: Mapping[str, Any] | None = None, n: int | None = None,
+                         timeout_s: float | None = None) -> list[AgentLoopOutput]:
+        """The unpadded outputs, in input order (row i's samples at i*n .. i*n+n-1)."""
+        if self._broken:
+            raise RuntimeError(f"this AgentLoopManager is unusable: {self._broken}. close() it and start a new one")
+        if self.pad_id is None:
+            raise RuntimeError("AgentLoopManager.generate() before start(); call start() or use `with manager:`")
+        n = int(n or self.cfg.n)
+        if n < 1:
+            raise ValueError(f"n={n} must be >= 1")
+        self._validate(rows)
+        if not rows:
+            return []
+        sampling = dict(self.cfg.sampling if sampling is None else sampling)
+        call, tag = next(self._calls), uuid.uuid4().hex[:12]
+        num_workers = max(1, len(self._procs))
+        chunks: list[list[dict[str, Any]]] = [[] for _ in range(num_workers)]
+        for i, row in enumerate(rows):
+            gid = f"{tag}-g{i}"
+            chunks[i % num_workers] += [{"index": i * n + j, "row": {**row, "group_id": gid, "session_id": f"{gid}-s{j}"}}
+                                        for j in range(n)]
+        total = len(rows) * n
+        found: list[AgentLoopOutput | None] = [None] * total
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
+        with tqdm(total=total, desc="rollout", unit="traj", disable=not self.cfg.progress) as bar:
+            for w, msg in self._dispatch(call, chunks, sampling, weight_version, deadline):
+                if msg.get("call") != call:
+                    continue  # left over from an earlier call that raised
+                if msg["op"] == "call_failed":
+                    raise RuntimeError(f"agent worker {w} failed running its trajectories:\n{msg['error']}")
+                found[msg["index"]] = AgentLoopOutput(**msg["output"])
+                bar.update(1)
+                if all(o is not None for o in found):
+                    break
+        return [o for o in found if o is not None]
+
+    def _validate(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        for i, row in enumerate(rows):
+            name = row.get("agent_name") or DEFAULT_AGENT_NAME
+            try:
+                self.registry.get(name)
+            except KeyError as e:
+                raise ValueError(f"row {i}: {e.args[0]}") from None
+            if "prompt" not in row:
+                raise ValueError(f"row {i} has no `prompt` column (columns: {sorted(row)}); every row needs its "
+                                 "chat messages under `prompt`")
+
+    def _dispatch(self, call: int, chunks: list[list[dict[str, Any]]], sampling: dict[str, Any],
+                  weight_version: int | None, deadline: float) -> Any:
+        """Send each worker its chunk and yield (worker, message) as results arrive."""
+        if self._inproc is not None:
+            yield from self._dispatch_in_process(call, chunks[0], sampling, weight_version, deadline)
+            return
+        for w, items in enumerate(chunks):
+            if items:
+                self._tasks[w].send({"op": "run", "call": call, "items": items, "sampling": sampling,
+                                     "weight_version": weight_version})
+        every = set(range(len(self._procs)))  # an idle worker dying breaks the manager too
+        while True:
+            yield from self._receive(every, deadline, f"rollout call {call}")
+
+    def _dispatch_in_process(self, call: int, items: list[dict[str, Any]], sampling: dict[str, Any],
+                             weight_version: int | None, deadline: float) -> Any:
+        assert self._inproc is not None
+        worker, loop, _ = self._inproc
+        inbox: queue.Queue = queue.Queue()
+        fut = asyncio.run_coroutine_threadsafe(
+            worker.run_items(items, sampling, weight_version, lambda d: inbox.put({**d, "call": call})), loop)
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"rollout call {call} did not finish in time; check the engines at "
+                                       f"{self.cfg.addresses}")
+                try:
+                    yield 0, inbox.get(timeout=min(1.0, left))
+                except queue.Empty:
+                    if fut.done() and fut.exception() is not None:
+                        raise RuntimeError(f"the in-process agent worker failed: {fut.exception()!r}") from fut.exception()
+        finally:
+            if not fut.done():
+                fut.cancel()

