@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
@@ -50,6 +51,9 @@ class EngineServer:
         self._sleeping = False
         self._updating = False
         self._generating = 0
+        self._started = time.monotonic()
+        self._busy_s = 0.0  # seconds with at least one generate inside the engine (busy fraction)
+        self._busy_since = 0.0
         self._idle = asyncio.Event()
         self._idle.set()
         self._stop = asyncio.Event()
@@ -135,6 +139,9 @@ class EngineServer:
         stats["sleeping"] = self._sleeping
         stats["updating"] = self._updating
         stats["bad_frames"] = self.bad_frames
+        now = time.monotonic()
+        stats["busy_s"] = self._busy_s + (now - self._busy_since if self._generating else 0.0)
+        stats["uptime_s"] = now - self._started
         return P.Status(rid=rid, engine_id=self.engine_id, weight_version=self.weight_version, stats=stats)
 
     @staticmethod
@@ -151,6 +158,8 @@ class EngineServer:
         async with self._gate:  # held while sleeping, mid weight update, or behind the wanted version
             await self._gate.wait_for(lambda: not self._sleeping and not self._updating
                                       and self.weight_version >= msg.min_weight_version)
+            if self._generating == 0:
+                self._busy_since = time.monotonic()
             self._generating += 1
             self._idle.clear()
         try:
@@ -174,6 +183,7 @@ class EngineServer:
         finally:
             self._generating -= 1
             if self._generating == 0:
+                self._busy_s += time.monotonic() - self._busy_since
                 self._idle.set()
         if self._request_log:  # logged before the reply leaves, so an audit never misses one
             self._request_log.write(json.dumps({

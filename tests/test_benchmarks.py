@@ -21,3 +21,41 @@ def test_bus_vs_ray_small_run(tmp_path):
     report = json.loads(out.read_text())
     assert set(report["bus"]) == set(report["ray"]) == {"1", "16", "256"}
     assert all(v > 0 for v in report["ratios"].values())
+
+
+def _run(script: str, args: list[str], tmp_path: Path) -> tuple[str, dict]:
+    out = tmp_path / f"{Path(script).stem}.json"
+    proc = subprocess.run([sys.executable, script, *args, "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1], json.loads(out.read_text())
+
+
+def test_tool_latency_small_run(tmp_path):
+    last, report = _run("benchmarks/tool_latency.py", ["--quick", "--trajectories", "8", "--concurrency", "4",
+                                                        "--latencies", "0,0.5"], tmp_path)
+    assert last.startswith("RESULT async_vs_sync_0s=")
+    cells = {(r["mode"], r["latency_s"]): r for r in report["results"]}
+    assert set(cells) == {("async", 0.0), ("sync", 0.0), ("async", 0.5), ("sync", 0.5)}
+    for r in cells.values():
+        assert r["trajectories"] == 8 and r["tokens"] > 0 and 0 < r["busy_fraction"] <= 1.0
+    assert all(r["tool_calls"] > 0 for r in cells.values())  # the SFT'd model really calls the tool
+    # a sync wave waits for its slowest tool each tool round: 2 waves, at least one 0.5 s round each
+    assert cells[("sync", 0.5)]["wall_s"] >= 2 * 0.5
+    assert Path(report["plot"]).exists()
+
+
+def test_routing_small_run(tmp_path):
+    last, report = _run("benchmarks/routing.py", ["--quick", "--engines", "2", "--prompts", "3", "--n", "3",
+                                                   "--temperature", "0", "--policies", "round_robin,sticky_group"],
+                        tmp_path)
+    assert last.startswith("RESULT round_robin_vs_ideal=")
+    hits = {r["label"]: r["hit_rate"] for r in report["results"]}
+    assert set(hits) == {"single_engine", "round_robin", "sticky_group"}
+    assert 0 < hits["single_engine"] < 1
+    # greedy: every policy sends the same token streams, so one engine that sees them all is the
+    # ceiling, and keeping a trajectory's turns and a group's samples together beats scattering them
+    assert hits["single_engine"] >= max(hits.values()) - 1e-9
+    assert hits["sticky_group"] > hits["round_robin"]
+    for r in report["results"][1:]:
+        assert len(r["engines"]) == 2 and all(e["prompt_tokens"] > 0 for e in r["engines"])

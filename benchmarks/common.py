@@ -1,0 +1,128 @@
+"""What the agent-loop benchmarks share: the machine description, a tool-calling model made with
+the project's own SFT warm-up (cached), GSM8K rows, engine servers, and result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+GSM8K_BESIDE = ROOT.parent / "shared" / "data" / "gsm8k"  # where a checkout's GSM8K copy may lie
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"device": gpu or f"CPU only: {cpu}, {cores} cores", "python": platform.python_version(),
+            "torch": torch.__version__, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def gsm8k_file(path: str | None, split: str = "test") -> Path:
+    p = Path(path) if path else GSM8K_BESIDE / f"{split}.jsonl"
+    if not p.is_file():
+        raise SystemExit(f"GSM8K {split} file {str(p)!r} not found; pass --gsm8k-dir with {split}.jsonl "
+                         "(lines of {question, answer}, the format of the openai/gsm8k dataset)")
+    return p
+
+
+def gsm8k_tool_rows(path: Path, n: int) -> list[dict[str, Any]]:
+    from launch.data.gsm8k import gsm8k_rows, read_gsm8k
+
+    records = read_gsm8k(str(path))
+    if len(records) < n:
+        raise SystemExit(f"{path} has {len(records)} records, fewer than the {n} asked for")
+    return gsm8k_rows(records[:n], "test")
+
+
+def tool_model(base: str, train_file: Path, steps: int, lr: float, trainable: list[str] | None = None) -> Path:
+    """`base` after `steps` SFT steps on calculator traces of GSM8K train rows, built once and
+    cached; the trained model calls the calculator in hermes format, imperfectly."""
+    from engines.models import cache_root, resolve_model
+
+    name = f"{Path(base).name}-calculator-sft{steps}"
+    out = cache_root() / "benchmarks" / name
+    if (out / "config.json").exists():
+        return out
+    import torch
+
+    from engines.models import load_tokenizer
+    from engines.training.torch_actor import TorchActor, TorchActorConfig
+    from launch.data.sft import build_sft_examples, sft_batches
+    from agent.tools.registry import load_tools
+
+    path = str(resolve_model(base))
+    tok = load_tokenizer(path)
+    tools = load_tools(ROOT / "launch/configs/tools_calculator.yaml")
+    rows = gsm8k_tool_rows(train_file, 512)
+    examples = build_sft_examples(rows, tok, {n: t.tool_schema for n, t in tools.items()}, max_calls=1,
+                                  max_length=384)
+    torch.manual_seed(0)
+    actor = TorchActor(TorchActorConfig(model=path, lr=lr, micro_batch_size=8, trainable=trainable, progress=False))
+    done, epoch = 0, 0
+    print(f"making a calculator-calling model: {steps} SFT steps of {base} on {len(examples)} traces", flush=True)
+    while done < steps:
+        for b in sft_batches(examples, 8, tok.eos_token_id, seed=epoch):
+            loss = actor.sft_step(b["input_ids"], b["labels"], b["attention_mask"])["loss"]
+            done += 1
+            if done % 25 == 0 or done == steps:
+                print(f"  sft step {done}/{steps} loss {loss:.3f}", flush=True)
+            if done >= steps:
+                break
+        epoch += 1
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    actor.save_hf(tmp)
+    tmp.rename(out)
+    return out
+
+
+@contextmanager
+def servers(backend: str, model: str, n: int, tmp: Path, options: dict[str, Any] | None = None) -> Iterator[list[str]]:
+    """n EngineServers on ipc sockets, each on its own slice of the cores; stopped on exit."""
+    from rollout.server import cpu_slices, start_server_process
+
+    cores = cpu_slices(n)
+    procs, addrs = [], []
+    try:
+        for i in range(n):
+            addr = f"ipc://{tmp}/bench{i}.sock"
+            procs.append(start_server_process(backend, model, addr, f"engine{i}", options, log_file=tmp / f"e{i}.log",
+                                              cpu_cores=cores[i]))
+            addrs.append(addr)
+        yield addrs
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(60)
+            except Exception:
+                p.kill()
+
+
+def write_result(name: str, report: dict[str, Any], out: str | None = None) -> Path:
+    path = Path(out) if out else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    return path
+
+
+def result_line(values: dict[str, float]) -> str:
+    return "RESULT " + " ".join(f"{k}={v:.3g}" for k, v in values.items())

@@ -1,0 +1,113 @@
+"""Run every benchmark, each in its own process, and write benchmarks/RESULTS.md.
+
+    python benchmarks/run_all.py            # quick: hf engines with a tiny llama, < 10 min on 2 cores
+    python benchmarks/run_all.py --full     # vllm engines with SmolLM2-135M, full request counts
+
+RESULTS.md holds the tables, the machine they came from, the commands and the date; the JSON of
+each benchmark lies in benchmarks/results/. Absolute numbers are only comparable on the same
+machine; the ratios are measured side by side within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, ROOT, machine  # noqa: E402
+
+
+def run(cmd: list[str]) -> float:
+    print(f"\n$ {' '.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, *cmd], cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"{cmd[0]} failed with exit code {proc.returncode}")
+    return time.perf_counter() - t0
+
+
+def bus_section(r: dict[str, Any]) -> list[str]:
+    p = r["params"]
+    lines = ["## Bus vs Ray (transport only)", "",
+             f"Echo engine, {p['prompt_tokens']}-token prompts, {p['reply_tokens']}-token replies; latency in ms.", "",
+             "| concurrency | bus p50 | bus p99 | bus req/s | Ray p50 | Ray p99 | Ray req/s | p50 Ray/bus | req/s bus/Ray |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in sorted(r["bus"], key=int):
+        b, y = r["bus"][c], r["ray"][c]
+        lines.append(f"| {c} | {b['p50_ms']:.2f} | {b['p99_ms']:.2f} | {b['rps']:.0f} | {y['p50_ms']:.2f} | "
+                     f"{y['p99_ms']:.2f} | {y['rps']:.0f} | {y['p50_ms'] / b['p50_ms']:.2f} | {b['rps'] / y['rps']:.2f} |")
+    return lines
+
+
+def tool_section(r: dict[str, Any]) -> list[str]:
+    lines = ["## Rollout throughput vs tool latency", "",
+             f"{r['backend']} engine, {r['model']} after {r['sft_steps']} SFT steps on calculator traces; "
+             f"{r['trajectories']} GSM8K trajectories per cell, {r['concurrency']} in flight; tool_agent "
+             f"{r['agent']}; sampling {r['sampling']}. Busy = fraction of the window with a request inside "
+             "the engine.", "",
+             "| tool latency (s) | async tok/s | async busy | sync tok/s | sync busy | async / sync |",
+             "|---|---|---|---|---|---|"]
+    cells = {(x["mode"], x["latency_s"]): x for x in r["results"]}
+    for lat in sorted({x["latency_s"] for x in r["results"]}):
+        a, s = cells[("async", lat)], cells[("sync", lat)]
+        lines.append(f"| {lat:g} | {a['tokens_per_s']:.1f} | {a['busy_fraction']:.2f} | {s['tokens_per_s']:.1f} | "
+                     f"{s['busy_fraction']:.2f} | {a['tokens_per_s'] / s['tokens_per_s']:.2f}x |")
+    rat = r["ratios"]
+    if "async_keep_1s" in rat:
+        lines += ["", f"At 1 s: the async loop keeps {rat['async_keep_1s']:.0%} of its 0 s throughput and runs "
+                      f"{rat['async_vs_sync_1s']:.2f}x the synchronous rollout."]
+    if r.get("plot") and Path(r["plot"]).exists():  # beside RESULTS.md, committed with it
+        shutil.copy(r["plot"], ROOT / "benchmarks" / "tool_latency.png")
+        lines += ["", "![tokens/s against tool latency](tool_latency.png)"]
+    return lines
+
+
+def routing_section(r: dict[str, Any]) -> list[str]:
+    lines = ["## Prefix-cache hits by routing policy", "",
+             f"{r['backend']} engines, {r['model']}; {r['prompts']} GSM8K prompts x n = {r['n']} samples, "
+             f"multi-turn tool_agent, {r['engines']} engines (the ideal: 1 engine). Hit rate = cached prompt "
+             "tokens / prompt tokens as the engines report them.", "",
+             "| policy | hit rate | vs single-engine ideal | per-engine hit rates |", "|---|---|---|---|"]
+    ideal = r["results"][0]["hit_rate"]
+    for x in r["results"]:
+        lines.append(f"| {x['label']} | {x['hit_rate']:.3f} | {x['hit_rate'] / ideal:.2f} | "
+                     + " ".join(f"{e['hit_rate']:.2f}" for e in x["engines"]) + " |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--full", action="store_true")
+    ap.add_argument("--gsm8k-dir", default=None)
+    ap.add_argument("--output", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    args = ap.parse_args()
+    quick = [] if args.full else ["--quick"]
+    gsm = ["--gsm8k-dir", args.gsm8k_dir] if args.gsm8k_dir else []
+    commands = [["benchmarks/bus_vs_ray.py", *quick],
+                ["benchmarks/tool_latency.py", *quick, *gsm],
+                ["benchmarks/routing.py", *quick, *gsm]]
+    t0 = time.perf_counter()
+    seconds = [run(c) for c in commands]
+    total = time.perf_counter() - t0
+    load = lambda name: json.loads((RESULTS / f"{name}.json").read_text())  # noqa: E731
+    info = machine()
+    lines = ["# Benchmark results", "",
+             f"Measured {info['date']} on: **{info['device']}** (Python {info['python']}, torch {info['torch']}). "
+             "Absolute numbers hold for this machine only; ratios are measured side by side in one run.", "",
+             f"Mode: {'full' if args.full else 'quick'}; all benchmarks took {total / 60:.1f} min. Commands:", "",
+             "```bash", f"python benchmarks/run_all.py{' --full' if args.full else ''}"]
+    lines += [f"python {' '.join(c)}   # {s:.0f} s" for c, s in zip(commands, seconds)] + ["```", ""]
+    lines += bus_section(load("bus_vs_ray")) + [""] + tool_section(load("tool_latency")) + [""]
+    lines += routing_section(load("routing")) + [""]
+    Path(args.output).write_text("\n".join(lines))
+    print(f"\nwrote {args.output} ({total / 60:.1f} min)")
+
+
+if __name__ == "__main__":
+    main()

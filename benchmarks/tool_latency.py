@@ -1,0 +1,244 @@
+"""Rollout throughput against tool latency: the async agent loop over the bus against the classic
+batch-synchronous multi-turn rollout, same engine, same loops, same tools, same concurrency.
+
+Why: a tool call that takes a second leaves the engine with nothing to do unless other
+trajectories are ready to generate. The product's claim is that async loops keep the engine
+busy while tools run; this measures it.
+
+Workload: GSM8K test prompts through `tool_agent` with the calculator (a model taught the call
+format by the project's SFT warm-up, built once and cached), the calculator delayed by L seconds,
+L in {0, 0.1, 0.5, 1, 2}. Per L and mode, N trajectories with at most C in flight:
+  async  every trajectory runs on its own; a finished one is replaced at once (asyncio, one bus)
+  sync   waves of C: a turn's generations are sent together and answered together when the last
+         finishes, then all tools run, then the next turn: every trajectory waits for the slowest
+         generation and the slowest tool of its wave
+Measured: generated (mask-1) tokens per second of wall time, and the engine's busy fraction
+(seconds with at least one request inside the engine, as the server reports it, over the
+window). The two modes alternate per L, so they see the same machine state.
+
+    python benchmarks/tool_latency.py --quick              # hf engine, tiny llama, ~3 min on 2 cores
+    python benchmarks/tool_latency.py                      # vllm engine, SmolLM2-135M
+    python benchmarks/tool_latency.py --backend hf --model smollm2-135m-instruct --trajectories 96
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (RESULTS, gsm8k_file, gsm8k_tool_rows, machine, result_line, servers, tool_model,  # noqa: E402
+                    write_result)
+
+from agent.loop import AgentContext, AgentLoopOutput  # noqa: E402
+from agent.tool_agent import ToolAgentLoop  # noqa: E402
+from agent.tools.base import ToolResponse  # noqa: E402
+from agent.tools.calculator import CalculatorTool  # noqa: E402
+from rollout.client import GenerateClient  # noqa: E402
+
+LATENCIES = (0.0, 0.1, 0.5, 1.0, 2.0)
+MODES = ("async", "sync")
+
+
+class SlowCalculator(CalculatorTool):
+    """The calculator behind a network-like delay (`latency_s`), spent awaiting, as a remote
+    tool would: the event loop stays free."""
+
+    async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResponse:
+        await asyncio.sleep(float(self.config.get("latency_s", 0.0)))
+        return await super().execute(instance_id, arguments)
+
+
+class Lockstep:
+    """Makes a wave of trajectories batch-synchronous: generate() calls are held until every live
+    trajectory of the wave has made one (or finished), sent together, and answered together once
+    the last is done. Everything else passes through to the real client."""
+
+    def __init__(self, client: GenerateClient, live: int) -> None:
+        self.client, self.live = client, live
+        self.pending: list[tuple[tuple, dict, asyncio.Future]] = []
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((args, kwargs, fut))
+        self._release()
+        return await fut
+
+    def finished(self) -> None:
+        self.live -= 1
+        self._release()
+
+    def _release(self) -> None:
+        if self.pending and len(self.pending) >= self.live:
+            wave, self.pending = self.pending, []
+            asyncio.ensure_future(self._send(wave))
+
+    async def _send(self, wave: list[tuple[tuple, dict, asyncio.Future]]) -> None:
+        results = await asyncio.gather(*(self.client.generate(*a, **kw) for a, kw, _ in wave), return_exceptions=True)
+        for (_, _, fut), r in zip(wave, results):
+            if isinstance(r, BaseException):
+                fut.set_exception(r)
+            else:
+                fut.set_result(r)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+async def run_mode(mode: str, addresses: list[str], tokenizer: Any, rows: list[dict[str, Any]], latency: float,
+                   concurrency: int, agent_cfg: dict[str, Any], sampling: dict[str, Any], tag: str) -> dict[str, Any]:
+    tool = SlowCalculator({"latency_s": latency, "timeout_s": latency + 30}, _schema())
+    async with GenerateClient(addresses) as client:
+        await client.wait_ready(timeout_s=900)
+        before = [await client.status(i) for i in range(len(addresses))]
+        t0 = time.perf_counter()
+
+        async def one(i: int, row: dict[str, Any], via: Any) -> AgentLoopOutput:
+            loop = ToolAgentLoop(AgentContext(via, tokenizer, {"calculator": tool}, agent_cfg))
+            return await loop.run(dict(sampling), **{**row, "session_id": f"{tag}-{i}", "group_id": f"{tag}-{i}"})
+
+        outs: list[AgentLoopOutput] = []
+        if mode == "async":
+            sem = asyncio.Semaphore(concurrency)
+
+            async def limited(i: int, row: dict[str, Any]) -> AgentLoopOutput:
+                async with sem:
+                    return await one(i, row, client)
+
+            outs = list(await asyncio.gather(*(limited(i, r) for i, r in enumerate(rows))))
+        else:
+            for start in range(0, len(rows), concurrency):
+                wave = rows[start:start + concurrency]
+                lock = Lockstep(client, len(wave))
+
+                async def stepped(i: int, row: dict[str, Any]) -> AgentLoopOutput:
+                    try:
+                        return await one(i, row, lock)
+                    finally:
+                        lock.finished()
+
+                outs += await asyncio.gather(*(stepped(start + j, r) for j, r in enumerate(wave)))
+        wall = time.perf_counter() - t0
+        after = [await client.status(i) for i in range(len(addresses))]
+    busy = sum(a.stats["busy_s"] - b.stats["busy_s"] for a, b in zip(after, before))
+    span = sum(a.stats["uptime_s"] - b.stats["uptime_s"] for a, b in zip(after, before))
+    errors = [o.error for o in outs if o.termination == "error"]
+    if errors:
+        raise RuntimeError(f"{len(errors)} trajectories failed, e.g. {errors[0]}")
+    tokens = sum(len(o.model_token_ids()) for o in outs)
+    calls = sum(int(t.get("calls", 0)) for o in outs for t in o.turns if t.get("kind") == "tools")
+    return {"mode": mode, "latency_s": latency, "trajectories": len(outs), "wall_s": wall, "tokens": tokens,
+            "tokens_per_s": tokens / wall, "busy_fraction": busy / span if span else 0.0, "tool_calls": calls,
+            "turns_mean": sum(o.num_turns for o in outs) / len(outs),
+            "reward_mean": sum(o.reward for o in outs) / len(outs)}
+
+
+def _schema() -> dict[str, Any]:
+    from agent.tools.registry import load_tools
+    from common import ROOT
+
+    return load_tools(ROOT / "launch/configs/tools_calculator.yaml")["calculator"].tool_schema
+
+
+def plot(rows: list[dict[str, Any]], path: Path, device: str) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for mode, style in (("async", "o-"), ("sync", "s--")):
+        pts = sorted((r["latency_s"], r["tokens_per_s"]) for r in rows if r["mode"] == mode)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{mode} rollout")
+    ax.set_xlabel("tool latency (s)")
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title(device, fontsize=8)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="hf engine with a tiny llama (minutes on a laptop)")
+    ap.add_argument("--backend", default=None, help="hf | vllm (default: hf with --quick, else vllm)")
+    ap.add_argument("--model", default=None, help="base model to teach the calculator (default by mode)")
+    ap.add_argument("--sft-steps", type=int, default=None)
+    ap.add_argument("--trajectories", type=int, default=None, help="per latency and mode")
+    ap.add_argument("--concurrency", type=int, default=None, help="trajectories in flight (a sync wave)")
+    ap.add_argument("--latencies", default=",".join(str(x) for x in LATENCIES))
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
+    ap.add_argument("--gsm8k-dir", default=None, help="directory with GSM8K train.jsonl and test.jsonl")
+    ap.add_argument("--out", default=None, help=f"JSON path (default {RESULTS}/tool_latency.json)")
+    args = ap.parse_args(argv)
+    quick = args.quick
+    backend = args.backend or ("hf" if quick else "vllm")
+    base = args.model or ("tiny-llama" if quick else "smollm2-135m-instruct")
+    n = args.trajectories or (64 if quick else 96)
+    conc = args.concurrency or (32 if quick else 48)
+    steps = args.sft_steps or (200 if base == "tiny-llama" else 40)
+    latencies = [float(x) for x in args.latencies.split(",")]
+    gdir = Path(args.gsm8k_dir) if args.gsm8k_dir else None
+    train_file = gsm8k_file(str(gdir / "train.jsonl") if gdir else None, "train")
+    test_file = gsm8k_file(str(gdir / "test.jsonl") if gdir else None, "test")
+
+    lr, trainable = (3e-3, None) if base == "tiny-llama" else (1e-4, [r"model\.layers\.(2[0-9])\.", r"model\.norm\."])
+    model = str(tool_model(base, train_file, steps, lr, trainable))
+    from engines.models import load_tokenizer
+
+    tok = load_tokenizer(model)
+    rows = gsm8k_tool_rows(test_file, n)
+    agent_cfg = {"max_assistant_turns": 3, "max_turn_tokens": 64, "max_response_tokens": 256, "tool_timeout_s": 60}
+    sampling = {"temperature": args.temperature, "max_tokens": 64}
+    info = machine()
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="sy-bench-") as tmp:
+        options = {"dtype": "float32"} if backend == "vllm" else {"max_batch_size": max(64, conc)}
+        with servers(backend, model, 1, Path(tmp), options) as addrs:
+            asyncio.run(run_mode("async", addrs, tok, rows[:8], 0.0, conc, agent_cfg, sampling, "warm"))  # warm-up
+            for k, lat in enumerate(latencies):
+                for mode in (MODES if k % 2 == 0 else MODES[::-1]):
+                    r = asyncio.run(run_mode(mode, addrs, tok, rows, lat, conc, agent_cfg, sampling, f"{mode}{lat}"))
+                    results.append(r)
+                    print(f"L={lat:>4}s {mode:>5}: {r['tokens_per_s']:7.1f} tok/s  busy {r['busy_fraction']:.2f}  "
+                          f"wall {r['wall_s']:6.1f}s  tool calls {r['tool_calls']}", flush=True)
+
+    def get(mode: str, lat: float) -> dict[str, Any]:
+        return next(r for r in results if r["mode"] == mode and r["latency_s"] == lat)
+
+    print(f"\n{'L (s)':>6} | {'async tok/s':>11} {'busy':>5} | {'sync tok/s':>10} {'busy':>5} | async/sync")
+    for lat in latencies:
+        a, s = get("async", lat), get("sync", lat)
+        print(f"{lat:>6} | {a['tokens_per_s']:>11.1f} {a['busy_fraction']:>5.2f} | {s['tokens_per_s']:>10.1f} "
+              f"{s['busy_fraction']:>5.2f} | {a['tokens_per_s'] / s['tokens_per_s']:>9.2f}x")
+    ratios: dict[str, float] = {}
+    if 0.0 in latencies and 1.0 in latencies:
+        ratios["async_keep_1s"] = get("async", 1.0)["tokens_per_s"] / get("async", 0.0)["tokens_per_s"]
+        ratios["async_vs_sync_1s"] = get("async", 1.0)["tokens_per_s"] / get("sync", 1.0)["tokens_per_s"]
+    for lat in latencies:
+        ratios[f"async_vs_sync_{lat:g}s"] = get("async", lat)["tokens_per_s"] / get("sync", lat)["tokens_per_s"]
+    out = Path(args.out) if args.out else RESULTS / "tool_latency.json"
+    png = plot(results, out.with_suffix(".png"), info["device"])
+    report = {"benchmark": "tool_latency", "machine": info, "backend": backend, "model": base,
+              "sft_steps": steps, "trajectories": n, "concurrency": conc, "agent": agent_cfg,
+              "sampling": sampling, "results": results, "ratios": ratios,
+              "plot": str(png) if png else None, "command": " ".join(["python benchmarks/tool_latency.py",
+                                                                    *(argv if argv is not None else sys.argv[1:])])}
+    write_result("tool_latency", report, str(out))
+    print(result_line(ratios))
+    return report
+
+
+if __name__ == "__main__":
+    main()
