@@ -93,6 +93,19 @@ def tool_model(base: str, train_file: Path, steps: int, lr: float, trainable: li
     return out
 
 
+def calculator_workload(gsm8k_dir: str | None, base: str, steps: int, n: int) -> tuple[str, Any, list[dict[str, Any]]]:
+    """(model dir, tokenizer, n GSM8K test rows) for a tool-calling benchmark: `base` taught the
+    calculator by `steps` SFT steps on GSM8K train traces (cached)."""
+    from engines.models import load_tokenizer
+
+    gdir = Path(gsm8k_dir) if gsm8k_dir else None
+    train_file = gsm8k_file(str(gdir / "train.jsonl") if gdir else None, "train")
+    test_file = gsm8k_file(str(gdir / "test.jsonl") if gdir else None, "test")
+    lr, trainable = (3e-3, None) if base == "tiny-llama" else (1e-4, [r"model\.layers\.(2[0-9])\.", r"model\.norm\."])
+    model = str(tool_model(base, train_file, steps, lr, trainable))
+    return model, load_tokenizer(model), gsm8k_tool_rows(test_file, n)
+
+
 @contextmanager
 def servers(backend: str, model: str, n: int, tmp: Path, options: dict[str, Any] | None = None) -> Iterator[list[str]]:
     """n EngineServers on ipc sockets, each on its own slice of the cores; stopped on exit."""

@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, gsm8k_file, gsm8k_tool_rows, machine, result_line, servers, tool_model,  # noqa: E402
-                    write_result)
+from common import RESULTS, calculator_workload, machine, result_line, servers, write_result  # noqa: E402
 
 from agent.loop import AgentContext  # noqa: E402
 from agent.tool_agent import ToolAgentLoop  # noqa: E402
@@ -95,15 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = set(policies) - set(POLICIES)
     if unknown:
         raise SystemExit(f"unknown policies {sorted(unknown)}; choose from {list(POLICIES)}")
-    gdir = Path(args.gsm8k_dir) if args.gsm8k_dir else None
-    train_file = gsm8k_file(str(gdir / "train.jsonl") if gdir else None, "train")
-    test_file = gsm8k_file(str(gdir / "test.jsonl") if gdir else None, "test")
-    lr, trainable = (3e-3, None) if base == "tiny-llama" else (1e-4, [r"model\.layers\.(2[0-9])\.", r"model\.norm\."])
-    model = str(tool_model(base, train_file, steps, lr, trainable))
-    from engines.models import load_tokenizer
-
-    tok = load_tokenizer(model)
-    rows = gsm8k_tool_rows(test_file, prompts)
+    model, tok, rows = calculator_workload(args.gsm8k_dir, base, steps, prompts)
     agent_cfg = {"max_assistant_turns": 3, "max_turn_tokens": 64, "max_response_tokens": 256}
     sampling = {"temperature": args.temperature, "max_tokens": 64}
     options = {"dtype": "float32"} if backend == "vllm" else {}

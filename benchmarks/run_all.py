@@ -81,6 +81,16 @@ def routing_section(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def weight_sync_section(r: dict[str, Any]) -> list[str]:
+    lines = ["## Weight sync: reshard + load vs memcpy", "",
+             f"{r['model']} ({r['bytes'] / 1e9:.3f} GB of HF tensors) from Megatron TP {r['tp']} x PP {r['pp']} "
+             f"shards on {r['device']}; median of {r['reps']} repetitions; {r['bucket_mb']} MiB buckets.", "",
+             "| path | GB/s | vs memcpy |", "|---|---|---|"]
+    for k, v in r["gb_per_s"].items():
+        lines.append(f"| {k} | {v:.2f} | {v / r['gb_per_s']['memcpy']:.3f} |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true")
@@ -91,7 +101,8 @@ def main() -> None:
     gsm = ["--gsm8k-dir", args.gsm8k_dir] if args.gsm8k_dir else []
     commands = [["benchmarks/bus_vs_ray.py", *quick],
                 ["benchmarks/tool_latency.py", *quick, *gsm],
-                ["benchmarks/routing.py", *quick, *gsm]]
+                ["benchmarks/routing.py", *quick, *gsm],
+                ["benchmarks/weight_sync.py", *quick]]
     t0 = time.perf_counter()
     seconds = [run(c) for c in commands]
     total = time.perf_counter() - t0
@@ -104,7 +115,7 @@ def main() -> None:
              "```bash", f"python benchmarks/run_all.py{' --full' if args.full else ''}"]
     lines += [f"python {' '.join(c)}   # {s:.0f} s" for c, s in zip(commands, seconds)] + ["```", ""]
     lines += bus_section(load("bus_vs_ray")) + [""] + tool_section(load("tool_latency")) + [""]
-    lines += routing_section(load("routing")) + [""]
+    lines += routing_section(load("routing")) + [""] + weight_sync_section(load("weight_sync")) + [""]
     Path(args.output).write_text("\n".join(lines))
     print(f"\nwrote {args.output} ({total / 60:.1f} min)")
 

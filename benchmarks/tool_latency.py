@@ -32,8 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, gsm8k_file, gsm8k_tool_rows, machine, result_line, servers, tool_model,  # noqa: E402
-                    write_result)
+from common import RESULTS, calculator_workload, machine, result_line, servers, write_result  # noqa: E402
 
 from agent.loop import AgentContext, AgentLoopOutput  # noqa: E402
 from agent.tool_agent import ToolAgentLoop  # noqa: E402
@@ -189,16 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     conc = args.concurrency or (32 if quick else 48)
     steps = args.sft_steps or (200 if base == "tiny-llama" else 40)
     latencies = [float(x) for x in args.latencies.split(",")]
-    gdir = Path(args.gsm8k_dir) if args.gsm8k_dir else None
-    train_file = gsm8k_file(str(gdir / "train.jsonl") if gdir else None, "train")
-    test_file = gsm8k_file(str(gdir / "test.jsonl") if gdir else None, "test")
-
-    lr, trainable = (3e-3, None) if base == "tiny-llama" else (1e-4, [r"model\.layers\.(2[0-9])\.", r"model\.norm\."])
-    model = str(tool_model(base, train_file, steps, lr, trainable))
-    from engines.models import load_tokenizer
-
-    tok = load_tokenizer(model)
-    rows = gsm8k_tool_rows(test_file, n)
+    model, tok, rows = calculator_workload(args.gsm8k_dir, base, steps, n)
     agent_cfg = {"max_assistant_turns": 3, "max_turn_tokens": 64, "max_response_tokens": 256, "tool_timeout_s": 60}
     sampling = {"temperature": args.temperature, "max_tokens": 64}
     info = machine()

@@ -9,7 +9,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 _PREFIX = "step_"
 
@@ -25,26 +25,44 @@ class Checkpointer:
         done = sorted(p for p in self.dir.iterdir() if p.name.startswith(_PREFIX) and (p / "state.pt").exists())
         return done[-1] if done else None
 
-    def save(self, step: int, state: dict[str, Any]) -> Path:
+    def save(self, step: int, state: dict[str, Any] | None, shard: dict[str, Any] | None = None, rank: int = 0,
+             barrier: Callable[[], None] = lambda: None) -> Path:
+        """Rank 0 passes `state`; with a sharded actor (Megatron) every rank calls this with its own
+        `shard` (saved as shard_rank{r}.pt) and `barrier`, and rank 0 renames once all are written."""
         import torch
 
-        self.dir.mkdir(parents=True, exist_ok=True)
         final = self.dir / f"{_PREFIX}{step:06d}"
-        tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in sorted(p for p in self.dir.iterdir() if p.name.startswith(_PREFIX))[:-self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        tmp = self.dir / f".tmp-{final.name}"
+        if rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        barrier()
+        if shard is not None:
+            torch.save(shard, tmp / f"shard_rank{rank}.pt")
+        barrier()
+        if rank == 0:
+            assert state is not None
+            torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for old in sorted(p for p in self.dir.iterdir() if p.name.startswith(_PREFIX))[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        barrier()
         return final
 
-    def load(self, path: Path) -> dict[str, Any]:
+    def load(self, path: Path, rank: int | None = None) -> dict[str, Any]:
+        """The checkpoint's state; with `rank`, also that rank's shard under "shard"."""
         import torch
 
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
         set_rng_state(state["rng"])
+        if rank is not None:
+            shard = path / f"shard_rank{rank}.pt"
+            if not shard.exists():
+                raise FileNotFoundError(f"{path} has no {shard.name}; it was saved by a run with fewer ranks or an "
+                                        "unsharded actor; resume with the same actor.backend, tp, pp and world size")
+            state["shard"] = torch.load(shard, map_location="cpu", weights_only=False)
         return state
 
 

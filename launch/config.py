@@ -108,10 +108,19 @@ class ActorConfig:
     ppo_epochs: int = 1
     gradient_checkpointing: bool = False
     trainable: list[str] = field(default_factory=list)  # parameter-name regexes to train; empty = all
+    tp: int = 1  # megatron: tensor parallel size
+    pp: int = 1  # megatron: pipeline parallel size
 
     def __post_init__(self) -> None:
-        _choice("actor", "backend", self.backend, ("torch",))
-        _positive("actor", self, "micro_batch_size", "ppo_epochs")
+        _choice("actor", "backend", self.backend, ("torch", "megatron"))
+        _positive("actor", self, "micro_batch_size", "ppo_epochs", "tp", "pp")
+        if self.backend == "torch" and (self.tp, self.pp) != (1, 1):
+            raise ConfigError(f"actor.tp={self.tp}, actor.pp={self.pp} need actor.backend=megatron (the torch actor "
+                              "is data parallel only)")
+        if self.backend == "megatron" and (self.trainable or self.gradient_checkpointing):
+            raise ConfigError(f"actor.trainable={list(self.trainable)} / actor.gradient_checkpointing="
+                              f"{self.gradient_checkpointing} are torch-actor options; the megatron actor trains every "
+                              "parameter without recomputation: set actor.trainable=[] actor.gradient_checkpointing=false")
         if self.lr <= 0:
             raise ConfigError(f"actor.lr={self.lr} must be > 0")
         if self.ppo_mini_batch_size < 0:

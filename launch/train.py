@@ -92,12 +92,19 @@ class Run:
         self.barrier()
         self.model_dir = resolve_model(cfg.model.path)
         a = cfg.actor
-        self.actor = TorchActor(TorchActorConfig(
-            model=str(self.model_dir), dtype=cfg.model.dtype, lr=a.lr, weight_decay=a.weight_decay,
-            warmup_steps=a.warmup_steps, grad_clip=a.grad_clip, micro_batch_size=a.micro_batch_size,
-            ppo_mini_batch_size=a.ppo_mini_batch_size or None, ppo_epochs=a.ppo_epochs,
-            temperature=cfg.rollout.temperature, gradient_checkpointing=a.gradient_checkpointing,
-            trainable=list(a.trainable) or None, seed=cfg.trainer.seed))
+        common = dict(model=str(self.model_dir), dtype=cfg.model.dtype, lr=a.lr, weight_decay=a.weight_decay,
+                      warmup_steps=a.warmup_steps, grad_clip=a.grad_clip, micro_batch_size=a.micro_batch_size,
+                      ppo_mini_batch_size=a.ppo_mini_batch_size or None, ppo_epochs=a.ppo_epochs,
+                      temperature=cfg.rollout.temperature, seed=cfg.trainer.seed)
+        if a.backend == "megatron":
+            from engines.training.megatron_actor import MegatronActor, MegatronActorConfig
+
+            self.actor = MegatronActor(MegatronActorConfig(tp=a.tp, pp=a.pp, **common))
+            if self.rank == 0:
+                print(self.actor.mesh.describe(), flush=True)
+        else:
+            self.actor = TorchActor(TorchActorConfig(gradient_checkpointing=a.gradient_checkpointing,
+                                                     trainable=list(a.trainable) or None, **common))
         loss = cfg.algorithm.loss
         self.ref = None
         if loss.kl_coef > 0:
@@ -149,8 +156,7 @@ class Run:
         from rollout.client import GenerateClient
         from rollout.weight_sync import push_weights
 
-        named = tqdm(named, desc="weight sync", unit="tensor", leave=False,
-                     total=len(dict(self.actor.module.named_parameters())))
+        named = tqdm(named, desc="weight sync", unit="tensor", leave=False)
 
         async def send() -> float:
             async with GenerateClient(self.addresses) as client:
@@ -249,16 +255,38 @@ class Run:
                 "time/sync_s": t_sync, "time/step_s": time.perf_counter() - t0,
                 "data/epoch": self.stream.position[0], "data/index": self.stream.position[1]}
 
-    def state(self) -> dict[str, Any]:
-        return {"actor": self.actor.state_dict(), "data": self.stream.state_dict(), "version": self.version}
+    @property
+    def sharded(self) -> bool:
+        """Megatron ranks hold different shards: each saves and loads its own."""
+        return self.cfg.actor.backend == "megatron"
+
+    def save(self, ckpt: Any, step: int) -> None:
+        common = {"data": self.stream.state_dict(), "version": self.version}
+        if self.sharded:
+            ckpt.save(step, common if self.rank == 0 else None, shard=self.actor.state_dict(), rank=self.rank,
+                      barrier=self.barrier)
+        elif self.rank == 0:
+            ckpt.save(step, {**common, "actor": self.actor.state_dict()})
+
+    def load(self, ckpt: Any, path: Path) -> int:
+        state = ckpt.load(path, rank=self.rank if self.sharded else None)
+        self.actor.load_state_dict(state["shard"] if self.sharded else state["actor"])
+        self.stream.load_state_dict(state["data"])
+        self.version = int(state["version"])
+        return int(state["step"])
 
     def check_sizes(self) -> None:
         """Batch shapes that cannot be split over the ranks fail before any model loads."""
         total = self.cfg.data.prompts_per_step * self.cfg.rollout.n
         mini = self.cfg.actor.ppo_mini_batch_size or total
-        if mini < self.world:
+        a = self.cfg.actor
+        if self.world % (a.tp * a.pp):
+            raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} does not divide the {self.world} ranks; start "
+                              f"torchrun with a multiple of {a.tp * a.pp} processes")
+        dp = self.world // (a.tp * a.pp)
+        if mini < dp:
             raise ConfigError(f"actor.ppo_mini_batch_size (or data.prompts_per_step x rollout.n) = {mini} "
-                              f"trajectories cannot be split over {self.world} ranks; raise it to >= {self.world}")
+                              f"trajectories cannot be split over {dp} data-parallel ranks; raise it to >= {dp}")
 
     def close(self) -> None:
         if self.manager is not None:
@@ -284,11 +312,7 @@ def train(cfg: Config) -> dict[str, Any]:
     latest = ckpt.latest() if cfg.trainer.resume else None
     start = 0
     if latest is not None:
-        state = ckpt.load(latest)
-        run.actor.load_state_dict(state["actor"])
-        run.stream.load_state_dict(state["data"])
-        run.version = int(state["version"])
-        start = int(state["step"])
+        start = run.load(ckpt, latest)
         print(f"resuming from {latest} (step {start}, data position {run.stream.position})", flush=True)
     logger = MetricsLogger(run.out, cfg.trainer.wandb_project, resume_step=start) if run.rank == 0 else None
     try:
@@ -296,8 +320,7 @@ def train(cfg: Config) -> dict[str, Any]:
             run.start_engines()
         if latest is None and cfg.sft.enabled:
             run.sft()
-            if run.rank == 0:
-                ckpt.save(0, run.state())
+            run.save(ckpt, 0)
         if run.rank == 0:
             run.start_manager()
         if latest is not None or cfg.sft.enabled:
@@ -306,8 +329,8 @@ def train(cfg: Config) -> dict[str, Any]:
             metrics = run.step(step)
             if logger is not None:
                 logger.log(step, metrics, console=CONSOLE_KEYS)
-            if run.rank == 0 and (step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps):
-                ckpt.save(step, run.state())
+            if step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
+                run.save(ckpt, step)
             run.barrier()
         summary: dict[str, Any] = {}
         if logger is not None:
@@ -320,8 +343,9 @@ def train(cfg: Config) -> dict[str, Any]:
             png = plot_rewards(logger.history(), run.out / "reward_curve.png", key=REWARD_KEY)
             summary["plot"] = str(png) if png else None
             summary["metrics"] = str(logger.path)
-            if cfg.trainer.export_hf:
-                run.actor.save_hf(run.out / "hf")
+        if cfg.trainer.export_hf:
+            run.actor.save_hf(run.out / "hf")  # every rank: a sharded actor gathers to rank 0, which writes
+            if logger is not None:
                 summary["hf_export"] = str(run.out / "hf")
         return summary
     except BaseException:

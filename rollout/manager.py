@@ -20,7 +20,6 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import os
 import queue
 import signal
 import threading

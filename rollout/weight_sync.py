@@ -1,14 +1,20 @@
 """Turning named tensors into weight-bucket messages and back.
 
-The trainer side groups HF-named tensors into size-bounded buckets; each bucket travels as one
-`WeightsBucket` with a CRC32 the engine side verifies before loading a single byte.
+Three ways to an engine, all fed by an iterator of HF-named tensors (`actor.named_hf_weights()`,
+which reshards a Megatron model on the fly, `parallel/reshard.py`):
+  push_weights       over the bus: each size-bounded bucket is one `WeightsBucket` message with a
+                     CRC32 the engine server verifies before loading a byte (CPU, tests, any node)
+  load_into_engine   an engine in this very process (colocated): buckets handed over directly
+  broadcast_buckets  engines on other ranks: collective broadcast of flat byte buckets (NCCL on
+                     GPUs, gloo on CPU), CRC32 checked on receipt; `commit_everywhere` then makes
+                     the version bump all-or-nothing
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from rollout.protocol import Ack, ProtocolError, WeightsBegin, WeightsBucket, WeightsCommit, checksum
 
@@ -98,3 +104,104 @@ async def push_weights(client: "GenerateClient", named: Iterable[tuple[str, "tor
         raise RuntimeError(f"weight version {version} was not committed by every engine ({len(acks)} acks for "
                            f"{len(begun)} engines, unexpected: {wrong[:3]}); check the engine server logs")
     return SyncReport(version, len(acks), buckets, nbytes, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------- without the bus
+async def load_into_engine(engine: Any, named: Iterable[tuple[str, "torch.Tensor"]],
+                           bucket_bytes: int = 256 << 20) -> SyncReport:
+    """A colocated engine in this process: hand it the tensors bucket by bucket, then commit.
+    No copy through bytes and no checksum: nothing leaves the process."""
+    t0 = time.perf_counter()
+    pending: list[tuple[str, "torch.Tensor"]] = []
+    size = buckets = total = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if pending and size + nbytes > bucket_bytes:
+            await engine.update_weights(pending)
+            pending, size, buckets = [], 0, buckets + 1
+        pending.append((name, t))
+        size += nbytes
+        total += nbytes
+    if pending:
+        await engine.update_weights(pending)
+        buckets += 1
+    await engine.finish_weight_update()
+    return SyncReport(-1, 1, buckets, total, time.perf_counter() - t0)
+
+
+def broadcast_buckets(named: Iterable[tuple[str, "torch.Tensor"]] | None, src: int, group: Any = None,
+                      bucket_bytes: int = 256 << 20, device: Any = None) -> Iterator[list[tuple[str, "torch.Tensor"]]]:
+    """Weights from rank `src` to every rank of `group` by collective broadcast (NCCL between GPU
+    ranks, gloo on CPU), one size-bounded bucket at a time. Every rank calls it and iterates to the
+    end; `src` passes `named`, the others None. Each bucket travels as one flat byte tensor after a
+    small header (names, dtypes, shapes, CRC32) sent with broadcast_object_list; receivers verify
+    the CRC before yielding the bucket's tensors (to feed `engine.update_weights`). A receiver that
+    finds a bad bucket yields nothing more but keeps receiving to the end (leaving a collective
+    early would hang every other rank), then raises ProtocolError: commit with
+    `commit_everywhere(False)` so no rank bumps its version."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    source = iter(named) if rank == src and named is not None else None
+
+    def next_bucket() -> list[tuple[str, torch.Tensor]]:
+        out: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        while source is not None:
+            try:
+                name, t = next(source)
+            except StopIteration:
+                break
+            out.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= bucket_bytes:
+                break
+        return out
+
+    failure: str | None = None
+    while True:
+        header: list[Any] = [None]
+        flat = None
+        if rank == src:
+            bucket = next_bucket()
+            if bucket:
+                parts = [t.detach().contiguous().view(-1).view(torch.uint8) for _, t in bucket]
+                flat = torch.cat([p.cpu() for p in parts])
+                header[0] = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                             "shapes": [list(t.shape) for _, t in bucket], "sizes": [p.numel() for p in parts],
+                             "crc": checksum([memoryview(flat.numpy())])}
+        dist.broadcast_object_list(header, src=src, group=group)
+        head = header[0]
+        if head is None:  # the source has nothing more
+            if failure:  # raised only now: leaving the stream early would hang the other ranks
+                raise ProtocolError(failure)
+            return
+        if flat is None:
+            flat = torch.empty(sum(head["sizes"]), dtype=torch.uint8)
+        buf = flat.to(device) if device is not None else flat
+        dist.broadcast(buf, src=src, group=group)
+        if rank != src:
+            flat = buf.cpu()
+            got = checksum([memoryview(flat.numpy())])
+            if got != head["crc"] and failure is None:
+                failure = (f"broadcast weight bucket with {head['names'][:2]}... failed its checksum (crc32 "
+                           f"{got:#x} != {head['crc']:#x}); nothing after it was loaded, do not commit this version")
+            if failure:
+                continue  # drain the stream in step with the other ranks, yielding nothing
+        tensors, at = [], 0
+        for name, dtype, shape, n in zip(head["names"], head["dtypes"], head["shapes"], head["sizes"]):
+            raw = flat[at:at + n]
+            at += n
+            tensors.append((name, raw.view(getattr(torch, dtype)).reshape(shape)))
+        yield tensors
+
+
+def commit_everywhere(ok: bool, group: Any = None) -> bool:
+    """True only if every rank's engine committed: the version bumps everywhere or nowhere."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

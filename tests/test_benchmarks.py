@@ -59,3 +59,10 @@ def test_routing_small_run(tmp_path):
     assert hits["sticky_group"] > hits["round_robin"]
     for r in report["results"][1:]:
         assert len(r["engines"]) == 2 and all(e["prompt_tokens"] > 0 for e in r["engines"])
+
+
+def test_weight_sync_small_run(tmp_path):
+    last, report = _run("benchmarks/weight_sync.py", ["--quick", "--reps", "1"], tmp_path)
+    assert last.startswith("RESULT reshard_vs_memcpy=")
+    assert set(report["gb_per_s"]) == {"memcpy", "reshard", "in_process", "bus"}
+    assert all(v > 0 for v in report["gb_per_s"].values()) and report["tp"] == 2

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from engines.models import load_tokenizer, tiny_llama
 from rollout.client import GenerateClient
@@ -33,3 +35,25 @@ def test_push_weights_reaches_every_engine(servers):
     for r in replies:
         assert r.weight_version == 1 and r.token_ids == logp.argmax(-1).tolist()
         assert torch.allclose(torch.tensor(r.logprobs), logp.max(-1).values, atol=1e-4)
+
+
+def test_broadcast_to_an_in_process_engine_verifies_and_commits_all_or_nothing(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from engines.models import resolve_model
+
+    repo = Path(__file__).resolve().parents[1]
+    model = str(resolve_model("tiny-llama"))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "tests/dist_weights.py", model, str(tmp_path)], cwd=repo, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    sender, receiver = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert sender["buckets"] > 1  # size-bounded buckets, not one blob
+    assert receiver["same"] and receiver["tensors"] == len(load_file(f"{model}/model.safetensors"))
+    assert sender["committed"] and receiver["committed"]
+    assert "failed its checksum" in receiver["corruption"]
+    assert not sender["second_commit"] and not receiver["second_commit"]  # one refusal: nobody bumps

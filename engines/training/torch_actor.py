@@ -104,9 +104,17 @@ def _denominator(mask: torch.Tensor, agg: str) -> float:
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The HF model, with `padding_idx` taken off its embeddings: chat models often pad with
+    their end-of-turn token, which is a real input in every multi-turn trajectory, and HF's
+    padding_idx would silently freeze that row's input embedding. Padding positions get no
+    gradient anyway (attention and loss masks keep them out)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding):
+            m.padding_idx = None
+    return model
 
 
 @dataclass

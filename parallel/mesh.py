@@ -1,0 +1,153 @@
+"""Process groups and placement: who trains what, and where the engines live.
+
+Training: tensor (TP) x pipeline (PP) x data (DP) parallel groups, built by megatron-core's
+`parallel_state` (TP fastest, then DP, then PP), with every rank's coordinates gathered once so
+code never has to assume the rank order.
+
+Engines: a placement plan, printed at start-up.
+  colocated  engines run on the training GPUs; they sleep (free their KV cache and move weights
+             off the GPU) while the actor updates, and wake for the next rollout
+  split      the first `train_gpus` GPUs train, the rest hold engines that never sleep; weights
+             travel to them by broadcast
+  cpu        engines are processes on the trainer's box, each on its own slice of the cores
+Each engine spans `rollout_tp` devices (vLLM/SGLang run their own TP inside the engine); the
+engines together are the rollout's data-parallel dimension.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+PLACEMENTS = ("colocated", "split", "cpu")
+
+
+@dataclass(frozen=True)
+class TrainMesh:
+    rank: int
+    world: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    coords: tuple[tuple[int, int, int], ...]  # (tp_rank, pp_rank, dp_rank) of every global rank
+    groups: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+        return self.coords.index((tp_rank, pp_rank, dp_rank))
+
+    def stage_leader(self, stage: int) -> int:
+        """TP rank 0 of pipeline stage `stage` in the first data-parallel replica."""
+        return self.rank_of(0, stage, 0)
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def describe(self) -> str:
+        return (f"training mesh: {self.world} ranks = TP {self.tp} x PP {self.pp} x DP {self.dp}; this rank "
+                f"{self.rank} is tp {self.tp_rank}, pp {self.pp_rank}, dp {self.dp_rank}")
+
+
+def init_training_mesh(tp: int = 1, pp: int = 1) -> TrainMesh:
+    """Initialize torch.distributed (gloo on CPU, NCCL on GPUs; a one-rank group without torchrun)
+    and megatron-core's model-parallel groups."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            store = os.path.join(tempfile.mkdtemp(prefix="switchyard-pg-"), "store")
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"{world} ranks cannot be split into TP {tp} x PP {pp}; the world size must be a multiple "
+                         f"of {tp * pp}")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    me = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())
+    coords: list[Any] = [None] * world
+    dist.all_gather_object(coords, me)
+    groups = {"tp": ps.get_tensor_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),
+              "dp": ps.get_data_parallel_group(), "mp": ps.get_model_parallel_group()}
+    if pp > 1:
+        groups["embedding"] = ps.get_embedding_group()
+    return TrainMesh(rank=dist.get_rank(), world=world, tp=tp, pp=pp, dp=world // (tp * pp), tp_rank=me[0],
+                     pp_rank=me[1], dp_rank=me[2], coords=tuple(tuple(c) for c in coords), groups=groups)
+
+
+@dataclass(frozen=True)
+class EngineSlot:
+    engine_id: str
+    node: int
+    devices: tuple[int, ...]  # GPU indices on the node, or CPU cores for placement "cpu"
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    mode: str
+    nodes: int
+    devices_per_node: int
+    train_devices: int
+    rollout_tp: int
+    engines: tuple[EngineSlot, ...]
+
+    def describe(self) -> str:
+        kind = "cores" if self.mode == "cpu" else "GPUs"
+        lines = [f"placement {self.mode}: {self.nodes} node(s) x {self.devices_per_node} {kind}; training on "
+                 f"{self.train_devices} {kind}; {len(self.engines)} engine(s) of rollout TP {self.rollout_tp}"]
+        if self.mode == "colocated":
+            lines.append("  engines share the training GPUs: they sleep during each update and wake for rollout")
+        for e in self.engines:
+            lines.append(f"  {e.engine_id}: node {e.node}, {kind} {list(e.devices)}")
+        return "\n".join(lines)
+
+
+def plan_placement(mode: str, nodes: int = 1, devices_per_node: int = 1, train_devices: int | None = None,
+                   rollout_tp: int = 1, num_engines: int | None = None) -> PlacementPlan:
+    """Where engines go. `train_devices` (split) is how many of all GPUs train; `num_engines`
+    (cpu) how many engine processes share the box's cores."""
+    if mode not in PLACEMENTS:
+        raise ValueError(f"placement {mode!r}; choose one of {list(PLACEMENTS)}")
+    if rollout_tp < 1 or nodes < 1 or devices_per_node < 1:
+        raise ValueError("placement needs rollout_tp, nodes and devices_per_node >= 1")
+    total = nodes * devices_per_node
+    if mode == "cpu":
+        from rollout.server import cpu_slices
+
+        n = num_engines or 1
+        slots = tuple(EngineSlot(f"engine{i}", 0, tuple(c)) for i, c in enumerate(cpu_slices(n)))
+        return PlacementPlan(mode, 1, len({c for s in slots for c in s.devices}), 0, 1, slots)
+    if devices_per_node % rollout_tp:
+        raise ValueError(f"rollout_tp={rollout_tp} must divide the {devices_per_node} GPUs of a node (an engine "
+                         "never spans nodes)")
+    if mode == "colocated":
+        train, first = total, 0
+    else:
+        train = train_devices if train_devices is not None else total // 2
+        if not 0 < train < total or (total - train) % rollout_tp:
+            raise ValueError(f"split placement: train_devices={train} must leave GPUs for engines out of {total}, "
+                             f"and the engine part must be a multiple of rollout_tp={rollout_tp}")
+        first = train
+    slots = []
+    for start in range(first, total - rollout_tp + 1, rollout_tp):
+        node, local = divmod(start, devices_per_node)
+        if local + rollout_tp > devices_per_node:
+            continue
+        slots.append(EngineSlot(f"engine{len(slots)}", node, tuple(range(local, local + rollout_tp))))
+    if not slots:
+        raise ValueError(f"no engine fits: {total - first} GPUs left for engines of rollout_tp={rollout_tp}")
+    return PlacementPlan(mode, nodes, devices_per_node, train, rollout_tp, tuple(slots))
