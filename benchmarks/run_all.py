@@ -51,17 +51,32 @@ def tool_section(r: dict[str, Any]) -> list[str]:
              f"{r['trajectories']} GSM8K trajectories per cell, {r['concurrency']} in flight; tool_agent "
              f"{r['agent']}; sampling {r['sampling']}. Busy = fraction of the window with a request inside "
              "the engine.", "",
-             "| tool latency (s) | async tok/s | async busy | sync tok/s | sync busy | async / sync |",
-             "|---|---|---|---|---|---|"]
+             "| tool latency (s) | async tok/s | async busy | sync tok/s | sync busy | sync generation phase | "
+             "async / sync | ceiling (1 / sync busy) |", "|---|---|---|---|---|---|---|---|"]
     cells = {(x["mode"], x["latency_s"]): x for x in r["results"]}
     for lat in sorted({x["latency_s"] for x in r["results"]}):
         a, s = cells[("async", lat)], cells[("sync", lat)]
         lines.append(f"| {lat:g} | {a['tokens_per_s']:.1f} | {a['busy_fraction']:.2f} | {s['tokens_per_s']:.1f} | "
-                     f"{s['busy_fraction']:.2f} | {a['tokens_per_s'] / s['tokens_per_s']:.2f}x |")
+                     f"{s['busy_fraction']:.2f} | {s.get('gen_phase_s_mean', 0):.2f} s | "
+                     f"{a['tokens_per_s'] / s['tokens_per_s']:.2f}x | {1 / max(s['busy_fraction'], 1e-9):.2f}x |")
     rat = r["ratios"]
     if "async_keep_1s" in rat:
+        a0, a1, s1 = cells[("async", 0.0)], cells[("async", 1.0)], cells[("sync", 1.0)]
         lines += ["", f"At 1 s: the async loop keeps {rat['async_keep_1s']:.0%} of its 0 s throughput and runs "
-                      f"{rat['async_vs_sync_1s']:.2f}x the synchronous rollout."]
+                      f"{rat['async_vs_sync_1s']:.2f}x the synchronous rollout.",
+                  "", f"What the async loop loses at 1 s is batch size, not busy time: busy {a1['busy_fraction']:.2f}, "
+                      f"tokens per busy second {a0['tokens_per_busy_s']:.0f} -> {a1['tokens_per_busy_s']:.0f}, because "
+                      f"trajectories waiting on a tool are not generating and concurrency is held at {r['concurrency']} "
+                      "for both modes; more trajectories in flight lift it.",
+                  "", "What bounds the gain: a rollout beats the synchronous one only by filling the time the engine "
+                      "sits idle in it, so at equal tokens per busy second the gain is at most 1 / (sync busy "
+                      f"fraction) = {rat['sync_idle_ceiling_1s']:.2f}x at 1 s. The synchronous rollout at 1 s spent "
+                      f"{s1['gen_s']:.1f} s in {s1['gen_phases']} generation phases (all live trajectories of a wave "
+                      f"sent together, {s1['gen_phase_s_mean']:.2f} s each) and only {s1['tool_wait_s']:.1f} s waiting "
+                      "on tools: these trajectories make about one tool round and then answer. A 3x gain needs the "
+                      "engine idle two thirds of the synchronous run, i.e. tool rounds taking twice the generation "
+                      "time: longer tools, more tool rounds per trajectory, or a faster engine (a GPU engine finishes "
+                      "a phase like this in a fraction of a second)."]
     if r.get("plot") and Path(r["plot"]).exists():  # beside RESULTS.md, committed with it
         shutil.copy(r["plot"], ROOT / "benchmarks" / "tool_latency.png")
         lines += ["", "![tokens/s against tool latency](tool_latency.png)"]

@@ -42,6 +42,9 @@ def test_tool_latency_small_run(tmp_path):
     assert all(r["tool_calls"] > 0 for r in cells.values())  # the SFT'd model really calls the tool
     # a sync wave waits for its slowest tool each tool round: 2 waves, at least one 0.5 s round each
     assert cells[("sync", 0.5)]["wall_s"] >= 2 * 0.5
+    sync = cells[("sync", 0.5)]  # generation phases are timed; the rest of the wall is the tool rounds
+    assert sync["gen_phases"] >= 3 and 0 < sync["gen_s"] < sync["wall_s"] and sync["tool_wait_s"] >= 0.5
+    assert "gen_phases" not in cells[("async", 0.5)]
     assert Path(report["plot"]).exists()
 
 
