@@ -35,7 +35,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from engines.training.losses import IGNORE_INDEX, LossConfig, compute_loss
-from engines.training.torch_actor import DTYPES, _ADDITIVE, _denominator
+from engines.training.torch_actor import _ADDITIVE, DTYPES, ActorConfig, _denominator
 
 if TYPE_CHECKING:
     from parallel.mesh import TrainMesh
@@ -60,25 +60,12 @@ def cpu_shims() -> None:
 
 
 @dataclass
-class MegatronActorConfig:
-    model: str
+class MegatronActorConfig(ActorConfig):
     tp: int = 1
     pp: int = 1
-    dtype: str = "float32"
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
-    micro_batch_size: int = 8
-    ppo_mini_batch_size: int | None = None
-    ppo_epochs: int = 1
-    temperature: float = 1.0
-    seed: int = 0
-    progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"actor dtype={self.dtype!r}; choose one of {list(DTYPES)}")
+        super().__post_init__()
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"actor.tp={self.tp}, actor.pp={self.pp}: both must be >= 1")
 

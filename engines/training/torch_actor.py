@@ -118,9 +118,10 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> torch
 
 
 @dataclass
-class TorchActorConfig:
-    """`dtype` is the compute dtype: weights are kept in float32 (the optimizer's master copy) and
-    bfloat16/float16 run under autocast. Engines are sent `dtype` weights."""
+class ActorConfig:
+    """What every actor backend takes. `dtype` is the compute dtype: weights are kept in float32
+    (the optimizer's master copy) and bfloat16/float16 run under autocast. Engines are sent
+    `dtype` weights."""
 
     model: str
     dtype: str = "float32"
@@ -132,14 +133,18 @@ class TorchActorConfig:
     ppo_mini_batch_size: int | None = None  # trajectories per optimizer step; None = the whole batch
     ppo_epochs: int = 1
     temperature: float = 1.0
-    gradient_checkpointing: bool = False
-    trainable: list[str] | None = None  # parameter-name regexes; None = every parameter
     seed: int = 0
     progress: bool = True  # tqdm bars for the logprob and update passes (rank 0)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"actor dtype={self.dtype!r}; choose one of {list(DTYPES)}")
+
+
+@dataclass
+class TorchActorConfig(ActorConfig):
+    gradient_checkpointing: bool = False
+    trainable: list[str] | None = None  # parameter-name regexes; None = every parameter
 
 
 class TorchActor:
