@@ -24,7 +24,6 @@ event loop they were started on, so `_generate` raises instead of starting a sec
 
 from __future__ import annotations
 
-import importlib
 import time
 import uuid
 import warnings
@@ -42,6 +41,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr, model_validator
 
 from agent.chat import ChatEncoder
+from agent.dotted import import_dotted
 from agent.loop import AgentContext, AgentLoopBase, AgentLoopOutput, Trajectory, new_session_id
 from agent.parsers import ToolParser, get_tool_parser
 from agent.tools.calculator import CalculatorError, safe_eval
@@ -382,11 +382,11 @@ class LangGraphAgentConfig:
 
 
 def import_graph_factory(dotted: str) -> Callable[[BaseChatModel], Any]:
-    module_name, _, attr = dotted.rpartition(".")
     try:
-        factory = getattr(importlib.import_module(module_name), attr) if module_name else None
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"graph_factory={dotted!r} cannot be imported ({e}); give package.module.function") from e
+        factory = import_dotted(dotted, "graph_factory")
+    except ValueError as e:
+        raise ValueError(f"graph_factory={dotted!r} cannot be imported ({e.__cause__ or e}); "
+                         "give package.module.function") from e
     if not callable(factory):
         raise ValueError(f"graph_factory={dotted!r} is not a callable; give package.module.function taking the "
                          "chat model and returning a compiled graph")

@@ -9,11 +9,12 @@ three response lists can never drift apart.
 
 from __future__ import annotations
 
-import importlib
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from agent.dotted import import_class
 
 if TYPE_CHECKING:
     from agent.interactions.base import BaseInteraction
@@ -181,13 +182,7 @@ class AgentLoopRegistry:
 
 
 def _import_loop(name: str, dotted: str) -> type[AgentLoopBase]:
-    module_name, _, attr = str(dotted).rpartition(".")
-    if not module_name:
-        raise ValueError(f"agent_loops.{name}: {dotted!r} is not a dotted path; use package.module.ClassName")
     try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"agent_loops.{name}: cannot import {dotted!r}: {e}") from e
-    if not (isinstance(cls, type) and issubclass(cls, AgentLoopBase)):
-        raise ValueError(f"agent_loops.{name}: {dotted!r} is not a subclass of agent.loop.AgentLoopBase")
-    return cls
+        return import_class(dotted, AgentLoopBase, "class")
+    except ValueError as e:
+        raise ValueError(f"agent_loops.{name}: {e}") from e

@@ -64,7 +64,8 @@ def tool_model(base: str, train_file: Path, steps: int, lr: float, trainable: li
     import torch
 
     from engines.models import load_tokenizer
-    from engines.training.torch_actor import TorchActor, TorchActorConfig
+    from engines.training.config import ActorConfig
+    from engines.training.torch_actor import TorchActor
     from launch.data.sft import build_sft_examples, sft_batches
     from agent.tools.registry import load_tools
 
@@ -75,7 +76,7 @@ def tool_model(base: str, train_file: Path, steps: int, lr: float, trainable: li
     examples = build_sft_examples(rows, tok, {n: t.tool_schema for n, t in tools.items()}, max_calls=1,
                                   max_length=384)
     torch.manual_seed(0)
-    actor = TorchActor(TorchActorConfig(model=path, lr=lr, micro_batch_size=8, trainable=trainable, progress=False))
+    actor = TorchActor(ActorConfig(lr=lr, micro_batch_size=8, trainable=list(trainable or [])), path, progress=False)
     done, epoch = 0, 0
     print(f"making a calculator-calling model: {steps} SFT steps of {base} on {len(examples)} traces", flush=True)
     while done < steps:
@@ -109,7 +110,8 @@ def calculator_workload(gsm8k_dir: str | None, base: str, steps: int, n: int) ->
 @contextmanager
 def servers(backend: str, model: str, n: int, tmp: Path, options: dict[str, Any] | None = None) -> Iterator[list[str]]:
     """n EngineServers on ipc sockets, each on its own slice of the cores; stopped on exit."""
-    from rollout.server import cpu_slices, start_server_process
+    from parallel.mesh import cpu_slices
+    from rollout.server import start_server_process
 
     cores = cpu_slices(n)
     procs, addrs = [], []

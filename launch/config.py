@@ -14,14 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engines.training.config import DTYPES, ActorConfig
 from engines.training.losses import LossConfig
+from engines.training.reference import REFERENCES
+from rollout.config import RolloutConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "launch" / "configs" / "cpu_demo.yaml"
-ENGINES = ("vllm", "hf", "sglang")
 TASKS = ("arithmetic", "gsm8k", "rows")
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
-POLICIES = ("sticky_group", "sticky", "least_loaded", "round_robin")
 
 
 class ConfigError(ValueError):
@@ -46,7 +47,7 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        _choice("model", "dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _choice("model", "dtype", self.dtype, tuple(DTYPES))
 
 
 @dataclass
@@ -67,72 +68,11 @@ class DataConfig:
 
 
 @dataclass
-class RolloutConfig:
-    engine: str = "vllm"
-    num_engines: int = 1
-    engine_options: dict[str, Any] = field(default_factory=dict)  # passed to the engine backend
-    policy: str = "sticky_group"
-    n: int = 4  # samples per prompt: one GRPO group
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 128  # per generation; tool_agent's max_turn_tokens caps it too
-    num_workers: int = 0  # agent worker processes; 0 = in the trainer's process
-    agent: dict[str, Any] = field(default_factory=dict)  # {agent_name: {loop options}}
-    agent_loops: dict[str, str] = field(default_factory=dict)  # {agent_name: package.module.LoopClass}
-    tools_config: str | None = "launch/configs/tools_calculator.yaml"
-    interaction_config: str | None = None
-    startup_timeout_s: float = 900.0
-    weight_bucket_mb: int = 64
-
-    def __post_init__(self) -> None:
-        _choice("rollout", "engine", self.engine, ENGINES)
-        _choice("rollout", "policy", self.policy, POLICIES)
-        _positive("rollout", self, "num_engines", "n", "max_tokens", "weight_bucket_mb")
-        if self.num_workers < 0:
-            raise ConfigError(f"rollout.num_workers={self.num_workers} must be >= 0 (0 = run in the trainer process)")
-        if self.temperature <= 0:
-            raise ConfigError(f"rollout.temperature={self.temperature} must be > 0 for RL (sampling, not greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
-
-
-@dataclass
-class ActorConfig:
-    backend: str = "torch"
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
-    micro_batch_size: int = 8
-    ppo_mini_batch_size: int = 0  # 0 = the whole batch is one mini-batch (one optimizer step per RL step)
-    ppo_epochs: int = 1
-    gradient_checkpointing: bool = False
-    trainable: list[str] = field(default_factory=list)  # parameter-name regexes to train; empty = all
-    tp: int = 1  # megatron: tensor parallel size
-    pp: int = 1  # megatron: pipeline parallel size
-
-    def __post_init__(self) -> None:
-        _choice("actor", "backend", self.backend, ("torch", "megatron"))
-        _positive("actor", self, "micro_batch_size", "ppo_epochs", "tp", "pp")
-        if self.backend == "torch" and (self.tp, self.pp) != (1, 1):
-            raise ConfigError(f"actor.tp={self.tp}, actor.pp={self.pp} need actor.backend=megatron (the torch actor "
-                              "is data parallel only)")
-        if self.backend == "megatron" and (self.trainable or self.gradient_checkpointing):
-            raise ConfigError(f"actor.trainable={list(self.trainable)} / actor.gradient_checkpointing="
-                              f"{self.gradient_checkpointing} are torch-actor options; the megatron actor trains every "
-                              "parameter without recomputation: set actor.trainable=[] actor.gradient_checkpointing=false")
-        if self.lr <= 0:
-            raise ConfigError(f"actor.lr={self.lr} must be > 0")
-        if self.ppo_mini_batch_size < 0:
-            raise ConfigError(f"actor.ppo_mini_batch_size={self.ppo_mini_batch_size} must be >= 0")
-
-
-@dataclass
 class ReferenceConfig:
     backend: str = "torch"  # torch | deepspeed (ZeRO-3; CUDA)
 
     def __post_init__(self) -> None:
-        _choice("reference", "backend", self.backend, ("torch", "deepspeed"))
+        _choice("reference", "backend", self.backend, REFERENCES)
 
 
 @dataclass
@@ -268,3 +208,16 @@ def validate(cfg: Config) -> None:
     if mini and total % mini:
         raise ConfigError(f"actor.ppo_mini_batch_size={mini} must divide the batch of data.prompts_per_step x "
                           f"rollout.n = {total} trajectories")
+
+
+def check_world_size(cfg: Config, world: int) -> None:
+    """Batch shapes that cannot be split over the ranks fail before any model loads."""
+    a = cfg.actor
+    mini = a.mini_batch(cfg.data.prompts_per_step * cfg.rollout.n)
+    if world % (a.tp * a.pp):
+        raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} does not divide the {world} ranks; start "
+                          f"torchrun with a multiple of {a.tp * a.pp} processes")
+    dp = world // (a.tp * a.pp)
+    if mini < dp:
+        raise ConfigError(f"actor.ppo_mini_batch_size (or data.prompts_per_step x rollout.n) = {mini} "
+                          f"trajectories cannot be split over {dp} data-parallel ranks; raise it to >= {dp}")

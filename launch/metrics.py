@@ -92,3 +92,17 @@ def plot_rewards(history: list[dict[str, Any]], path: Path, key: str = "reward/m
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def summarize(logger: MetricsLogger, key: str) -> dict[str, Any]:
+    """The run's closing numbers: mean `key` over the first and last five steps, the plot, the file."""
+    hist = [h for h in logger.history() if h.get(key) is not None]
+    summary: dict[str, Any] = {}
+    if hist:
+        first, last = hist[:5], hist[-5:]
+        summary = {"steps": len(hist), "reward_first5": sum(h[key] for h in first) / len(first),
+                   "reward_last5": sum(h[key] for h in last) / len(last)}
+    png = plot_rewards(logger.history(), logger.path.parent / "reward_curve.png", key=key)
+    summary["plot"] = str(png) if png else None
+    summary["metrics"] = str(logger.path)
+    return summary

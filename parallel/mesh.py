@@ -116,6 +116,33 @@ class PlacementPlan:
         return "\n".join(lines)
 
 
+def init_distributed() -> tuple[int, int]:
+    """(rank, world) of this process under torchrun; creates the default process group when there
+    is more than one rank (NCCL with CUDA, gloo on CPU). On CPU the ranks of a box share its cores
+    (torchrun alone would leave each one thread)."""
+    import torch
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if not torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return rank, world
+
+
+def cpu_slices(n: int) -> list[list[int]]:
+    """Split the cores this process may use into `n` disjoint, contiguous slices (one per CPU
+    engine on this box); with fewer cores than engines, engines share single cores."""
+    if n < 1:
+        raise ValueError(f"cpu_slices(n={n}): need at least one engine")
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cores) < n:
+        return [[cores[i % len(cores)]] for i in range(n)]
+    per = len(cores) // n
+    return [cores[i * per:(i + 1) * per] for i in range(n)]
+
+
 def plan_placement(mode: str, nodes: int = 1, devices_per_node: int = 1, train_devices: int | None = None,
                    rollout_tp: int = 1, num_engines: int | None = None) -> PlacementPlan:
     """Where engines go. `train_devices` (split) is how many of all GPUs train; `num_engines`
@@ -126,8 +153,6 @@ def plan_placement(mode: str, nodes: int = 1, devices_per_node: int = 1, train_d
         raise ValueError("placement needs rollout_tp, nodes and devices_per_node >= 1")
     total = nodes * devices_per_node
     if mode == "cpu":
-        from rollout.server import cpu_slices
-
         n = num_engines or 1
         slots = tuple(EngineSlot(f"engine{i}", 0, tuple(c)) for i, c in enumerate(cpu_slices(n)))
         return PlacementPlan(mode, 1, len({c for s in slots for c in s.devices}), 0, 1, slots)

@@ -1,19 +1,19 @@
 """Weights between the HF layout (what engines load) and Megatron's tensor/pipeline-parallel layout.
 
-Llama-family decoders (llama, qwen2, mistral: RMSNorm, SwiGLU, RoPE, GQA, optional QKV bias,
-tied or untied embeddings). Per layer, with G query groups of Hq/G query heads of size d:
+What a model family's tensors are called and how each one is split is stated once, in its file
+under `parallel/families/` (one per HF model_type: llama, qwen2, mistral): a table of rows (HF
+name, Megatron name, pipeline part, TP kind, HF shape). This module is the family-independent
+machinery that reads such a table in both directions. The kinds (TP rank r of T):
 
-    HF                                        Megatron (TP rank r of T)
-    q_proj [Hq*d, H], k_proj / v_proj [G*d, H]   linear_qkv [G/T * (Hq/G + 2) * d, H]: for each of the
-                                               rank's groups, its query heads, then its key, then its value
-    o_proj [H, Hq*d]                           linear_proj: columns split T ways (row-parallel)
-    gate_proj / up_proj [F, H]                 linear_fc1 [2F/T, H] = [gate rows of r; up rows of r]
-    down_proj [H, F]                           linear_fc2: columns split T ways
-    embed_tokens / lm_head [V, H]              rows padded to Vp (a multiple of 128 * T), split T ways
-    norms                                      replicated on every TP rank
+    replicated    the same on every rank (norms)
+    vocab         rows padded to Vp (a multiple of 128 * T), then split T ways (embedding, output layer)
+    col / row     split T ways along dim 0 / dim 1
+    qkv:q|k|v     fused into one tensor by query group (`fuse_qkv`)
+    fc1:gate|up   fused as [gate rows of r; up rows of r]
 
 Pipeline stage p of P holds layers [p*L/P, (p+1)*L/P) under local indices 0..L/P-1; the first
-stage holds the embedding, the last the final norm and the output layer.
+stage holds the "embedding" rows, the last the "final" ones. With tied embeddings the output
+layer is not in the checkpoint; a pipelined last stage keeps its own copy of the embedding.
 
 `hf_to_megatron` cuts one rank's shard out of HF tensors (loading reads only what the rank
 needs). `iter_hf_weights` is the reverse for a live model: every rank runs it in lockstep, each HF
@@ -24,9 +24,11 @@ ever holds more than one full tensor besides its own shard.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
+
+from parallel.families import Family, TensorRow, family_for
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -38,6 +40,7 @@ VOCAB_MULTIPLE = 128  # Megatron's make-vocab-size-divisible-by default
 class DecoderLayout:
     """The shapes that decide how tensors are cut; built from an HF config."""
 
+    model_type: str  # names the family file in parallel/families/
     num_layers: int
     hidden: int
     heads: int
@@ -52,24 +55,25 @@ class DecoderLayout:
     max_positions: int
 
     @classmethod
-    def from_hf_config(cls, cfg: object) -> "DecoderLayout":
+    def from_hf_config(cls, cfg: Any) -> "DecoderLayout":
+        """The layout as the config's family reads it; an unsupported model_type is refused here,
+        before any weights are touched."""
         mt = getattr(cfg, "model_type", "?")
-        if mt not in ("llama", "qwen2", "mistral"):
-            raise ValueError(f"model_type {mt!r} is not supported by the Megatron path; supported: llama, qwen2, "
-                             "mistral (RMSNorm + SwiGLU + RoPE decoders)")
-        heads = int(cfg.num_attention_heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        scaling = getattr(cfg, "rope_scaling", None)
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"rope_scaling {scaling} is not supported by the Megatron path yet; use the torch actor")
-        theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
-        return cls(num_layers=int(cfg.num_hidden_layers), hidden=int(cfg.hidden_size), heads=heads,
-                   groups=int(getattr(cfg, "num_key_value_heads", None) or heads), head_dim=head_dim,
-                   ffn=int(cfg.intermediate_size), vocab=int(cfg.vocab_size),
-                   tied=bool(getattr(cfg, "tie_word_embeddings", False)),
-                   qkv_bias=bool(getattr(cfg, "attention_bias", False) or mt == "qwen2"),
-                   norm_eps=float(cfg.rms_norm_eps), rope_theta=float(theta or 10000.0),
-                   max_positions=int(getattr(cfg, "max_position_embeddings", 4096)))
+        return cls(model_type=mt, **family_for(mt).read_layout(cfg))
+
+    @property
+    def family(self) -> Family:
+        """The family file that names this layout's tensors and builds it in megatron-core."""
+        return family_for(self.model_type)
+
+    @property
+    def q_width(self) -> int:
+        """Rows of q_proj (and columns of o_proj): the family tables give shapes in these units."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.groups * self.head_dim
 
     def padded_vocab(self, tp: int) -> int:
         m = VOCAB_MULTIPLE * tp
@@ -123,41 +127,55 @@ def split_qkv(fused: torch.Tensor, lay: DecoderLayout) -> tuple[torch.Tensor, to
             v.reshape(g * d, *rest).contiguous())
 
 
+def stage_tensors(lay: DecoderLayout, stage: int, pp: int) -> Iterator[tuple[TensorRow, str, str]]:
+    """(table row, HF name, Megatron name) of every tensor pipeline stage `stage` holds, in the
+    family table's order layer by layer: the one order both directions agree on."""
+    rows = [r for r in lay.family.tensors if not r.when or getattr(lay, r.when)]
+    if stage == 0:
+        yield from ((r, r.hf, r.megatron) for r in rows if r.part == "embedding")
+    for local, i in enumerate(lay.stage_layers(stage, pp)):
+        yield from ((r, r.hf.format(i=i), r.megatron.format(i=local)) for r in rows if r.part == "layer")
+    if stage == pp - 1:
+        yield from ((r, r.hf, r.megatron) for r in rows if r.part == "final")
+
+
+def _cut(members: dict[str, str], get: Callable[[str], torch.Tensor], lay: DecoderLayout, tp_rank: int,
+         tp: int) -> torch.Tensor:
+    """One TP rank's shard of a Megatron tensor from its HF sources, {kind: HF name}."""
+    col = lambda t: t.chunk(tp, dim=0)[tp_rank].contiguous()  # noqa: E731
+    if set(members) == {"qkv:q", "qkv:k", "qkv:v"}:
+        return fuse_qkv(get(members["qkv:q"]), get(members["qkv:k"]), get(members["qkv:v"]), lay, tp_rank, tp)
+    if set(members) == {"fc1:gate", "fc1:up"}:
+        return torch.cat([col(get(members["fc1:gate"])), col(get(members["fc1:up"]))])
+    if len(members) != 1:
+        raise ValueError(f"HF tensors {members} share one Megatron tensor but are neither q/k/v nor gate/up")
+    ((kind, name),) = members.items()
+    t = get(name)
+    if kind == "replicated":
+        return t.clone()
+    if kind == "vocab":
+        return _pad_rows(t, lay.padded_vocab(tp)).chunk(tp, dim=0)[tp_rank].contiguous()
+    if kind == "col":
+        return col(t)
+    if kind == "row":
+        return t.chunk(tp, dim=1)[tp_rank].contiguous()
+    raise ValueError(f"HF tensor {name!r} has kind {kind!r}, which takes part in a fused tensor; its partners are "
+                     "missing from the family table")
+
+
 def hf_to_megatron(get: Callable[[str], torch.Tensor], lay: DecoderLayout, tp_rank: int, tp: int, pp_rank: int,
                    pp: int) -> dict[str, torch.Tensor]:
     """The Megatron state of one (TP, PP) rank; `get(hf_name)` returns an HF tensor (e.g. from a
     safetensors file opened lazily, so only the tensors this rank needs are read)."""
     lay.check(tp, pp)
-    out: dict[str, torch.Tensor] = {}
-    vp = lay.padded_vocab(tp)
-    vocab_shard = lambda t: _pad_rows(t, vp).chunk(tp, dim=0)[tp_rank].contiguous()  # noqa: E731
-    col = lambda t: t.chunk(tp, dim=0)[tp_rank].contiguous()  # noqa: E731
-    row = lambda t: t.chunk(tp, dim=1)[tp_rank].contiguous()  # noqa: E731
-    first, last = pp_rank == 0, pp_rank == pp - 1
-    if first:
-        out["embedding.word_embeddings.weight"] = vocab_shard(get("model.embed_tokens.weight"))
-    for local, g in enumerate(lay.stage_layers(pp_rank, pp)):
-        src, dst = f"model.layers.{g}.", f"decoder.layers.{local}."
-        attn = src + "self_attn."
-        out[dst + "input_layernorm.weight"] = get(src + "input_layernorm.weight").clone()
-        out[dst + "self_attention.linear_qkv.weight"] = fuse_qkv(
-            get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight"), lay, tp_rank, tp)
-        if lay.qkv_bias:
-            out[dst + "self_attention.linear_qkv.bias"] = fuse_qkv(
-                get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias"), lay, tp_rank, tp)
-        out[dst + "self_attention.linear_proj.weight"] = row(get(attn + "o_proj.weight"))
-        out[dst + "pre_mlp_layernorm.weight"] = get(src + "post_attention_layernorm.weight").clone()
-        mlp = src + "mlp."
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([col(get(mlp + "gate_proj.weight")),
-                                                        col(get(mlp + "up_proj.weight"))])
-        out[dst + "mlp.linear_fc2.weight"] = row(get(mlp + "down_proj.weight"))
-    if last:
-        out["decoder.final_layernorm.weight"] = get("model.norm.weight").clone()
-        if not lay.tied:
-            out["output_layer.weight"] = vocab_shard(get("lm_head.weight"))
-        elif not first:  # tied, pipelined: the last stage keeps its own copy of the embedding
-            out["output_layer.weight"] = vocab_shard(get("model.embed_tokens.weight"))
-    return out
+    sources: dict[str, dict[str, str]] = {}  # Megatron name -> {kind: HF name}
+    for row, hf, megatron in stage_tensors(lay, pp_rank, pp):
+        if row.tied_to and lay.tied:
+            if pp_rank == 0:  # one stage: Megatron shares the embedding itself
+                continue
+            hf = row.tied_to  # tied, pipelined: this stage keeps its own copy
+        sources.setdefault(megatron, {})[row.kind] = hf
+    return {megatron: _cut(members, get, lay, tp_rank, tp) for megatron, members in sources.items()}
 
 
 # ------------------------------------------------------------------ Megatron -> HF
@@ -175,35 +193,9 @@ class HFTensorPlan:
 
 def export_plan(lay: DecoderLayout, pp: int) -> list[HFTensorPlan]:
     """Every HF tensor of the checkpoint, in a fixed order all ranks agree on (tied lm_head left out)."""
-    h, d, g = lay.hidden, lay.head_dim, lay.groups
-    plan = [HFTensorPlan("model.embed_tokens.weight", (lay.vocab, h), 0, "embedding.word_embeddings.weight", "vocab")]
-    for stage in range(pp):
-        for local, i in enumerate(lay.stage_layers(stage, pp)):
-            src, dst = f"model.layers.{i}.", f"decoder.layers.{local}."
-            qkv = dst + "self_attention.linear_qkv."
-            plan += [HFTensorPlan(src + "input_layernorm.weight", (h,), stage, dst + "input_layernorm.weight",
-                                  "replicated"),
-                     HFTensorPlan(src + "self_attn.q_proj.weight", (lay.heads * d, h), stage, qkv + "weight", "qkv:q"),
-                     HFTensorPlan(src + "self_attn.k_proj.weight", (g * d, h), stage, qkv + "weight", "qkv:k"),
-                     HFTensorPlan(src + "self_attn.v_proj.weight", (g * d, h), stage, qkv + "weight", "qkv:v")]
-            if lay.qkv_bias:
-                plan += [HFTensorPlan(src + "self_attn.q_proj.bias", (lay.heads * d,), stage, qkv + "bias", "qkv:q"),
-                         HFTensorPlan(src + "self_attn.k_proj.bias", (g * d,), stage, qkv + "bias", "qkv:k"),
-                         HFTensorPlan(src + "self_attn.v_proj.bias", (g * d,), stage, qkv + "bias", "qkv:v")]
-            plan += [HFTensorPlan(src + "self_attn.o_proj.weight", (h, lay.heads * d), stage,
-                                  dst + "self_attention.linear_proj.weight", "row"),
-                     HFTensorPlan(src + "post_attention_layernorm.weight", (h,), stage,
-                                  dst + "pre_mlp_layernorm.weight", "replicated"),
-                     HFTensorPlan(src + "mlp.gate_proj.weight", (lay.ffn, h), stage, dst + "mlp.linear_fc1.weight",
-                                  "fc1:gate"),
-                     HFTensorPlan(src + "mlp.up_proj.weight", (lay.ffn, h), stage, dst + "mlp.linear_fc1.weight",
-                                  "fc1:up"),
-                     HFTensorPlan(src + "mlp.down_proj.weight", (h, lay.ffn), stage, dst + "mlp.linear_fc2.weight",
-                                  "row")]
-    plan.append(HFTensorPlan("model.norm.weight", (h,), pp - 1, "decoder.final_layernorm.weight", "replicated"))
-    if not lay.tied:
-        plan.append(HFTensorPlan("lm_head.weight", (lay.vocab, h), pp - 1, "output_layer.weight", "vocab"))
-    return plan
+    return [HFTensorPlan(hf, tuple(getattr(lay, d) for d in row.shape), stage, megatron, row.kind)
+            for stage in range(pp) for row, hf, megatron in stage_tensors(lay, stage, pp)
+            if not (row.tied_to and lay.tied)]
 
 
 def from_gathered(item: HFTensorPlan, shards: list[torch.Tensor], lay: DecoderLayout) -> torch.Tensor:
@@ -212,6 +204,8 @@ def from_gathered(item: HFTensorPlan, shards: list[torch.Tensor], lay: DecoderLa
         return shards[0]
     if item.kind == "vocab":
         return torch.cat(shards)[:lay.vocab]
+    if item.kind == "col":
+        return torch.cat(shards)
     if item.kind == "row":
         return torch.cat(shards, dim=1)
     if item.kind.startswith("qkv:"):

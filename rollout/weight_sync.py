@@ -24,53 +24,85 @@ if TYPE_CHECKING:
     from rollout.client import GenerateClient
 
 
+def _nbytes(t: "torch.Tensor") -> int:
+    """Bytes a tensor's data occupies: what the bucket size limit counts."""
+    return t.numel() * t.element_size()
+
+
+def bucket_by_size(named: Iterable[tuple[str, "torch.Tensor"]],
+                   bucket_bytes: int) -> Iterator[list[tuple[str, "torch.Tensor"]]]:
+    """Group (name, tensor) pairs into buckets of at most `bucket_bytes`, in order.
+
+    The one flush rule every transfer path shares: a bucket is flushed before adding a tensor
+    that would take it over the limit, so a bucket exceeds `bucket_bytes` only when it holds a
+    single larger tensor. Lazy, so the sender never holds more than one bucket plus one tensor.
+    """
+    pending: list[tuple[str, "torch.Tensor"]] = []
+    size = 0
+    for name, t in named:
+        n = _nbytes(t)
+        if pending and size + n > bucket_bytes:
+            yield pending
+            pending, size = [], 0
+        pending.append((name, t))
+        size += n
+    if pending:
+        yield pending
+
+
+def tensor_to_raw(t: "torch.Tensor") -> tuple["torch.Tensor", str, list[int]]:
+    """A tensor as (flat CPU uint8 tensor of its bytes, dtype name, shape): the form in which
+    weights cross a process boundary, on the bus and by collective broadcast alike. Viewing as
+    uint8 keeps dtypes numpy lacks (bfloat16) intact."""
+    import torch
+
+    raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return raw, str(t.dtype).removeprefix("torch."), list(t.shape)
+
+
+def tensor_from_raw(raw: "torch.Tensor | bytes | memoryview", dtype: str, shape: list[int],
+                    name: str = "") -> "torch.Tensor":
+    """Rebuild a tensor from `tensor_to_raw`'s parts; a bytes frame is copied first so the
+    tensor stays valid after the frame's buffer goes. An unknown dtype name is a ProtocolError."""
+    import torch
+
+    tdtype = getattr(torch, dtype, None)
+    if not isinstance(tdtype, torch.dtype):
+        raise ProtocolError(f"tensor {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(raw, torch.Tensor):
+        raw = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
+    return raw.view(tdtype).reshape(shape)
+
+
 def bucket_from_tensors(tensors: list[tuple[str, "torch.Tensor"]], version: int, index: int,
                         rid: str = "") -> WeightsBucket:
     """Pack (name, tensor) pairs into one bucket message; tensors are copied to CPU bytes."""
-    import torch
-
-    frames, dtypes, shapes = [], [], []
+    frames: list[bytes | memoryview] = []
+    dtypes, shapes = [], []
     for _, t in tensors:
-        t = t.detach().to("cpu").contiguous()
-        frames.append(memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else b"")
-        dtypes.append(str(t.dtype).removeprefix("torch."))
-        shapes.append(list(t.shape))
+        raw, dtype, shape = tensor_to_raw(t)
+        frames.append(memoryview(raw.numpy()).cast("B") if raw.numel() else b"")
+        dtypes.append(dtype)
+        shapes.append(shape)
     return WeightsBucket(rid=rid, version=version, index=index, names=[n for n, _ in tensors],
                          dtypes=dtypes, shapes=shapes, crc=checksum(frames), frames=frames)
 
 
 def tensors_from_bucket(bucket: WeightsBucket) -> list[tuple[str, "torch.Tensor"]]:
     """Verify the bucket's CRC32 and rebuild its tensors (copies, safe after the frames go)."""
-    import torch
-
     got = checksum(bucket.frames)
     if got != bucket.crc:
         raise ProtocolError(f"weights bucket {bucket.index} of version {bucket.version} failed its "
                             f"checksum (crc32 {got:#x} != {bucket.crc:#x}); resend the bucket")
-    out = []
-    for name, dtype, shape, frame in zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.frames):
-        tdtype = getattr(torch, dtype, None)
-        if not isinstance(tdtype, torch.dtype):
-            raise ProtocolError(f"tensor {name!r} has unknown dtype {dtype!r}")
-        raw = torch.frombuffer(bytearray(frame), dtype=torch.uint8) if len(frame) else torch.empty(0, dtype=torch.uint8)
-        out.append((name, raw.view(tdtype).reshape(shape)))
-    return out
+    return [(name, tensor_from_raw(frame, dtype, shape, name))
+            for name, dtype, shape, frame in zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.frames)]
 
 
 def iter_buckets(named: Iterable[tuple[str, "torch.Tensor"]], version: int,
                  bucket_bytes: int = 256 << 20) -> Iterator[WeightsBucket]:
-    """Group tensors into buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
-    pending: list[tuple[str, "torch.Tensor"]] = []
-    size = index = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if pending and size + nbytes > bucket_bytes:
-            yield bucket_from_tensors(pending, version, index)
-            pending, size, index = [], 0, index + 1
-        pending.append((name, t))
-        size += nbytes
-    if pending:
-        yield bucket_from_tensors(pending, version, index)
+    """Bucket messages of at most `bucket_bytes` each (a larger tensor gets its own)."""
+    for index, tensors in enumerate(bucket_by_size(named, bucket_bytes)):
+        yield bucket_from_tensors(tensors, version, index)
 
 
 @dataclass
@@ -112,19 +144,11 @@ async def load_into_engine(engine: Any, named: Iterable[tuple[str, "torch.Tensor
     """A colocated engine in this process: hand it the tensors bucket by bucket, then commit.
     No copy through bytes and no checksum: nothing leaves the process."""
     t0 = time.perf_counter()
-    pending: list[tuple[str, "torch.Tensor"]] = []
-    size = buckets = total = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if pending and size + nbytes > bucket_bytes:
-            await engine.update_weights(pending)
-            pending, size, buckets = [], 0, buckets + 1
-        pending.append((name, t))
-        size += nbytes
-        total += nbytes
-    if pending:
-        await engine.update_weights(pending)
+    buckets = total = 0
+    for tensors in bucket_by_size(named, bucket_bytes):
+        await engine.update_weights(tensors)
         buckets += 1
+        total += sum(_nbytes(t) for _, t in tensors)
     await engine.finish_weight_update()
     return SyncReport(-1, 1, buckets, total, time.perf_counter() - t0)
 
@@ -143,33 +167,21 @@ def broadcast_buckets(named: Iterable[tuple[str, "torch.Tensor"]] | None, src: i
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    source = iter(named) if rank == src and named is not None else None
-
-    def next_bucket() -> list[tuple[str, torch.Tensor]]:
-        out: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        while source is not None:
-            try:
-                name, t = next(source)
-            except StopIteration:
-                break
-            out.append((name, t))
-            size += t.numel() * t.element_size()
-            if size >= bucket_bytes:
-                break
-        return out
+    source: Iterator[list[tuple[str, torch.Tensor]]] = iter(())
+    if rank == src and named is not None:
+        source = bucket_by_size(named, bucket_bytes)
 
     failure: str | None = None
     while True:
         header: list[Any] = [None]
         flat = None
         if rank == src:
-            bucket = next_bucket()
+            bucket = next(source, [])
             if bucket:
-                parts = [t.detach().contiguous().view(-1).view(torch.uint8) for _, t in bucket]
-                flat = torch.cat([p.cpu() for p in parts])
-                header[0] = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                             "shapes": [list(t.shape) for _, t in bucket], "sizes": [p.numel() for p in parts],
+                parts = [tensor_to_raw(t) for _, t in bucket]
+                flat = torch.cat([raw for raw, _, _ in parts])
+                header[0] = {"names": [n for n, _ in bucket], "dtypes": [dtype for _, dtype, _ in parts],
+                             "shapes": [shape for _, _, shape in parts], "sizes": [raw.numel() for raw, _, _ in parts],
                              "crc": checksum([memoryview(flat.numpy())])}
         dist.broadcast_object_list(header, src=src, group=group)
         head = header[0]
@@ -191,9 +203,8 @@ def broadcast_buckets(named: Iterable[tuple[str, "torch.Tensor"]] | None, src: i
                 continue  # drain the stream in step with the other ranks, yielding nothing
         tensors, at = [], 0
         for name, dtype, shape, n in zip(head["names"], head["dtypes"], head["shapes"], head["sizes"]):
-            raw = flat[at:at + n]
+            tensors.append((name, tensor_from_raw(flat[at:at + n], dtype, shape, name)))
             at += n
-            tensors.append((name, raw.view(getattr(torch, dtype)).reshape(shape)))
         yield tensors
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from agent.loop import AgentLoopOutput
-from rollout.manager import Batch, pad_outputs
+from engines.training.batch import Batch, pad_outputs
 
 
 def make_batch(vocab: int, n: int = 8, group: int = 4, seed: int = 0, prompt: int = 12, response: int = 20) -> Batch:

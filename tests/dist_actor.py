@@ -20,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batches import advantages_for, make_batch  # noqa: E402
 
 from engines.training.losses import LossConfig  # noqa: E402
-from engines.training.torch_actor import TorchActor, TorchActorConfig, TorchReference, make_reference  # noqa: E402
+from engines.training.config import ActorConfig  # noqa: E402
+from engines.training.reference import TorchReference, make_reference  # noqa: E402
+from engines.training.torch_actor import TorchActor  # noqa: E402
 
 
 def main() -> None:
@@ -32,7 +34,7 @@ def main() -> None:
     batch = make_batch(vocab, n=7)  # odd: ranks get 4 and 3 rows, different micro-batch counts
     adv = advantages_for(batch)
 
-    actor = TorchActor(TorchActorConfig(model=model, lr=1.0, micro_batch_size=2, grad_clip=1e9))
+    actor = TorchActor(ActorConfig(lr=1.0, micro_batch_size=2, grad_clip=1e9), model)
     actor.optimizer = torch.optim.SGD(actor.params, lr=1.0)  # the weight change is the gradient itself
     lp, ent = actor.compute_logprobs(batch)
     metrics = actor.update(batch, adv, None, None, LossConfig(agg="seq-mean-token-mean"))

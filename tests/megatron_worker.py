@@ -21,15 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batches import advantages_for, make_batch  # noqa: E402
 
 from engines.training.losses import LossConfig  # noqa: E402
-from engines.training.megatron_actor import MegatronActor, MegatronActorConfig  # noqa: E402
+from engines.training.config import ActorConfig  # noqa: E402
+from engines.training.megatron_actor import MegatronActor  # noqa: E402
 
 
 def main() -> None:
     model, out, tp, pp = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     address = sys.argv[5] if len(sys.argv) > 5 else None
     torch.set_num_threads(1)
-    actor = MegatronActor(MegatronActorConfig(model=model, tp=tp, pp=pp, lr=1.0, grad_clip=1e9, micro_batch_size=3,
-                                              temperature=0.8, progress=False))
+    actor = MegatronActor(ActorConfig(backend="megatron", tp=tp, pp=pp, lr=1.0, grad_clip=1e9, micro_batch_size=3),
+                          model, temperature=0.8, progress=False)
     rank = actor.mesh.rank
     before = {k: v.clone() for k, v in actor.named_hf_weights()}
     batch = make_batch(1000, n=8)
@@ -44,7 +45,7 @@ def main() -> None:
 
         from agent.loop import AgentLoopOutput
         from rollout.client import GenerateClient
-        from rollout.manager import pad_outputs
+        from engines.training.batch import pad_outputs
         from rollout.weight_sync import push_weights
 
         prompt = probe.prompts[0][probe.attention_mask[0, :probe.prompts.shape[1]].bool()].tolist()

@@ -16,7 +16,9 @@ import torch
 from batches import advantages_for, make_batch
 from engines.models import resolve_model
 from engines.training.losses import LossConfig
-from engines.training.torch_actor import TorchActor, TorchActorConfig, TorchReference
+from engines.training.config import ActorConfig
+from engines.training.reference import TorchReference
+from engines.training.torch_actor import TorchActor
 
 REPO = Path(__file__).resolve().parents[1]
 needs_deepspeed = pytest.mark.skipif(
@@ -42,12 +44,12 @@ def test_ddp_update_and_zero3_reference_match_one_process(tmp_path: Path):
     assert ranks[0]["metrics"] == ranks[1]["metrics"]  # reduced over both ranks
 
     batch = make_batch(1000, n=7)
-    actor = TorchActor(TorchActorConfig(model=tiny, lr=1.0, micro_batch_size=2, grad_clip=1e9))
+    actor = TorchActor(ActorConfig(lr=1.0, micro_batch_size=2, grad_clip=1e9), tiny)
     actor.optimizer = torch.optim.SGD(actor.params, lr=1.0)
     lp, ent = actor.compute_logprobs(batch)
     m = actor.update(batch, advantages_for(batch), None, None, LossConfig(agg="seq-mean-token-mean"))
     assert torch.allclose(got["logprobs"], lp, atol=1e-5) and torch.allclose(got["entropy"], ent, atol=1e-4)
-    init = TorchActor(TorchActorConfig(model=tiny)).module.state_dict()
+    init = TorchActor(ActorConfig(), tiny).module.state_dict()
     for k, v in actor.module.state_dict().items():  # SGD with lr 1: the weight change is the gradient
         assert torch.allclose(got["params"][k], v, atol=1e-6), k
     assert any(not torch.equal(v, init[k]) for k, v in actor.module.state_dict().items())

@@ -18,7 +18,8 @@ import torch
 import yaml
 
 from agent.loop import AgentLoopBase, AgentLoopOutput, Trajectory
-from rollout.manager import AgentLoopManager, Batch, ManagerConfig, WorkerCrashed, pad_outputs
+from engines.training.batch import Batch, pad_outputs
+from rollout.manager import AgentLoopManager, ManagerConfig, WorkerCrashed
 from tool_model import CALCULATOR_SCHEMA, gsm8k_rows, train_tool_caller
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"

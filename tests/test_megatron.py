@@ -19,7 +19,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (bas
 from batches import advantages_for, make_batch  # noqa: E402
 from engines.models import resolve_model  # noqa: E402
 from engines.training.losses import LossConfig  # noqa: E402
-from engines.training.torch_actor import TorchActor, TorchActorConfig  # noqa: E402
+from engines.training.config import ActorConfig  # noqa: E402
+from engines.training.torch_actor import TorchActor  # noqa: E402
 from parallel.reshard import DecoderLayout, hf_to_megatron, megatron_to_hf  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,7 +111,7 @@ def test_live_megatron_matches_hf_and_syncs_into_an_engine(tp, pp, which, qwen_l
 
     # numerics and the gradient step against the torch actor (plain HF model, same loss)
     batch = make_batch(1000, n=8)
-    ref = TorchActor(TorchActorConfig(model=str(model), lr=1.0, grad_clip=1e9, micro_batch_size=3, temperature=0.8))
+    ref = TorchActor(ActorConfig(lr=1.0, grad_clip=1e9, micro_batch_size=3), str(model), temperature=0.8)
     lp, ent = ref.compute_logprobs(batch)
     assert torch.allclose(got["logprobs"], lp, atol=2e-5), (got["logprobs"] - lp).abs().max()
     assert torch.allclose(got["entropy"], ent, atol=1e-4), (got["entropy"] - ent).abs().max()
@@ -130,14 +131,14 @@ def test_live_megatron_matches_hf_and_syncs_into_an_engine(tp, pp, which, qwen_l
     engine_lp = torch.tensor(eng["logprobs"])
     assert torch.allclose(engine_lp, eng["actor_after"][:k], atol=1e-4), (engine_lp - eng["actor_after"][:k]).abs().max()
     from agent.loop import AgentLoopOutput
-    from rollout.manager import pad_outputs
+    from engines.training.batch import pad_outputs
 
     probe = make_batch(1000, n=1, seed=5)
     prompt = probe.prompts[0][probe.attention_mask[0, :probe.prompts.shape[1]].bool()].tolist()
     seq = pad_outputs([AgentLoopOutput(prompt_ids=prompt, response_ids=eng["tokens"], response_mask=[1] * k,
                                        response_logprobs=eng["logprobs"], reward=0.0, num_turns=1,
                                        termination="stop")], 0, [0])
-    old = TorchActor(TorchActorConfig(model=str(model), temperature=0.8)).compute_logprobs(seq)[0][0, :k]
+    old = TorchActor(ActorConfig(), str(model), temperature=0.8).compute_logprobs(seq)[0][0, :k]
     assert (engine_lp - old).abs().max() > 1e-2  # the step really changed what the engine computes
 
     # SFT: the same loss and the same step as the torch actor (ids clamped into the tiny vocabularies)
@@ -196,7 +197,7 @@ def test_smollm2_tp3_logprobs_match_hf(tmp_path, servers):
     srv = servers(1, backend="hf", model=str(model))
     got = _run_worker(model, tmp_path, 3, 1, srv.addresses[0])
     batch = make_batch(1000, n=8)
-    lp, _ = TorchActor(TorchActorConfig(model=str(model), micro_batch_size=3, temperature=0.8)).compute_logprobs(batch)
+    lp, _ = TorchActor(ActorConfig(micro_batch_size=3), str(model), temperature=0.8).compute_logprobs(batch)
     assert torch.allclose(got["logprobs"], lp, atol=1e-4), (got["logprobs"] - lp).abs().max()
     state = load_file(str(model / "model.safetensors"))
     for k, v in got["before"].items():

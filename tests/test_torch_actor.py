@@ -14,7 +14,9 @@ from safetensors import safe_open
 from batches import advantages_for, make_batch
 from engines.models import resolve_model
 from engines.training.losses import LossConfig
-from engines.training.torch_actor import TorchActor, TorchActorConfig, TorchReference
+from engines.training.config import ActorConfig
+from engines.training.reference import TorchReference
+from engines.training.torch_actor import TorchActor
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +24,8 @@ def tiny() -> str:
     return str(resolve_model("tiny-llama"))
 
 
-def _actor(model: str, **kw) -> TorchActor:
-    return TorchActor(TorchActorConfig(model=model, **kw))
+def _actor(model: str, temperature: float = 1.0, **kw) -> TorchActor:
+    return TorchActor(ActorConfig(**kw), model, temperature=temperature)
 
 
 def _row_logprobs(module: torch.nn.Module, batch, i: int, temperature: float) -> torch.Tensor:

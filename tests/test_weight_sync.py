@@ -10,7 +10,24 @@ from safetensors.torch import load_file
 
 from engines.models import load_tokenizer, tiny_llama
 from rollout.client import GenerateClient
-from rollout.weight_sync import push_weights
+from rollout.weight_sync import bucket_by_size, push_weights, tensor_from_raw, tensor_to_raw
+
+
+def test_buckets_flush_before_the_tensor_that_would_overflow():
+    sizes = {"a": 40, "b": 40, "c": 20, "d": 4, "huge": 200, "e": 8}  # bytes, as float32 tensors
+    named = [(n, torch.zeros(b // 4)) for n, b in sizes.items()]
+    got = [[n for n, _ in bucket] for bucket in bucket_by_size(named, bucket_bytes=100)]
+    # a+b+c fill the limit exactly (not over); d would take it over; huge is alone, not joined by d or e
+    assert got == [["a", "b", "c"], ["d"], ["huge"], ["e"]]
+    assert list(bucket_by_size([("big", torch.zeros(50))], bucket_bytes=8)) and not list(bucket_by_size([], 8))
+
+
+def test_raw_bytes_round_trip_keeps_dtype_and_shape():
+    for t in (torch.randn(3, 5).bfloat16(), torch.tensor(2.5), torch.zeros(0, 4, dtype=torch.int64)):
+        raw, dtype, shape = tensor_to_raw(t)
+        assert raw.dtype == torch.uint8 and raw.numel() == t.numel() * t.element_size()
+        for back in (tensor_from_raw(raw, dtype, shape), tensor_from_raw(bytes(raw.numpy()), dtype, shape)):
+            assert back.dtype == t.dtype and torch.equal(back, t)
 
 
 def test_push_weights_reaches_every_engine(servers):

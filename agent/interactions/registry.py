@@ -11,12 +11,12 @@ entry, rather than mid-rollout.
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from agent.dotted import import_class
 from agent.interactions.base import BaseInteraction
 
 ENTRY_KEYS = ("name", "class_name", "config")
@@ -74,20 +74,7 @@ def build_interactions(entries: list[dict[str, Any]], source: str = "<interactio
 
 
 def _import_class(dotted: str, where: str) -> type[BaseInteraction]:
-    module_name, _, attr = dotted.rpartition(".")
-    if not module_name:
-        raise InteractionConfigError(f"{where}: class_name {dotted!r} is not a dotted path; "
-                                     "use module.path.ClassName")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise InteractionConfigError(f"{where}: cannot import module {module_name!r} for class_name "
-                                     f"{dotted!r}: {e}") from e
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise InteractionConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}; "
-                                     f"check class_name {dotted!r}")
-    if not (isinstance(cls, type) and issubclass(cls, BaseInteraction)):
-        raise InteractionConfigError(f"{where}: {dotted!r} is not a subclass of "
-                                     "agent.interactions.base.BaseInteraction")
-    return cls
+        return import_class(dotted, BaseInteraction, "class_name")
+    except ValueError as e:
+        raise InteractionConfigError(f"{where}: {e}") from e

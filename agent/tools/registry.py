@@ -10,12 +10,12 @@ A bad entry fails loudly at start-up, naming the entry, rather than mid-rollout.
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from agent.dotted import import_class
 from agent.tools.base import BaseTool, schema_name
 
 
@@ -65,16 +65,7 @@ def build_tools(entries: list[dict[str, Any]], source: str = "<tools>") -> dict[
 
 
 def _import_class(dotted: str, where: str) -> type[BaseTool]:
-    module_name, _, attr = dotted.rpartition(".")
-    if not module_name:
-        raise ToolConfigError(f"{where}: class_name {dotted!r} is not a dotted path; use module.path.ClassName")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ToolConfigError(f"{where}: cannot import module {module_name!r} for class_name {dotted!r}: {e}") from e
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise ToolConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}; check class_name {dotted!r}")
-    if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
-        raise ToolConfigError(f"{where}: {dotted!r} is not a BaseTool subclass")
-    return cls
+        return import_class(dotted, BaseTool, "class_name")
+    except ValueError as e:
+        raise ToolConfigError(f"{where}: {e}") from e

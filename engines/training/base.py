@@ -1,7 +1,8 @@
 """What the trainer needs from an actor and a reference, whatever runs them (plain torch,
-DeepSpeed, Megatron). `launch/train.py` only talks to these two protocols.
+DeepSpeed, Megatron). The trainer only talks to these two protocols; `engines/training/actor.py`'s `ActorBase`
+implements the shared part of `Actor` once for every backend.
 
-A `batch` is `rollout.manager.Batch`: left-padded prompts, right-padded responses, their masks,
+A `batch` is `engines.training.batch.Batch`: left-padded prompts, right-padded responses, their masks,
 and position ids. Logprobs are per response token, [B, R], computed as
 log_softmax(logits / temperature)[token], the same quantity the engines report.
 """
@@ -14,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from engines.training.batch import Batch
     from engines.training.losses import LossConfig
-    from rollout.manager import Batch
 
 
 class Reference(Protocol):

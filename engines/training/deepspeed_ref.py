@@ -15,15 +15,15 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from engines.training.torch_actor import DTYPES, _gather_rows, default_device, response_logprobs
-
-if TYPE_CHECKING:
-    from rollout.manager import Batch
+from engines.training.actor import gather_rows
+from engines.training.batch import Batch
+from engines.training.config import compute_dtype
+from engines.training.hf_model import default_device, response_logprobs
 
 
 def _import_deepspeed() -> Any:
@@ -71,7 +71,7 @@ class DeepSpeedReference:
         # rank's partition instead of materialising the whole model on every rank. It is global
         # while it lives (every later from_pretrained would be partitioned too), so drop it after.
         hf_ds_config = HfDeepSpeedConfig(config)
-        module = AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES[dtype])
+        module = AutoModelForCausalLM.from_pretrained(model, dtype=compute_dtype(dtype))
         del hf_ds_config
         self.engine, *_ = deepspeed.initialize(model=module, config=config, dist_init_required=False)
         self.engine.eval()
@@ -82,7 +82,7 @@ class DeepSpeedReference:
         return sum(int(getattr(p, "ds_tensor", p).numel()) for p in self.engine.module.parameters())
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: "Batch") -> torch.Tensor:
+    def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         n, r = len(batch), batch.responses.shape[1]
         local = torch.tensor_split(torch.arange(n), self.world)[self.rank]
         steps = math.ceil(math.ceil(n / self.world) / self.micro_batch_size)
@@ -92,10 +92,8 @@ class DeepSpeedReference:
             real = len(mb)
             if real == 0:  # keep the collectives in step with ranks that have more rows
                 mb = local[:1] if len(local) else torch.tensor([0])
-            rows = tuple(t[mb].to(self.device) for t in (batch.prompts, batch.responses, batch.attention_mask,
-                                                          batch.position_ids))
-            lp = response_logprobs(self.engine, *rows, self.temperature)[0].float().cpu()
+            lp = response_logprobs(self.engine, batch, mb, self.temperature, self.device)
             if real:
                 out.append(lp)
         lp = torch.cat(out) if out else torch.zeros(0, r)
-        return _gather_rows(lp, n, self.world)
+        return gather_rows(lp, n, self.world)

@@ -1,6 +1,8 @@
 """The Megatron-core actor: a GPTModel (local layer spec) with tensor and pipeline parallelism,
-built from an HF llama/qwen2 config and loaded from its safetensors, behind the same interface
-as the torch actor (`engines/training/base.py`).
+built from an HF config of a supported family (`parallel/families/`) and loaded from its
+safetensors. The PPO loop, SFT step, metrics and drift are `ActorBase`'s
+(`engines/training/actor.py`); this file supplies the pipelined forward/backward, the
+vocab-parallel logprobs and the model-parallel optimizer step.
 
 - TP: column/row-parallel layers and a vocab-parallel output layer. Logprobs and entropy are
   computed over the vocabulary shards with Megatron's reduce-from-TP-region mapping (all-reduce
@@ -23,23 +25,19 @@ never drawn from), and an explicit attention mask (ours always is).
 from __future__ import annotations
 
 import contextlib
-import math
-from collections import defaultdict
-from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from engines.training.losses import IGNORE_INDEX, LossConfig, compute_loss
-from engines.training.torch_actor import _ADDITIVE, DTYPES, ActorConfig, _denominator
+from engines.training.actor import ActorBase, LossFn
+from engines.training.batch import MicroBatch
+from engines.training.config import ActorConfig
 
 if TYPE_CHECKING:
     from parallel.mesh import TrainMesh
-    from rollout.manager import Batch
 
 _NEG = -1e30  # logit of padded vocabulary entries: exp() is 0, and 0 * _NEG stays finite
 
@@ -57,29 +55,6 @@ def cpu_shims() -> None:
         yield
 
     mrandom.get_cuda_rng_tracker().fork = _no_fork
-
-
-@dataclass
-class MegatronActorConfig(ActorConfig):
-    tp: int = 1
-    pp: int = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.tp < 1 or self.pp < 1:
-            raise ValueError(f"actor.tp={self.tp}, actor.pp={self.pp}: both must be >= 1")
-
-
-@dataclass
-class _Micro:
-    """One micro-batch as every stage sees it: trimmed ids, positions, padding mask, and which
-    logits score which targets (positions [start, start + targets.shape[1]))."""
-
-    ids: torch.Tensor
-    attn: torch.Tensor
-    start: int
-    targets: torch.Tensor
-    rows: torch.Tensor  # batch row indices
 
 
 def vocab_parallel_stats(logits: torch.Tensor, targets: torch.Tensor, vocab: int, tp_rank: int,
@@ -111,53 +86,54 @@ def vocab_parallel_stats(logits: torch.Tensor, targets: torch.Tensor, vocab: int
     return lp, ent
 
 
-class MegatronActor:
-    def __init__(self, cfg: MegatronActorConfig) -> None:
+class MegatronActor(ActorBase):
+    def __init__(self, cfg: ActorConfig, model: str, dtype: str = "float32", temperature: float = 1.0,
+                 seed: int = 0, progress: bool = True) -> None:
         from transformers import AutoConfig
 
         from parallel.mesh import init_training_mesh
         from parallel.reshard import DecoderLayout
 
-        self.cfg = cfg
+        if cfg.backend != "megatron":
+            raise ValueError(f"MegatronActor got actor.backend={cfg.backend!r}; set actor.backend=megatron")
+        super().__init__(cfg, model, dtype, temperature, seed, progress)
         self.mesh: TrainMesh = init_training_mesh(cfg.tp, cfg.pp)
+        m = self.mesh
+        self.rank, self.world = m.rank, m.world
+        self.dp_rank, self.dp_size, self.dp_group = m.dp_rank, m.dp, m.groups["dp"]
         cpu_shims()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.compute_dtype = DTYPES[cfg.dtype]
-        self.hf_config = AutoConfig.from_pretrained(cfg.model)
+        self.hf_config = AutoConfig.from_pretrained(model)
         self.layout: DecoderLayout = DecoderLayout.from_hf_config(self.hf_config)
         self.layout.check(cfg.tp, cfg.pp)
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(seed)
         self.model = self._build().to(self.device)
-        self._load_hf(Path(cfg.model))
+        self._load_hf(Path(model))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.rl_steps = self.sft_steps = 0
-        self._lr = cfg.lr
 
     # ------------------------------------------------------------------ model
     def _build(self) -> torch.nn.Module:
-        import torch.nn.functional as F
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         lay, m = self.layout, self.mesh
+        family = lay.family  # norm, activation, biases, positions: parallel/families/<model_type>.py
         tcfg = TransformerConfig(
             num_layers=lay.num_layers, hidden_size=lay.hidden, num_attention_heads=lay.heads,
             num_query_groups=lay.groups, kv_channels=lay.head_dim, ffn_hidden_size=lay.ffn,
-            normalization="RMSNorm", layernorm_epsilon=lay.norm_eps, gated_linear_unit=True, activation_func=F.silu,
-            add_bias_linear=False, add_qkv_bias=lay.qkv_bias, attention_dropout=0.0, hidden_dropout=0.0,
+            **family.transformer_flags(lay), attention_dropout=0.0, hidden_dropout=0.0,
             tensor_model_parallel_size=m.tp, pipeline_model_parallel_size=m.pp, params_dtype=torch.float32,
             pipeline_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=False,
             bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
             gradient_accumulation_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False)
-        return GPTModel(tcfg, get_gpt_layer_local_spec(normalization="RMSNorm"),
+        return GPTModel(tcfg, family.layer_spec(),
                         vocab_size=lay.padded_vocab(m.tp), max_sequence_length=lay.max_positions,
                         pre_process=m.first_stage, post_process=m.last_stage,
                         # tied + pipelined: two copies (first and last stage) whose gradients
                         # _reduce_and_step all-reduces; megatron's own set-up of that moves them to "cuda"
-                        share_embeddings_and_output_weights=lay.tied and m.pp == 1, position_embedding_type="rope",
-                        rotary_base=int(lay.rope_theta), parallel_output=True)
+                        share_embeddings_and_output_weights=lay.tied and m.pp == 1, parallel_output=True,
+                        **family.model_flags(lay))
 
     def _load_hf(self, path: Path) -> None:
         from safetensors import safe_open
@@ -190,49 +166,24 @@ class MegatronActor:
         return {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
 
     # ------------------------------------------------------------------ micro-batches
-    def _local_rows(self, n: int) -> torch.Tensor:
-        return torch.tensor_split(torch.arange(n), self.mesh.dp)[self.mesh.dp_rank]
-
-    def _rl_micro(self, batch: "Batch", rows: torch.Tensor) -> list[_Micro]:
-        out = []
-        p = batch.prompts.shape[1]
-        for mb in rows.split(self.cfg.micro_batch_size):
-            attn = batch.attention_mask[mb]
-            plen, rlen = attn[:, :p].sum(1), attn[:, p:].sum(1)
-            end = max(1, int(rlen.max()))
-            begin = p - int(plen.max())
-            ids = torch.cat([batch.prompts[mb, begin:], batch.responses[mb, :end]], dim=1)
-            out.append(_Micro(ids, attn[:, begin:p + end], p - begin - 1, batch.responses[mb, :end], mb))
-        return out
-
     def _mask(self, attn: torch.Tensor) -> torch.Tensor:
         """[b, 1, s, s] bool, True = not attended: the future and padding keys."""
         s = attn.shape[1]
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
         return (causal[None, None] | ~attn.bool()[:, None, None, :]).to(self.device)
 
-    def _autocast(self) -> Any:
-        if self.compute_dtype == torch.float32:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
-
     # ------------------------------------------------------------------ pipeline
-    def _pipeline(self, micro: list[_Micro], want_entropy: bool, grad: bool,
-                  loss_fn: Callable[[_Micro, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
-                  desc: str = "", temperature: float | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def _pipeline(self, micro: list[MicroBatch], want_entropy: bool, grad: bool, temperature: float, bar: tqdm,
+                  loss_fn: LossFn | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Forward every micro-batch through this rank's stage, then (grad) backward in reverse.
-        Returns (logprobs, entropy) per micro-batch on the last stage, [] elsewhere. Logits are
-        divided by the sampling temperature (RL) unless `temperature` says otherwise (SFT: 1)."""
-        temp = self.cfg.temperature if temperature is None else temperature
+        Returns (logprobs, entropy) per micro-batch on the last stage, [] elsewhere."""
         m = self.mesh
         prev = m.rank_of(m.tp_rank, m.pp_rank - 1, m.dp_rank) if not m.first_stage else None
         nxt = m.rank_of(m.tp_rank, m.pp_rank + 1, m.dp_rank) if not m.last_stage else None
         saved: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         results = []
-        bar = tqdm(total=len(micro), desc=desc, unit="micro-batch", leave=False,
-                   disable=not desc or not self.cfg.progress or m.rank != 0)
         for mb in micro:
-            b, s = mb.ids.shape
+            b, s = mb.input_ids.shape
             inp = None
             if prev is not None:
                 inp = torch.empty((s, b, self.layout.hidden), dtype=torch.float32, device=self.device)
@@ -241,15 +192,16 @@ class MegatronActor:
             self.model.set_input_tensor(inp)
             pos = torch.arange(s, device=self.device)[None].expand(b, s)
             with torch.set_grad_enabled(grad), self._autocast():
-                out = self.model(mb.ids.to(self.device) if m.first_stage else None, pos, self._mask(mb.attn))
+                out = self.model(mb.input_ids.to(self.device) if m.first_stage else None, pos,
+                                 self._mask(mb.attention_mask))
             if nxt is not None:
                 dist.send(out.detach().float().contiguous(), dst=nxt)
                 saved.append((inp, out))
             else:
                 k = mb.targets.shape[1]
-                logits = out[:, mb.start:mb.start + k]
-                if temp != 1.0:
-                    logits = logits.float() / temp
+                logits = out[:, mb.first:mb.first + k]
+                if temperature != 1.0:
+                    logits = logits.float() / temperature
                 with torch.set_grad_enabled(grad):
                     lp, ent = vocab_parallel_stats(logits, mb.targets.to(self.device), self.layout.vocab,
                                                    m.tp_rank, want_entropy)
@@ -258,7 +210,6 @@ class MegatronActor:
                     assert loss_fn is not None
                     saved.append((inp, loss_fn(mb, lp, ent)))
             bar.update(1)
-        bar.close()
         if grad:
             for inp, out in reversed(saved):
                 if nxt is None:
@@ -273,134 +224,40 @@ class MegatronActor:
         self.model.set_input_tensor(None)
         return results
 
-    def _share(self, per_micro: list[torch.Tensor], micro: list[_Micro], n: int, r: int) -> torch.Tensor:
-        """Every rank gets the [n, r] tensor: the last stage's rows, broadcast along the pipeline,
-        then gathered over the data-parallel replicas."""
+    # ------------------------------------------------------------------ the backend hooks
+    def _set_train(self, mode: bool) -> None:
+        self.model.train(mode)
+
+    def _owns_metrics(self) -> bool:
+        """The loss lives on the last stage, replicated over its TP ranks: TP rank 0 counts it."""
+        return self.mesh.last_stage and self.mesh.tp_rank == 0
+
+    def _forward_backward(self, micro: list[MicroBatch], want_entropy: bool, temperature: float, loss_fn: LossFn,
+                          bar: tqdm) -> None:
+        self._pipeline(micro, want_entropy, True, temperature, bar, loss_fn)
+
+    def _forward_logprobs(self, micro: list[MicroBatch], bar: tqdm) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The last stage's values, broadcast along the pipeline in one flat tensor (every stage
+        knows each micro-batch's [b, k] shape)."""
         m = self.mesh
-        local_rows = torch.cat([mb.rows for mb in micro]) if micro else torch.zeros(0, dtype=torch.long)
-        local = torch.zeros(len(local_rows), r)
+        res = self._pipeline(micro, True, False, self.temperature, bar)
+        shapes = [tuple(mb.targets.shape) for mb in micro]
+        sizes = [b * k for b, k in shapes]
         if m.last_stage:
-            at = 0
-            for t in per_micro:
-                local[at:at + t.shape[0], :t.shape[1]] = t.float().cpu()
-                at += t.shape[0]
+            flat = torch.cat([torch.cat([lp.float().reshape(-1), ent.float().reshape(-1)]) for lp, ent in res]
+                             or [torch.zeros(0)]).to(self.device)
+        else:
+            flat = torch.zeros(2 * sum(sizes), device=self.device)
         if m.pp > 1:
-            local = local.to(self.device)
-            dist.broadcast(local, src=m.rank_of(m.tp_rank, m.pp - 1, m.dp_rank), group=m.groups["pp"])
-            local = local.cpu()
-        full = torch.zeros(n, r)
-        if m.dp > 1:
-            per = math.ceil(n / m.dp)
-            padded = torch.zeros(per, r)
-            padded[:len(local)] = local
-            parts = [torch.empty_like(padded) for _ in range(m.dp)]
-            dist.all_gather(parts, padded.to(self.device) if self.device.type == "cuda" else padded,
-                            group=m.groups["dp"])
-            sizes = [len(s) for s in torch.tensor_split(torch.arange(n), m.dp)]
-            local = torch.cat([p.cpu()[:k] for p, k in zip(parts, sizes)])
-            local_rows = torch.arange(n)
-        full[local_rows] = local
-        return full
-
-    # ------------------------------------------------------------------ actor interface
-    @torch.no_grad()
-    def compute_logprobs(self, batch: "Batch") -> tuple[torch.Tensor, torch.Tensor]:
-        self.model.eval()
-        micro = self._rl_micro(batch, self._local_rows(len(batch)))
-        res = self._pipeline(micro, want_entropy=True, grad=False, desc="logprobs")
-        r = batch.responses.shape[1]
-        lp = self._share([x[0] for x in res], micro, len(batch), r)
-        ent = self._share([x[1] for x in res], micro, len(batch), r)
-        resp = batch.attention_mask[:, batch.prompts.shape[1]:].bool()
-        return torch.where(resp, lp, 0.0), torch.where(resp, ent, 0.0)
-
-    def set_lr(self, lr: float) -> None:
-        self._lr = float(lr)
-        for g in self.optimizer.param_groups:
-            g["lr"] = self._lr
-
-    def update(self, batch: "Batch", advantages: torch.Tensor, old_logprobs: torch.Tensor | None,
-               ref_logprobs: torch.Tensor | None, loss: LossConfig) -> dict[str, float]:
-        n = len(batch)
-        mini = self.cfg.ppo_mini_batch_size or n
-        if old_logprobs is None and (mini < n or self.cfg.ppo_epochs > 1):
-            raise ValueError("update(old_logprobs=None) is only valid for one epoch over one mini-batch")
-        if min(mini, n) < self.mesh.dp:
-            raise ValueError(f"a mini-batch of {min(mini, n)} trajectories cannot be split over {self.mesh.dp} "
-                             "data-parallel replicas")
-        self.rl_steps += 1
-        warm = self.cfg.warmup_steps
-        self.set_lr(self.cfg.lr * (min(1.0, self.rl_steps / warm) if warm > 0 else 1.0))
-        self.model.train()
-        mask = batch.loss_mask
-        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.rl_steps)
-        sums: dict[str, float] = defaultdict(float)
-        weights: dict[str, float] = defaultdict(float)
-        norms: list[float] = []
-        drift = [0.0, 0.0, 0.0]
-        for _ in range(self.cfg.ppo_epochs):
-            order = torch.randperm(n, generator=gen) if (mini < n or self.cfg.ppo_epochs > 1) else torch.arange(n)
-            for s in range(0, n, mini):
-                idx = order[s:s + mini]
-                denom = _denominator(mask[idx], loss.agg)
-                if denom == 0:
-                    continue
-                rows = torch.tensor_split(idx, self.mesh.dp)[self.mesh.dp_rank]
-
-                def loss_fn(mb: _Micro, lp: torch.Tensor, ent: torch.Tensor | None) -> torch.Tensor:
-                    k = lp.shape[1]
-                    pick = lambda t: None if t is None else t[mb.rows, :k].to(self.device)  # noqa: E731
-                    msk = pick(mask)
-                    old = pick(old_logprobs)
-                    if old is None:
-                        old = lp.detach()
-                        gap = (pick(batch.rollout_logprobs) - old).abs()[msk.bool()]
-                        if gap.numel():
-                            drift[0] += float(gap.sum())
-                            drift[1] += gap.numel()
-                            drift[2] = max(drift[2], float(gap.max()))
-                    value, met = compute_loss(loss, lp, old, pick(advantages), msk, pick(ref_logprobs), ent, denom)
-                    tokens = float(msk.sum())
-                    for key, v in met.items():
-                        sums[key] += v if key in _ADDITIVE else v * tokens
-                        weights[key] += 0.0 if key in _ADDITIVE else tokens
-                    return value
-
-                self._pipeline(self._rl_micro(batch, rows), loss.entropy_coef > 0, True, loss_fn, desc="update")
-                norms.append(self._reduce_and_step())
-        out = self._reduce_metrics(sums, weights, len(norms))
-        if old_logprobs is None:
-            out.update(self._reduce_drift(drift))
-        out.update({"grad_norm": sum(norms) / max(1, len(norms)), "lr": self._lr, "optimizer_steps": float(len(norms))})
+            dist.broadcast(flat, src=m.rank_of(m.tp_rank, m.pp - 1, m.dp_rank), group=m.groups["pp"])
+        out, at = [], 0
+        flat = flat.cpu()
+        for (b, k), n in zip(shapes, sizes):
+            out.append((flat[at:at + n].reshape(b, k), flat[at + n:at + 2 * n].reshape(b, k)))
+            at += 2 * n
         return out
 
-    def sft_step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, float]:
-        self.model.train()
-        self.sft_steps += 1
-        denom = float((labels[:, 1:] != IGNORE_INDEX).sum())
-        if denom == 0:
-            raise ValueError("an SFT batch has no labelled token (all labels are -100); check the traces")
-        micro = []
-        for mb in self._local_rows(len(input_ids)).split(self.cfg.micro_batch_size):
-            width = int(attention_mask[mb].sum(1).max())
-            micro.append(_Micro(input_ids[mb, :width], attention_mask[mb, :width], 0, labels[mb, 1:width], mb))
-        total = [0.0]
-
-        def loss_fn(mb: _Micro, lp: torch.Tensor, _ent: torch.Tensor | None) -> torch.Tensor:
-            keep = mb.targets.to(self.device) != IGNORE_INDEX
-            value = -torch.where(keep, lp, 0.0).sum() / denom
-            total[0] += float(value.detach())
-            return value
-
-        # -100 targets lie outside every vocab shard (logprob 0, masked by loss_fn)
-        self._pipeline(micro, False, True, loss_fn, temperature=1.0)
-        norm = self._reduce_and_step()
-        t = torch.tensor([total[0] if self.mesh.last_stage and self.mesh.tp_rank == 0 else 0.0], dtype=torch.float64)
-        dist.all_reduce(t)
-        return {"loss": float(t[0]), "grad_norm": norm}
-
-    # ------------------------------------------------------------------ reductions
-    def _reduce_and_step(self) -> float:
+    def _step_optimizer(self) -> float:
         """Sum gradients over data-parallel replicas (and the tied embedding copies of the first
         and last stage), clip by the global norm, step."""
         from parallel.reshard import tp_sharded
@@ -434,33 +291,6 @@ class MegatronActor:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def _reduce_metrics(self, sums: dict[str, float], weights: dict[str, float], steps: int) -> dict[str, float]:
-        """Metrics live on the last stage (one copy per TP rank); reduce over the last stage's
-        TP-rank-0 of every DP replica by summing from exactly those ranks."""
-        keys = sorted(set(sums) | set(weights)) or []
-        keys_all: list[Any] = [None] * self.mesh.world
-        dist.all_gather_object(keys_all, keys)
-        keys = sorted({k for ks in keys_all for k in ks})
-        if not keys:
-            return {}
-        count = self.mesh.last_stage and self.mesh.tp_rank == 0
-        t = torch.tensor([[sums.get(k, 0.0) if count else 0.0 for k in keys],
-                          [weights.get(k, 0.0) if count else 0.0 for k in keys]], dtype=torch.float64)
-        dist.all_reduce(t)
-        out = {}
-        for i, k in enumerate(keys):
-            den = float(steps) if k in _ADDITIVE else float(t[1, i])
-            out[k] = float(t[0, i] / den) if den > 0 else 0.0
-        return out
-
-    def _reduce_drift(self, drift: list[float]) -> dict[str, float]:
-        count = self.mesh.last_stage and self.mesh.tp_rank == 0
-        t = torch.tensor(drift[:2] if count else [0.0, 0.0], dtype=torch.float64)
-        top = torch.tensor([drift[2] if count else 0.0], dtype=torch.float64)
-        dist.all_reduce(t)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        return {"drift_mean": float(t[0] / t[1]) if t[1] > 0 else 0.0, "drift_max": float(top[0])}
-
     # ------------------------------------------------------------------ weights and state
     def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF tensors of the live model, yielded on global rank 0; every rank must iterate."""
@@ -473,8 +303,7 @@ class MegatronActor:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard (each rank saves its own): model, optimizer, counters."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "rl_steps": self.rl_steps,
-                "sft_steps": self.sft_steps, "lr": self._lr, "coords": (self.mesh.tp_rank, self.mesh.pp_rank)}
+        return {"model": self.model.state_dict(), **self._counters(), "coords": (self.mesh.tp_rank, self.mesh.pp_rank)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = (self.mesh.tp_rank, self.mesh.pp_rank)
@@ -482,9 +311,7 @@ class MegatronActor:
             raise ValueError(f"checkpoint shard is for (tp, pp) = {tuple(state['coords'])}, this rank is {mine}; resume "
                              "with the same actor.tp and actor.pp")
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.rl_steps, self.sft_steps = int(state["rl_steps"]), int(state["sft_steps"])
-        self.set_lr(float(state["lr"]))
+        self._load_counters(state)
 
     def save_hf(self, path: Path) -> None:
         """Gather to rank 0 and write safetensors + config + tokenizer there; every rank calls it."""
@@ -498,6 +325,6 @@ class MegatronActor:
         path.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
         cfg = self.hf_config.to_dict()
-        cfg["torch_dtype"] = self.cfg.dtype
+        cfg["torch_dtype"] = self.dtype
         self.hf_config.__class__.from_dict(cfg).save_pretrained(path)
-        AutoTokenizer.from_pretrained(self.cfg.model).save_pretrained(path)
+        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)

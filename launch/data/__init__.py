@@ -33,4 +33,23 @@ def rows_from_source(source: str, split: str = "train", n: int | None = None, se
     return records if n is None else records[:n]
 
 
-__all__ = ["rows_from_source"]
+def training_rows(data: Any, agent_names: Sequence[str], tools: Sequence[str], interactions: Sequence[str]
+                  ) -> list[dict[str, Any]]:
+    """The rows a run trains on, for the `data:` config section, each checked against the loops,
+    tools and interactions the run has (a bad row fails here, before any model loads)."""
+    from launch.data.rows import validate_rows
+
+    if data.task == "arithmetic":
+        from launch.data.arithmetic import ArithmeticConfig, arithmetic_rows
+
+        acfg = ArithmeticConfig(max_value=data.max_operand, min_ops=data.num_ops, max_ops=data.num_ops)
+        rows = arithmetic_rows(4096, "train", data.seed, acfg)
+    else:
+        rows = rows_from_source(str(data.train_path), "train")
+    for r in rows:
+        r.setdefault("agent_name", data.agent_name)
+    validate_rows(rows, list(agent_names), set(tools), set(interactions))
+    return rows
+
+
+__all__ = ["rows_from_source", "training_rows"]

@@ -203,3 +203,32 @@ def sft_batches(examples: Sequence[tuple[Sequence[int], Sequence[int]]], batch_s
             labels[b, :len(lab)] = torch.tensor(list(lab), dtype=torch.long)
             attention_mask[b, :len(ids)] = 1
         yield {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+def warm_up(actor: Any, rows: Sequence[Mapping[str, Any]], tools: Mapping[str, Any], model_dir: str, sft: Any,
+            max_calls: int, show: bool = True) -> None:
+    """The supervised warm-up (`sft:` config section): `sft.steps` optimizer steps over traces built
+    from the first `sft.examples` rows, laid out exactly like rollouts, at `sft.lr`. The actor's
+    learning rate is left as it found it."""
+    from tqdm import tqdm
+
+    from engines.models import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    schemas = {name: t.tool_schema for name, t in tools.items()}
+    examples = build_sft_examples(rows[:sft.examples], tok, schemas, max_calls=max(1, max_calls))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    bar = tqdm(total=sft.steps, desc="sft", unit="step", disable=not show)
+    done, epoch, lr = 0, 0, actor.lr
+    actor.set_lr(sft.lr)
+    while done < sft.steps:
+        for b in sft_batches(examples, sft.batch_size, pad, seed=epoch):
+            m = actor.sft_step(b["input_ids"], b["labels"], b["attention_mask"])
+            done += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['loss']:.3f}")
+            if done >= sft.steps:
+                break
+        epoch += 1
+    bar.close()
+    actor.set_lr(lr)

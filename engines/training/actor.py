@@ -1,0 +1,305 @@
+"""What every actor backend shares: the PPO epochs and mini-batches, the SFT step, metrics and
+logprob drift, learning-rate warm-up and autocast. A backend (torch, Megatron) supplies only how
+a list of micro-batches goes forward and backward on its ranks, how it steps its optimizer, and
+which of its ranks own the numbers.
+
+Rows are split over the data-parallel replicas; every loss is a micro-batch's sum divided by the
+mini-batch's global denominator (tokens or sequences over all replicas), known locally because
+every rank sees the whole batch. So summing gradients over the replicas gives exactly the
+mini-batch gradient, whatever the micro-batch size or the number of ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from engines.training.batch import Batch, MicroBatch
+from engines.training.config import ActorConfig, compute_dtype
+from engines.training.losses import IGNORE_INDEX, LossConfig, compute_loss
+
+_ADDITIVE = ("pg_loss", "kl", "entropy", "loss")  # per-micro-batch shares of the mini-batch value
+LossFn = Callable[[MicroBatch, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def dist_info() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without an initialized process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_rows(local: torch.Tensor, total: int, parts: int, group: Any = None,
+                device: torch.device | None = None) -> torch.Tensor:
+    """Undo `torch.tensor_split(rows, parts)` over the `parts` ranks of `group`: every rank gets
+    the [total, ...] tensor, on `local`'s device. The collective runs on `device` when given
+    (the device the group's backend serves)."""
+    if parts == 1:
+        return local
+    per = math.ceil(total / parts)
+    padded = local.new_zeros((per, *local.shape[1:]))
+    padded[:local.shape[0]] = local
+    if device is not None:
+        padded = padded.to(device)
+    chunks = [torch.empty_like(padded) for _ in range(parts)]
+    dist.all_gather(chunks, padded, group=group)
+    sizes = [len(s) for s in torch.tensor_split(torch.arange(total), parts)]
+    return torch.cat([c[:n].to(local.device) for c, n in zip(chunks, sizes)])
+
+
+def _denominator(mask: torch.Tensor, agg: str) -> float:
+    """What `agg_loss` divides a mini-batch by: its mask-1 tokens, or its sequences with one."""
+    keep = mask.bool()
+    return float(keep.sum()) if agg == "token-mean" else float(keep.any(dim=-1).sum())
+
+
+class _Tally:
+    """Metric sums of one update or SFT step, on the ranks that own them."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+        self.drift = [0.0, 0.0, 0.0]  # sum, count, max of |rollout - old| over mask-1 tokens
+
+    def add(self, metrics: dict[str, float], tokens: float) -> None:
+        for k, v in metrics.items():
+            self.sums[k] += v if k in _ADDITIVE else v * tokens
+            self.weights[k] += 0.0 if k in _ADDITIVE else tokens
+
+    def add_drift(self, rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> None:
+        gap = (rollout - old).abs().double()[mask.bool()]
+        if gap.numel():
+            self.drift[0] += float(gap.sum())
+            self.drift[1] += gap.numel()
+            self.drift[2] = max(self.drift[2], float(gap.max()))
+
+
+class ActorBase:
+    """Subclasses set `params`, `optimizer`, `device`, `rank`, `world`, `dp_rank`, `dp_size`,
+    `dp_group`, then implement `_forward_backward`, `_forward_logprobs`, `_step_optimizer` and
+    the weights/state methods of `engines.training.base.Actor`."""
+
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    rank: int
+    world: int
+    dp_rank: int
+    dp_size: int
+    dp_group: Any = None
+
+    def __init__(self, cfg: ActorConfig, model: str, dtype: str = "float32", temperature: float = 1.0,
+                 seed: int = 0, progress: bool = True) -> None:
+        self.cfg, self.model_path, self.dtype = cfg, model, dtype
+        self.compute_dtype = compute_dtype(dtype)
+        self.temperature, self.seed, self.progress = temperature, seed, progress
+        self.rl_steps = self.sft_steps = 0
+        self._lr = cfg.lr
+
+    # ------------------------------------------------------------------ what a backend supplies
+    def _forward_backward(self, micro: list[MicroBatch], want_entropy: bool, temperature: float, loss_fn: LossFn,
+                          bar: tqdm) -> None:
+        """Run every micro-batch forward, call `loss_fn(mb, logprobs [b, k], entropy)` where the
+        logprobs live, and backpropagate its value; tick `bar` once per micro-batch."""
+        raise NotImplementedError
+
+    def _forward_logprobs(self, micro: list[MicroBatch], bar: tqdm) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """No-grad (logprobs, entropy) [b, k] per micro-batch, on the CPU, on every rank of this replica."""
+        raise NotImplementedError
+
+    def _step_optimizer(self) -> float:
+        """Reduce gradients as the backend needs, clip to `grad_clip`, step; the pre-clip norm."""
+        raise NotImplementedError
+
+    def _owns_metrics(self) -> bool:
+        """Whether this rank's tallies count (a rank that computes the loss, once per replica)."""
+        return True
+
+    def _set_train(self, mode: bool) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shared helpers
+    @property
+    def lr(self) -> float:
+        return self._lr
+
+    def set_lr(self, lr: float) -> None:
+        self._lr = float(lr)
+        for g in self.optimizer.param_groups:
+            g["lr"] = self._lr
+
+    def _autocast(self) -> Any:
+        if self.compute_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _bar(self, desc: str, total: int) -> tqdm:
+        return tqdm(total=total, desc=desc, unit="micro-batch", leave=False,
+                    disable=not self.progress or self.rank != 0)
+
+    def _local_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.tensor_split(rows, self.dp_size)[self.dp_rank]
+
+    def _micro_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        return list(rows.split(self.cfg.micro_batch_size)) if len(rows) else []
+
+    # ------------------------------------------------------------------ logprobs
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token logprobs and entropy of the batch's responses; every rank gets all rows."""
+        self._set_train(False)
+        micro = [batch.micro_batch(mb) for mb in self._micro_rows(self._local_rows(torch.arange(len(batch))))]
+        r = batch.responses.shape[1]
+        with self._bar("logprobs", len(micro)) as bar:
+            res = self._forward_logprobs(micro, bar)
+        pad = lambda t: torch.nn.functional.pad(t.float().cpu(), (0, r - t.shape[1]))  # noqa: E731
+        lp = torch.cat([pad(x[0]) for x in res]) if res else torch.zeros(0, r)
+        ent = torch.cat([pad(x[1]) for x in res]) if res else torch.zeros(0, r)
+        n, real = len(batch), batch.real_responses
+        lp, ent = (gather_rows(t, n, self.dp_size, self.dp_group, self.device) for t in (lp, ent))
+        return torch.where(real, lp, 0.0), torch.where(real, ent, 0.0)
+
+    # ------------------------------------------------------------------ RL update
+    def update(self, batch: Batch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None,
+               ref_logprobs: torch.Tensor | None, loss: LossConfig) -> dict[str, float]:
+        """PPO epochs over mini-batches of the batch.
+
+        `old_logprobs=None` is the on-policy case (one epoch, one mini-batch): the policy that
+        sampled is the one being updated, so the old logprobs are this forward's own, detached,
+        and no separate pass is needed. The metrics then carry `drift_mean`/`drift_max`, the
+        |rollout - actor| logprob gap over mask-1 tokens, measured on that same forward.
+        """
+        mask = batch.loss_mask
+        n = len(batch)
+        mini = self.cfg.mini_batch(n)
+        if old_logprobs is None and not self.cfg.on_policy(n):
+            raise ValueError("update(old_logprobs=None) is only valid for one epoch over one mini-batch; compute "
+                             "old logprobs with compute_logprobs() first")
+        if min(mini, n) < self.dp_size:
+            raise ValueError(f"a mini-batch of {min(mini, n)} trajectories cannot be split over {self.dp_size} "
+                             "data-parallel ranks; raise actor.ppo_mini_batch_size or data.prompts_per_step x rollout.n")
+        self.rl_steps += 1
+        warm = self.cfg.warmup_steps
+        self.set_lr(self.cfg.lr * (min(1.0, self.rl_steps / warm) if warm > 0 else 1.0))
+        self._set_train(True)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rl_steps)
+        shuffle = mini < n or self.cfg.ppo_epochs > 1
+        tally = _Tally()
+        norms: list[float] = []
+        per_rank = math.ceil(min(mini, n) / self.dp_size)
+        bar = self._bar("update", self.cfg.ppo_epochs * math.ceil(n / mini)
+                        * math.ceil(per_rank / self.cfg.micro_batch_size))
+        for _ in range(self.cfg.ppo_epochs):
+            order = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
+            for s in range(0, n, mini):
+                idx = order[s:s + mini]
+                denom = _denominator(mask[idx], loss.agg)
+                if denom == 0:  # nothing to learn from (all rows invalid or empty); every rank skips alike
+                    continue
+
+                def loss_fn(mb: MicroBatch, lp: torch.Tensor, ent: torch.Tensor | None) -> torch.Tensor:
+                    k = lp.shape[1]
+                    pick = lambda t: None if t is None else t[mb.rows, :k].to(self.device)  # noqa: E731
+                    msk, old = pick(mask), pick(old_logprobs)
+                    if old is None:
+                        old = lp.detach().float()
+                        tally.add_drift(pick(batch.rollout_logprobs), old, msk)
+                    value, met = compute_loss(loss, lp.float(), old, pick(advantages), msk, pick(ref_logprobs),
+                                              None if ent is None else ent.float(), denom)
+                    tally.add(met, float(msk.sum()))
+                    return value
+
+                micro = [batch.micro_batch(mb) for mb in self._micro_rows(self._local_rows(idx))]
+                self._forward_backward(micro, loss.entropy_coef > 0, self.temperature, loss_fn, bar)
+                norms.append(self._step_optimizer())
+        bar.close()
+        out = self._reduce(tally, len(norms))
+        if old_logprobs is None:
+            out.update(self._reduce_drift(tally))
+        out.update({"grad_norm": sum(norms) / max(1, len(norms)), "lr": self._lr, "optimizer_steps": float(len(norms))})
+        return out
+
+    # ------------------------------------------------------------------ SFT
+    def sft_step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, float]:
+        """One step of token-mean cross entropy over labels != -100 (labels aligned with ids; the
+        shift happens here). Every rank passes the same batch and takes its share of rows."""
+        self._set_train(True)
+        self.sft_steps += 1
+        denom = float((labels[:, 1:] != IGNORE_INDEX).sum())
+        if denom == 0:
+            raise ValueError("an SFT batch has no labelled token (all labels are -100); check the traces")
+        micro = [_sft_micro(input_ids, labels, attention_mask, mb)
+                 for mb in self._micro_rows(self._local_rows(torch.arange(len(input_ids))))]
+        tally = _Tally()
+
+        def loss_fn(mb: MicroBatch, lp: torch.Tensor, _ent: torch.Tensor | None) -> torch.Tensor:
+            value = -torch.where(mb.target_mask, lp, 0.0).sum() / denom
+            tally.sums["loss"] += float(value.detach())
+            return value
+
+        self._forward_backward(micro, False, 1.0, loss_fn, tqdm(disable=True))
+        norm = self._step_optimizer()
+        return {"loss": self._reduce(tally, 1).get("loss", 0.0), "grad_norm": norm}
+
+    # ------------------------------------------------------------------ state
+    def _counters(self) -> dict[str, Any]:
+        """What every backend's checkpoint holds besides its weights."""
+        return {"optimizer": self.optimizer.state_dict(), "rl_steps": self.rl_steps, "sft_steps": self.sft_steps,
+                "lr": self._lr}
+
+    def _load_counters(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.rl_steps, self.sft_steps = int(state["rl_steps"]), int(state["sft_steps"])
+        self.set_lr(float(state["lr"]))
+
+    # ------------------------------------------------------------------ reductions
+    def _reduce(self, tally: _Tally, steps: int) -> dict[str, float]:
+        """Additive shares summed over micro-batches and ranks make one value per optimizer step,
+        averaged over the steps; the other metrics are token-weighted means. Only the ranks that
+        own metrics contribute, so a value replicated over tensor or pipeline ranks counts once."""
+        keys = sorted(tally.sums)
+        if self.world > 1:
+            every: list[Any] = [None] * self.world
+            dist.all_gather_object(every, keys)
+            keys = sorted({k for ks in every for k in ks})
+        if not keys:
+            return {}
+        own = self._owns_metrics()
+        t = torch.tensor([[tally.sums.get(k, 0.0) if own else 0.0 for k in keys],
+                          [tally.weights.get(k, 0.0) if own else 0.0 for k in keys]], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(t)
+        out = {}
+        for i, k in enumerate(keys):
+            den = float(steps) if k in _ADDITIVE else float(t[1, i])
+            out[k] = float(t[0, i] / den) if den > 0 else 0.0
+        return out
+
+    def _reduce_drift(self, tally: _Tally) -> dict[str, float]:
+        own = self._owns_metrics()
+        total = torch.tensor(tally.drift[:2] if own else [0.0, 0.0], dtype=torch.float64)
+        top = torch.tensor([tally.drift[2] if own else 0.0], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(total)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        return {"drift_mean": float(total[0] / total[1]) if total[1] > 0 else 0.0, "drift_max": float(top[0])}
+
+
+def _sft_micro(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor,
+               rows: torch.Tensor) -> MicroBatch:
+    """Right-padded SFT rows cut to their widest; logits are asked for only from the first
+    labelled position on (prompts carry no labels, and the vocabulary projection of every
+    prompt position is a large share of a small model's cost)."""
+    width = int(attention_mask[rows].sum(1).max())
+    ids, lab, attn = input_ids[rows, :width], labels[rows, :width], attention_mask[rows, :width]
+    labelled = (lab[:, 1:] != IGNORE_INDEX).any(0).nonzero()
+    first = int(labelled[0]) if len(labelled) else width - 2
+    target = lab[:, first + 1:]
+    return MicroBatch(rows=rows, input_ids=ids, attention_mask=attn, position_ids=None, first=first,
+                      targets=target, target_mask=target != IGNORE_INDEX)

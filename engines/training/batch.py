@@ -1,0 +1,204 @@
+"""The training batch: what rollout hands the trainer and every actor and reference consumes.
+
+It lives with the training engines, not with rollout, because it is the contract between the
+two: rollout builds it (`pad_outputs` from finished trajectories), the actors read it, and the
+engines must not import from rollout. Prompts are left-padded and responses right-padded, so
+prompt and response meet at column P for every row; the real lengths are kept explicitly
+(`prompt_lengths`, `response_lengths`), and `micro_batch` cuts a few rows down to their own
+widest prompt and response, the window every forward pass uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import torch
+
+
+class Finished(Protocol):
+    """A finished trajectory as `pad_outputs` reads it (`agent.loop.AgentLoopOutput` is one)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float]
+    reward: float
+    num_turns: int
+    termination: str
+    turns: list[dict[str, Any]]
+    weight_versions: list[int]
+    request_ids: list[str]
+    reward_extra: dict[str, float]
+    session_id: str
+    error: str
+
+    def check(self) -> None: ...
+
+
+@dataclass
+class MicroBatch:
+    """A few rows cut to what a forward pass needs. The logits at columns [first, first + k) of
+    `input_ids` predict `targets` ([b, k]); `target_mask` says which targets are real (not
+    padding, not an unlabelled SFT token). `position_ids` is None where positions simply count
+    from 0 (right-padded SFT rows)."""
+
+    rows: torch.Tensor  # [b] indices into the batch the micro-batch was cut from
+    input_ids: torch.Tensor  # [b, s]
+    attention_mask: torch.Tensor  # [b, s]
+    position_ids: torch.Tensor | None  # [b, s]
+    first: int
+    targets: torch.Tensor  # [b, k]
+    target_mask: torch.Tensor  # [b, k] bool
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        pos = None if self.position_ids is None else self.position_ids.to(device)
+        return MicroBatch(self.rows, self.input_ids.to(device), self.attention_mask.to(device), pos, self.first,
+                          self.targets.to(device), self.target_mask.to(device))
+
+
+@dataclass
+class Batch:
+    """Padded trajectories. Rows with `valid` False ended with termination "error" (a loop or
+    engine failure, not a model behaviour): they are dropped from the loss (`loss_mask`) and from
+    their group's baseline. `reward_extra` lists hold NaN where a row's loop did not report that key."""
+
+    prompts: torch.Tensor  # [B, P] long
+    responses: torch.Tensor  # [B, R] long
+    response_mask: torch.Tensor  # [B, R] long, 1 = model token
+    rollout_logprobs: torch.Tensor  # [B, R] float32, 0 where mask is 0
+    attention_mask: torch.Tensor  # [B, P + R] long
+    position_ids: torch.Tensor  # [B, P + R] long
+    prompt_lengths: torch.Tensor  # [B] long: real prompt tokens (right-aligned at column P)
+    response_lengths: torch.Tensor  # [B] long: real response tokens (from column P on)
+    rewards: torch.Tensor  # [B] float32
+    group_index: torch.Tensor  # [B] long: rows with equal index are samples of one prompt
+    valid: torch.Tensor  # [B] bool
+    num_turns: list[int]
+    termination: list[str]
+    weight_versions: list[list[int]]
+    reward_extra: dict[str, list[float]]
+    request_ids: list[list[str]]
+    session_ids: list[str]
+    errors: list[str]
+    turns: list[list[dict[str, Any]]]
+
+    def __len__(self) -> int:
+        return int(self.prompts.shape[0])
+
+    @property
+    def prompt_width(self) -> int:
+        """P: the column where every response starts."""
+        return int(self.prompts.shape[1])
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompts, self.responses], dim=1)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """`response_mask` with invalid rows zeroed: what a policy loss should average over."""
+        return self.response_mask * self.valid.to(self.response_mask.dtype)[:, None]
+
+    @property
+    def real_responses(self) -> torch.Tensor:
+        """[B, R] bool: columns that hold a response token (model's or the loop's), not padding."""
+        return torch.arange(self.responses.shape[1])[None, :] < self.response_lengths[:, None]
+
+    def group_labels(self) -> torch.Tensor:
+        """`group_index` with every invalid row in a group of its own (a negative label), so a
+        failed trajectory gets advantage 0 and does not move its siblings' baseline."""
+        return torch.where(self.valid, self.group_index, -1 - torch.arange(len(self)))
+
+    def micro_batch(self, rows: torch.Tensor) -> MicroBatch:
+        """`rows` cut to their own widest prompt and response (a batch is padded to the widest
+        trajectory of the whole step). At least one response column is kept, so a pass over rows
+        whose responses are all empty still has a shape every pipeline stage agrees on."""
+        p = self.prompt_width
+        plen, rlen = self.prompt_lengths[rows], self.response_lengths[rows]
+        if len(rows) and int(plen.min()) < 1:
+            raise ValueError("a trajectory has an empty prompt; every row needs at least one prompt token")
+        begin = p - (int(plen.max()) if len(rows) else 0)
+        end = max(1, int(rlen.max()) if len(rows) else 0)
+        ids = torch.cat([self.prompts[rows, begin:], self.responses[rows, :end]], dim=1)
+        return MicroBatch(rows=rows, input_ids=ids, attention_mask=self.attention_mask[rows, begin:p + end],
+                          position_ids=self.position_ids[rows, begin:p + end], first=p - begin - 1,
+                          targets=self.responses[rows, :end], target_mask=self.real_responses[rows, :end])
+
+    def metrics(self) -> dict[str, float]:
+        """Rollout numbers for the step log; rewards and lengths over valid rows only."""
+        v = self.valid
+        resp_len = self.response_lengths.float()
+        nan = float("nan")
+        m: dict[str, float] = {
+            "rollout/trajectories": float(len(self)), "rollout/invalid": float((~v).sum()),
+            "rollout/reward_mean": float(self.rewards[v].mean()) if v.any() else nan,
+            "rollout/reward_std": float(self.rewards[v].std()) if v.sum() > 1 else nan,
+            "rollout/response_length_mean": float(resp_len[v].mean()) if v.any() else nan,
+            "rollout/response_length_max": float(resp_len.max()) if len(self) else nan,
+            "rollout/model_tokens_mean": float(self.response_mask[v].sum(1).float().mean()) if v.any() else nan,
+            "rollout/num_turns_mean": sum(self.num_turns) / max(1, len(self.num_turns)),
+        }
+        for t in sorted(set(self.termination)):
+            m[f"rollout/termination/{t}"] = float(self.termination.count(t))
+        tool_turns = [t for ts in self.turns for t in ts if t.get("kind") == "tools"]
+        for key in ("calls", "failed", "timeouts", "parse_errors"):
+            m[f"rollout/tool_{key}"] = float(sum(int(t.get(key, 0)) for t in tool_turns))
+        m["rollout/tool_calls_per_trajectory"] = m["rollout/tool_calls"] / max(1, len(self))
+        gen = [float(t["latency_s"]) for ts in self.turns for t in ts if t.get("kind") == "generate"]
+        if gen:
+            m["rollout/generate_latency_mean_s"] = sum(gen) / len(gen)
+            m["rollout/generate_latency_max_s"] = max(gen)
+        for key, vals in self.reward_extra.items():
+            x = torch.tensor(vals, dtype=torch.float64)
+            m[f"rollout/reward_extra/{key}"] = float(x.nanmean()) if len(x) else nan
+        return m
+
+
+def pad_outputs(outputs: Sequence[Finished], pad_id: int, group_index: Sequence[int],
+                prompt_length: int | None = None, response_length: int | None = None) -> Batch:
+    """Pad trajectories into a Batch. Fixed `prompt_length`/`response_length` give static shapes;
+    a trajectory longer than them is an error (cutting it would train on a different sequence
+    than the one sampled), so raise the loop's token budget instead."""
+    if len(group_index) != len(outputs):
+        raise ValueError(f"group_index has {len(group_index)} entries for {len(outputs)} outputs; give one per output")
+    for i, o in enumerate(outputs):
+        try:
+            o.check()
+        except AssertionError as e:
+            raise ValueError(f"output {i} is inconsistent: {e}") from None
+    plens = [len(o.prompt_ids) for o in outputs]
+    rlens = [len(o.response_ids) for o in outputs]
+    p, r = max(plens, default=0), max(rlens, default=0)
+    for name, got, fixed in (("prompt_length", p, prompt_length), ("response_length", r, response_length)):
+        if fixed is not None and got > fixed:
+            raise ValueError(f"{name}={fixed} but a trajectory has {got} tokens; raise {name} or lower the "
+                             "loops' token budgets (max_response_tokens)")
+    p, r = prompt_length if prompt_length is not None else p, response_length if response_length is not None else r
+    b = len(outputs)
+    prompts = torch.full((b, p), int(pad_id), dtype=torch.long)
+    responses = torch.full((b, r), int(pad_id), dtype=torch.long)
+    response_mask = torch.zeros((b, r), dtype=torch.long)
+    logprobs = torch.zeros((b, r), dtype=torch.float32)
+    attention = torch.zeros((b, p + r), dtype=torch.long)
+    for i, (o, lp, lr) in enumerate(zip(outputs, plens, rlens)):
+        if lp:
+            prompts[i, p - lp:] = torch.tensor(o.prompt_ids, dtype=torch.long)
+        if lr:
+            responses[i, :lr] = torch.tensor(o.response_ids, dtype=torch.long)
+            response_mask[i, :lr] = torch.tensor(o.response_mask, dtype=torch.long)
+            logprobs[i, :lr] = torch.tensor(o.response_logprobs, dtype=torch.float32)
+        attention[i, p - lp:p + lr] = 1
+    keys = sorted({k for o in outputs for k in o.reward_extra})
+    return Batch(
+        prompts=prompts, responses=responses, response_mask=response_mask, rollout_logprobs=logprobs,
+        attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0),
+        prompt_lengths=torch.tensor(plens, dtype=torch.long), response_lengths=torch.tensor(rlens, dtype=torch.long),
+        rewards=torch.tensor([float(o.reward) for o in outputs], dtype=torch.float32),
+        group_index=torch.tensor(list(group_index), dtype=torch.long),
+        valid=torch.tensor([o.termination != "error" for o in outputs], dtype=torch.bool),
+        num_turns=[o.num_turns for o in outputs], termination=[o.termination for o in outputs],
+        weight_versions=[list(o.weight_versions) for o in outputs],
+        reward_extra={k: [float(o.reward_extra.get(k, float("nan"))) for o in outputs] for k in keys},
+        request_ids=[list(o.request_ids) for o in outputs], session_ids=[o.session_id for o in outputs],
+        errors=[o.error for o in outputs], turns=[list(o.turns) for o in outputs])

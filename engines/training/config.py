@@ -1,0 +1,71 @@
+"""The `actor:` section of the run config, the one class both actor backends take.
+
+What an actor is trained with (optimiser, batch geometry, parallelism) is this section; what it
+is trained on (the model path, the compute dtype, the sampling temperature, the seed) comes from
+other sections of the run and is passed to the actor's constructor, so no setting has two names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BACKENDS = ("torch", "megatron")
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config name, or an error that lists the choices."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r}; choose one of {list(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass
+class ActorConfig:
+    """`ppo_mini_batch_size` 0 means the whole batch is one mini-batch (one optimizer step per RL
+    step). `tp`/`pp` are the Megatron actor's; `gradient_checkpointing`/`trainable` the torch
+    actor's. Weights are kept in float32 (the optimizer's master copy); the model's dtype is the
+    compute dtype (autocast) and what engines are sent."""
+
+    backend: str = "torch"
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    micro_batch_size: int = 8
+    ppo_mini_batch_size: int = 0
+    ppo_epochs: int = 1
+    gradient_checkpointing: bool = False
+    trainable: list[str] = field(default_factory=list)  # parameter-name regexes to train; empty = all
+    tp: int = 1  # megatron: tensor parallel size
+    pp: int = 1  # megatron: pipeline parallel size
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"actor.backend={self.backend!r} is not allowed; choose one of {list(BACKENDS)}")
+        for name in ("micro_batch_size", "ppo_epochs", "tp", "pp"):
+            value = getattr(self, name)
+            if value is None or value < 1:
+                raise ValueError(f"actor.{name}={value!r} must be a positive integer")
+        if self.backend == "torch" and (self.tp, self.pp) != (1, 1):
+            raise ValueError(f"actor.tp={self.tp}, actor.pp={self.pp} need actor.backend=megatron (the torch actor "
+                             "is data parallel only)")
+        if self.backend == "megatron" and (self.trainable or self.gradient_checkpointing):
+            raise ValueError(f"actor.trainable={list(self.trainable)} / actor.gradient_checkpointing="
+                             f"{self.gradient_checkpointing} are torch-actor options; the megatron actor trains every "
+                             "parameter without recomputation: set actor.trainable=[] actor.gradient_checkpointing=false")
+        if self.lr <= 0:
+            raise ValueError(f"actor.lr={self.lr} must be > 0")
+        if self.ppo_mini_batch_size < 0:
+            raise ValueError(f"actor.ppo_mini_batch_size={self.ppo_mini_batch_size} must be >= 0 (0 = the whole batch)")
+
+    def mini_batch(self, batch_size: int) -> int:
+        """Trajectories per optimizer step for a batch of `batch_size`."""
+        return self.ppo_mini_batch_size or batch_size
+
+    def on_policy(self, batch_size: int) -> bool:
+        """One epoch over one mini-batch: the policy being updated is the one that sampled, so the
+        update's own forward can stand in for the old logprobs."""
+        return self.ppo_epochs == 1 and self.mini_batch(batch_size) >= batch_size

@@ -1,0 +1,56 @@
+"""A transformers causal LM as the training side uses it: loaded for training, and asked for the
+logprobs (and entropy) of a micro-batch's targets. Shared by the torch actor, the torch reference
+and the DeepSpeed reference, so all three score tokens the same way the engines do:
+log_softmax(logits / temperature)[token].
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engines.training.batch import Batch, MicroBatch
+from engines.training.losses import entropy_from_logits, logprobs_from_logits
+
+
+def default_device() -> torch.device:
+    """This process's device: its local GPU under torchrun, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The HF model, with `padding_idx` taken off its embeddings: chat models often pad with
+    their end-of-turn token, which is a real input in every multi-turn trajectory, and HF's
+    padding_idx would silently freeze that row's input embedding. Padding positions get no
+    gradient anyway (attention and loss masks keep them out)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding):
+            m.padding_idx = None
+    return model
+
+
+def micro_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float,
+                   want_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[b, k] logprobs (and entropy) of `mb.targets`, 0 where `target_mask` is False. The model is
+    asked only for the logits that score targets (`logits_to_keep`), most of the cost saved on CPU."""
+    s, k = mb.input_ids.shape[1], mb.targets.shape[1]
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                   logits_to_keep=s - mb.first, use_cache=False).logits[:, :k]
+    if temperature != 1.0:
+        logits = logits.float() / temperature
+    lp = torch.where(mb.target_mask, logprobs_from_logits(logits, mb.targets.clamp(min=0)), 0)
+    ent = torch.where(mb.target_mask, entropy_from_logits(logits), 0) if want_entropy else None
+    return lp, ent
+
+
+def response_logprobs(model: torch.nn.Module, batch: Batch, rows: torch.Tensor, temperature: float,
+                      device: torch.device) -> torch.Tensor:
+    """[len(rows), R] logprobs of the rows' response tokens (0 past each response), on the CPU."""
+    lp, _ = micro_logprobs(model, batch.micro_batch(rows).to(device), temperature)
+    return torch.nn.functional.pad(lp.float().cpu(), (0, batch.responses.shape[1] - lp.shape[1]))

@@ -1,0 +1,67 @@
+"""Building a training process from the config, in the order that fails cheapest first: batch
+geometry, then rows and tools (no model yet), then the process group, the actor, the reference
+and the (not yet started) rollout plane. `launch/train.py` runs what this builds."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from launch.config import Config, ConfigError, check_world_size, resolve_path
+
+
+@dataclass
+class Run:
+    """What one training process holds."""
+
+    rank: int
+    barrier: Callable[[], None]
+    rows: list[dict[str, Any]]
+    stream: Any
+    tools: dict[str, Any]
+    model_dir: str
+    actor: Any
+    ref: Any
+    plane: Any
+
+
+def setup(cfg: Config) -> Run:
+    """Everything a training process holds; a bad config or row raises ConfigError before any model loads."""
+    import torch
+
+    from agent.interactions import load_interactions
+    from agent.loop import AgentLoopRegistry
+    from agent.tools import load_tools
+    from engines.models import resolve_model
+    from engines.training import make_actor
+    from engines.training.reference import make_reference
+    from launch.data import training_rows
+    from launch.data.rows import RowStream
+    from parallel.mesh import init_distributed
+    from rollout.plane import RolloutPlane
+
+    r = cfg.rollout
+    check_world_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    tools_path, inter_path = resolve_path(r.tools_config), resolve_path(r.interaction_config)
+    try:  # a bad row, a missing file, a bad generator knob
+        tools = load_tools(tools_path) if tools_path else {}
+        inter = load_interactions(inter_path) if inter_path else {}
+        rows = training_rows(cfg.data, AgentLoopRegistry(r.agent_loops).names, list(tools), list(inter))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data: {e}") from None
+    rank, world = init_distributed()
+    barrier = torch.distributed.barrier if world > 1 else (lambda: None)
+    if rank == 0:
+        resolve_model(cfg.model.path)  # fetch/convert once, before other ranks read it
+    barrier()
+    model_dir = str(resolve_model(cfg.model.path))
+    actor = make_actor(cfg.actor, model_dir, cfg.model.dtype, r.temperature, cfg.trainer.seed)
+    if rank == 0 and hasattr(actor, "mesh"):
+        print(actor.mesh.describe(), flush=True)
+    ref = None
+    if cfg.algorithm.loss.kl_coef > 0:
+        ref = make_reference(cfg.reference.backend, model_dir, dtype=cfg.model.dtype, temperature=r.temperature,
+                             micro_batch_size=cfg.actor.micro_batch_size)
+    plane = RolloutPlane(r, model_dir, cfg.model.dtype, rank, world, tools_path, inter_path)
+    return Run(rank, barrier, rows, RowStream(rows, seed=cfg.data.seed), tools, model_dir, actor, ref, plane)

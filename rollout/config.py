@@ -1,0 +1,54 @@
+"""The `rollout:` section of the run config: engines, sampling, agent loops and the weight
+path into the engines. It lives with the code that reads it (`rollout/plane.py`); the run's config
+tree (`launch/config.py`) puts it under `rollout`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.router import POLICIES  # the router owns the policy names
+
+ENGINES = ("vllm", "hf", "sglang")
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is None or value < 1:
+            raise ValueError(f"rollout.{name}={value!r} must be a positive integer")
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"rollout.{name}={value!r} is not allowed; choose one of {list(allowed)}")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "vllm"
+    num_engines: int = 1
+    engine_options: dict[str, Any] = field(default_factory=dict)  # passed to the engine backend
+    policy: str = "sticky_group"
+    n: int = 4  # samples per prompt: one GRPO group
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 128  # per generation; tool_agent's max_turn_tokens caps it too
+    num_workers: int = 0  # agent worker processes; 0 = in the trainer's process
+    agent: dict[str, Any] = field(default_factory=dict)  # {agent_name: {loop options}}
+    agent_loops: dict[str, str] = field(default_factory=dict)  # {agent_name: package.module.LoopClass}
+    tools_config: str | None = "launch/configs/tools_calculator.yaml"
+    interaction_config: str | None = None
+    startup_timeout_s: float = 900.0
+    weight_bucket_mb: int = 64
+
+    def __post_init__(self) -> None:
+        _choice("engine", self.engine, ENGINES)
+        _choice("policy", self.policy, POLICIES)
+        _positive(self, "num_engines", "n", "max_tokens", "weight_bucket_mb")
+        if self.num_workers < 0:
+            raise ValueError(f"rollout.num_workers={self.num_workers} must be >= 0 (0 = run in the trainer process)")
+        if self.temperature <= 0:
+            raise ValueError(f"rollout.temperature={self.temperature} must be > 0 for RL (sampling, not greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
