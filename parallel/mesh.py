@@ -107,8 +107,12 @@ class PlacementPlan:
 
     def describe(self) -> str:
         kind = "cores" if self.mode == "cpu" else "GPUs"
-        lines = [f"placement {self.mode}: {self.nodes} node(s) x {self.devices_per_node} {kind}; training on "
-                 f"{self.train_devices} {kind}; {len(self.engines)} engine(s) of rollout TP {self.rollout_tp}"]
+        if self.mode == "cpu":
+            lines = [f"placement cpu: {len(self.engines)} engine process(es) on {self.devices_per_node} cores of "
+                     "this box, which the trainer shares"]
+        else:
+            lines = [f"placement {self.mode}: {self.nodes} node(s) x {self.devices_per_node} {kind}; training on "
+                     f"{self.train_devices} {kind}; {len(self.engines)} engine(s) of rollout TP {self.rollout_tp}"]
         if self.mode == "colocated":
             lines.append("  engines share the training GPUs: they sleep during each update and wake for rollout")
         for e in self.engines:
