@@ -240,7 +240,7 @@ class ActorBase:
 
         def loss_fn(mb: MicroBatch, lp: torch.Tensor, _ent: torch.Tensor | None) -> torch.Tensor:
             value = -torch.where(mb.target_mask, lp, 0.0).sum() / denom
-            tally.sums["loss"] += float(value.detach())
+            tally.add({"loss": float(value.detach())}, 0.0)
             return value
 
         self._forward_backward(micro, False, 1.0, loss_fn, tqdm(disable=True))

@@ -123,7 +123,7 @@ class Batch:
         ids = torch.cat([self.prompts[rows, begin:], self.responses[rows, :end]], dim=1)
         return MicroBatch(rows=rows, input_ids=ids, attention_mask=self.attention_mask[rows, begin:p + end],
                           position_ids=self.position_ids[rows, begin:p + end], first=p - begin - 1,
-                          targets=self.responses[rows, :end], target_mask=self.real_responses[rows, :end])
+                          targets=self.responses[rows, :end], target_mask=torch.arange(end)[None, :] < rlen[:, None])
 
     def metrics(self) -> dict[str, float]:
         """Rollout numbers for the step log; rewards and lengths over valid rows only."""
