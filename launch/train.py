@@ -50,6 +50,7 @@ def train(cfg: Config) -> dict[str, Any]:
             warm_up(actor, run.rows, run.tools, run.model_dir, cfg.sft, turns - 1, show=rank == 0)
             save_run(ckpt, 0, actor, stream, version, rank, sharded, barrier)
         plane.start_workers()
+        barrier()  # no node runs ahead (e.g. a resumed run with no steps left) while rank 0 connects
         if latest is not None or cfg.sft.enabled:  # engines start from the base model; bring them to the actor
             version += 1
             plane.push_weights(actor.named_hf_weights(), version)
@@ -57,8 +58,10 @@ def train(cfg: Config) -> dict[str, Any]:
             t0 = time.perf_counter()
             batch = plane.generate(stream.next_batch(cfg.data.prompts_per_step), version)
             t_rollout = time.perf_counter() - t0
-            metrics = {**batch.metrics(), **learn(batch, actor, run.ref, cfg.algorithm, cfg.actor)}
+            metrics = {**batch.metrics(), **plane.engine_metrics(t_rollout), **plane.sleep()}
+            metrics.update(learn(batch, actor, run.ref, cfg.algorithm, cfg.actor))
             version += 1
+            plane.wake()  # colocated engines come back; the push below is what they serve with
             t_sync = plane.push_weights(actor.named_hf_weights(), version)
             metrics.update({"weight_version": version, "time/rollout_s": t_rollout, "time/sync_s": t_sync,
                             "time/step_s": time.perf_counter() - t0, "data/epoch": stream.position[0],
@@ -73,6 +76,7 @@ def train(cfg: Config) -> dict[str, Any]:
             actor.save_hf(out / "hf")  # every rank: a sharded actor gathers to rank 0, which writes
             if logger is not None:
                 summary["hf_export"] = str(out / "hf")
+        barrier()  # every node keeps its engines until rank 0 is done with them
         return summary
     except BaseException:
         plane.print_engine_logs()
@@ -83,6 +87,23 @@ def train(cfg: Config) -> dict[str, Any]:
             logger.close()
 
 
+def _exit_with_launcher(every_s: float = 1.0) -> None:
+    """Under torchrun each rank runs in its own session, so a launcher killed with -9 (a node
+    lost, a job cancelled) would leave its ranks and their engines running on; a rank whose
+    launcher is gone exits, and its engines follow it (they watch their parent)."""
+    import threading
+
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(every_s)
+        print(f"launcher (pid {launcher}) is gone; this rank exits", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
@@ -90,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     path = argv.pop(0) if argv and "=" not in argv[0] else None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        _exit_with_launcher()
     try:
         summary = train(load_config(path, argv))
     except ConfigError as e:

@@ -25,6 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from engines.inference.base import SamplingParams
 from rollout import protocol as P
+from rollout.auth import AuthError, ClientKeys, needs_auth
 from rollout.router import NoEngineAvailable, Router
 
 log = logging.getLogger("switchyard.client")
@@ -57,10 +58,17 @@ class _EngineDown(Exception):
 
 class GenerateClient:
     def __init__(self, addresses: Sequence[str], policy: str = "sticky_group", request_timeout_s: float = 600.0,
-                 heartbeat_s: float = 0.5, dead_after_s: float = 10.0, max_attempts: int = 4) -> None:
+                 heartbeat_s: float = 0.5, dead_after_s: float = 10.0, max_attempts: int = 4,
+                 keys: ClientKeys | None = None) -> None:
+        """`keys` (`BusKeys.for_role`) authenticate this client to engines on tcp addresses."""
         if not addresses:
             raise ValueError("GenerateClient needs at least one engine address, e.g. ['ipc:///tmp/e0.sock']")
         self.addresses = list(addresses)
+        self.keys = keys
+        open_tcp = [a for a in self.addresses if needs_auth(a)]
+        if open_tcp and keys is None:
+            raise AuthError(f"engines {open_tcp} are reached over the network and need the run's client keys "
+                            "(rollout.auth.BusKeys.for_role); pass keys=...")
         self.router = Router(len(addresses), policy)
         for i in range(len(addresses)):  # nothing is routed to an engine before it answered once
             self.router.mark_down(i)
@@ -87,6 +95,9 @@ class GenerateClient:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.RCVHWM, 0)
+            if needs_auth(addr):
+                assert self.keys is not None
+                self.keys.apply(s)
             mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             s.connect(addr)
             self._socks.append(s)

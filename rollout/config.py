@@ -10,6 +10,7 @@ from typing import Any
 from rollout.router import POLICIES  # the router owns the policy names
 
 ENGINES = ("vllm", "hf", "sglang")
+PLACEMENTS = ("auto", "cpu", "colocated", "split")  # see parallel/mesh.py; auto = colocated on GPUs, else cpu
 
 
 def _positive(obj: Any, *names: str) -> None:
@@ -27,7 +28,12 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
 @dataclass
 class RolloutConfig:
     engine: str = "vllm"
-    num_engines: int = 1
+    num_engines: int = 1  # placement cpu: engine processes per node, each on its own slice of the node's cores
+    placement: str = "auto"
+    bind_host: str | None = None  # tcp host engines bind for other nodes; default: $SWITCHYARD_HOST or the
+    #                               address this node uses to reach the rendezvous host
+    sleep_level: int = 2  # colocated: 1 = engines keep their weights while asleep, 2 = free them (resent each step)
+    request_log: bool = False  # every engine appends one JSON line per reply to output_dir/engines/<id>.jsonl
     engine_options: dict[str, Any] = field(default_factory=dict)  # passed to the engine backend
     policy: str = "sticky_group"
     n: int = 4  # samples per prompt: one GRPO group
@@ -45,6 +51,9 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _choice("engine", self.engine, ENGINES)
         _choice("policy", self.policy, POLICIES)
+        _choice("placement", self.placement, PLACEMENTS)
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"rollout.sleep_level={self.sleep_level!r} must be 1 (keep weights) or 2 (free them)")
         _positive(self, "num_engines", "n", "max_tokens", "weight_bucket_mb")
         if self.num_workers < 0:
             raise ValueError(f"rollout.num_workers={self.num_workers} must be >= 0 (0 = run in the trainer process)")

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from agent.loop import DEFAULT_AGENT_NAME, AgentContext, AgentLoopOutput, AgentLoopRegistry
 from agent.traces import TraceConfig, TrajectoryTracer, prepare_experiment
 from engines.training.batch import Batch, pad_outputs
+from rollout.auth import ClientKeys
 from rollout.client import GenerateClient
 from rollout.router import POLICIES
 
@@ -66,6 +67,7 @@ class ManagerConfig:
     start_method: str = "spawn"
     ready_timeout_s: float = 300.0
     progress: bool = True
+    bus_keys: dict[str, str] | None = None  # rollout.auth.ClientKeys fields, for engines on tcp addresses
 
     def __post_init__(self) -> None:
         if isinstance(self.tracing, Mapping):
@@ -120,7 +122,8 @@ class _AgentWorker:
         self.tokenizer = load_tokenizer(cfg.tokenizer)
         self.tools = load_tools(cfg.tools_config) if cfg.tools_config else {}
         self.interactions = load_interactions(cfg.interaction_config) if cfg.interaction_config else {}
-        self.client = _VersionedClient(cfg.addresses, policy=cfg.policy)
+        keys = ClientKeys(**cfg.bus_keys) if cfg.bus_keys else None
+        self.client = _VersionedClient(cfg.addresses, policy=cfg.policy, keys=keys)
         await self.client.start()
         self.registry = AgentLoopRegistry(cfg.agent_loops)
         self.contexts = {name: AgentContext(self.client, self.tokenizer, self.tools, self.interactions,

@@ -1,19 +1,32 @@
-"""The rollout side of a run: engine servers, agent workers, batches for every rank, and the
-weights into the engines.
+"""The rollout side of a run: engine servers on every node, agent workers, batches for every rank,
+and the weights into the engines.
 
-Today rank 0 holds all of it: it starts the engines of the placement plan (`parallel.mesh`) as
-server processes on ipc sockets, runs the agent workers, and hands every rank the whole batch.
-The other ranks only receive batches and take part in the weight export (a sharded actor
-gathers its tensors collectively).
+Engines: on every node, local rank 0 starts that node's engines from the placement plan
+(`parallel.mesh`): a slice of the node's cores each on CPU, their own GPUs (`CUDA_VISIBLE_DEVICES`)
+on GPU nodes. Each engine binds ipc for clients on its node and, when the job spans nodes, tcp for
+the others, behind the run's CURVE keys (`rollout.auth`); the addresses travel to every rank over
+torch.distributed, so no shared filesystem is needed. Global rank 0 prints the plan and writes it
+to the run directory.
+
+Agent workers run on global rank 0 and route over every node's engines (sticky GRPO groups,
+least-loaded placement, failover across nodes: `rollout.router`); rank 0 also drives sleep/wake
+and the weight push. Colocated engines sleep through the actor's update and wake for the sync.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import socket
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Coroutine, Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -23,59 +36,193 @@ from rollout.config import RolloutConfig
 ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {"vllm": {}, "hf": {"max_batch_size": 64}, "sglang": {}}
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """One engine as every rank knows it after the address exchange."""
+
+    engine_id: str
+    node: int
+    devices: tuple[int, ...]  # cores (cpu) or GPU indices on its node
+    ipc: str
+    tcp: str | None
+    pid: int
+
+
+def node_topology() -> tuple[int, int, int]:
+    """(node index, number of nodes, local rank) of this process under torchrun (0, 1, 0 alone)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    node = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
+    return node, max(1, world // max(1, local_world)), int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def bind_host(configured: str | None) -> str:
+    """The address other nodes reach this node's engines on: the config, $SWITCHYARD_HOST, or the
+    local address of the route to the rendezvous host (what torchrun's other nodes reach too)."""
+    if configured:
+        return configured
+    if os.environ.get("SWITCHYARD_HOST"):
+        return os.environ["SWITCHYARD_HOST"]
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, 9))  # no packet is sent; this only picks the outgoing interface
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def resolve_placement(mode: str) -> str:
+    if mode == "auto":
+        return "colocated" if torch.cuda.is_available() else "cpu"
+    return mode
+
+
+class _Control:
+    """Rank 0's own bus client (the trainer's key) on a background event loop: status, sleep/wake
+    and weight pushes without restarting a client per call."""
+
+    def __init__(self, addresses: list[str], keys: Any, ready_timeout_s: float) -> None:
+        from rollout.client import GenerateClient
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-control", daemon=True)
+        self.thread.start()
+        self.client = GenerateClient(addresses, keys=keys)
+        self.run(self.client.start())
+        self.run(self.client.wait_ready(timeout_s=ready_timeout_s))
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        try:
+            self.run(self.client.close())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=30)
+            self.loop.close()
+
+
 class RolloutPlane:
     def __init__(self, cfg: RolloutConfig, model_dir: str, dtype: str, rank: int, world: int,
                  tools_config: Path | None = None, interaction_config: Path | None = None) -> None:
         self.cfg, self.model_dir, self.dtype, self.rank, self.world = cfg, model_dir, dtype, rank, world
         self.tools_config, self.interaction_config = tools_config, interaction_config
+        self.node, self.nodes, self.local_rank = node_topology()
+        self.placement = resolve_placement(cfg.placement)
+        self.sleeps = self.placement == "colocated"
         self.procs: list[Any] = []
-        self.addresses: list[str] = []
+        self.engines: list[EngineInfo] = []
         self.engine_logs: list[Path] = []
+        self.keys: Any = None
         self.manager: Any = None
+        self.control: _Control | None = None
+        self._last: dict[str, dict[str, float]] = {}  # engine id -> counters at the last report
 
+    # ------------------------------------------------------------------ start-up
     def start_engines(self, run_dir: Path) -> None:
-        """Rank 0: the engines of the placement plan, each on its own core slice on CPU. The plan
-        is printed and written to `run_dir/placement.txt`."""
-        if self.rank != 0:
-            return
+        """Every node's local rank 0 starts its engines; every rank learns every engine's addresses."""
+        multi = self.nodes > 1
+        if multi:
+            from rollout.auth import BusKeys
+
+            box = [BusKeys.generate() if self.rank == 0 else None]
+            torch.distributed.broadcast_object_list(box, src=0)  # never written to the run directory
+            self.keys = box[0]
+        local = self._start_local(run_dir, tcp=multi) if self.local_rank == 0 else []
+        if self.world > 1:
+            everyone: list[Any] = [None] * self.world
+            torch.distributed.all_gather_object(everyone, local)
+            self.engines = [e for part in everyone for e in part]
+        else:
+            self.engines = local
+        if self.rank == 0:
+            text = self.describe()
+            print(text, flush=True)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "placement.txt").write_text(text + "\n")
+            (run_dir / "engines.json").write_text(json.dumps([asdict(e) for e in self.engines], indent=1) + "\n")
+
+    def _start_local(self, run_dir: Path, tcp: bool) -> list[EngineInfo]:
         from parallel.mesh import plan_placement
-        from rollout.server import start_server_process
+        from rollout.server import read_endpoints, start_server_process
 
         cfg = self.cfg
-        plan = plan_placement("cpu", num_engines=cfg.num_engines)
-        text = plan.describe()
-        if torch.cuda.is_available():  # engine placement on GPUs is not applied yet: say so
-            text += "\n  (GPU box: engines are started without device assignment; CUDA_VISIBLE_DEVICES is inherited)"
-        print(text, flush=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "placement.txt").write_text(text + "\n")
-        tmp = Path(tempfile.mkdtemp(prefix="switchyard-"))
+        if torch.cuda.is_available() and self.placement != "cpu":  # written for GPU nodes, not run here
+            tp = int(cfg.engine_options.get("tensor_parallel_size", 1))
+            plan = plan_placement(self.placement, nodes=self.nodes, devices_per_node=torch.cuda.device_count(),
+                                  train_devices=self.world, rollout_tp=tp)
+            slots = [s for s in plan.engines if s.node == self.node]
+        else:
+            slots = list(plan_placement("cpu", num_engines=cfg.num_engines).engines)
+        tmp = Path(tempfile.mkdtemp(prefix="switchyard-"))  # mode 0700: the ipc sockets' trust boundary
+        keys_file = self.keys.write(tmp / "bus_keys.json") if self.keys is not None else None
         options = {**ENGINE_DEFAULTS.get(cfg.engine, {}), "dtype": self.dtype, **cfg.engine_options}
-        for slot in plan.engines:
-            addr = f"ipc://{tmp}/{slot.engine_id}.sock"
-            log = tmp / f"{slot.engine_id}.log"
-            self.procs.append(start_server_process(cfg.engine, self.model_dir, addr, slot.engine_id, options,
-                                                   log_file=log, cpu_cores=list(slot.devices)))
-            self.addresses.append(addr)
+        host = bind_host(cfg.bind_host) if tcp else None
+        started = []
+        for i, slot in enumerate(slots):
+            eid = f"node{self.node}-engine{i}" if self.nodes > 1 else slot.engine_id
+            addrs = [f"ipc://{tmp}/{eid}.sock"] + ([f"tcp://{host}:0"] if tcp else [])
+            log, env, cores = tmp / f"{eid}.log", None, list(slot.devices)
+            if torch.cuda.is_available() and self.placement != "cpu":
+                env, cores = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.devices))}, None
+            request_log = None
+            if cfg.request_log:
+                (run_dir / "engines").mkdir(parents=True, exist_ok=True)
+                request_log = run_dir / "engines" / f"{eid}.jsonl"
+            proc = start_server_process(cfg.engine, self.model_dir, addrs, eid, options, log_file=log, env=env,
+                                        cpu_cores=cores, keys_file=keys_file, endpoint_file=tmp / f"{eid}.json",
+                                        request_log=request_log)
+            self.procs.append(proc)
             self.engine_logs.append(log)
+            started.append((eid, slot, proc, tmp / f"{eid}.json", log))
+        infos = []
+        for eid, slot, proc, endpoint_file, log in started:
+            bound = read_endpoints(endpoint_file, proc, cfg.startup_timeout_s, log)
+            infos.append(EngineInfo(eid, self.node, tuple(slot.devices), bound[0], bound[1] if tcp else None, proc.pid))
+        return infos
+
+    def describe(self) -> str:
+        kind = "cores" if self.placement == "cpu" or not torch.cuda.is_available() else "GPUs"
+        lines = [f"placement {self.placement}: {self.nodes} node(s), {len(self.engines)} engine(s); agent workers "
+                 f"on node 0 route over all of them"]
+        if self.placement == "cpu":
+            lines.append("  engines share each node's cores with its trainer ranks")
+        if self.sleeps:
+            lines.append(f"  engines sleep (level {self.cfg.sleep_level}) during each update and wake for the sync")
+        for e in self.engines:
+            where = e.tcp or e.ipc
+            lines.append(f"  {e.engine_id}: node {e.node}, {kind} {list(e.devices)}, {where}")
+        return "\n".join(lines)
+
+    def addresses(self) -> list[str]:
+        """How this rank reaches every engine: ipc on its own node, tcp elsewhere."""
+        return [e.ipc if e.node == self.node else str(e.tcp) for e in self.engines]
 
     def start_workers(self) -> None:
-        """Rank 0: the agent workers, connected to every engine."""
+        """Rank 0: the agent workers and the trainer's control client, connected to every engine."""
         if self.rank != 0:
             return
+        from rollout.auth import TRAINER, WORKER
         from rollout.manager import AgentLoopManager, ManagerConfig
 
         r = self.cfg
+        addresses = self.addresses()
+        worker_keys = asdict(self.keys.for_role(WORKER)) if self.keys is not None else None
+        self.control = _Control(addresses, self.keys.for_role(TRAINER) if self.keys is not None else None,
+                                r.startup_timeout_s)
         self.manager = AgentLoopManager(ManagerConfig(
-            addresses=self.addresses, tokenizer=self.model_dir, num_workers=r.num_workers, n=r.n,
+            addresses=addresses, tokenizer=self.model_dir, num_workers=r.num_workers, n=r.n,
             sampling={"temperature": r.temperature, "top_p": r.top_p, "max_tokens": r.max_tokens},
             agent_configs={k: dict(v) for k, v in r.agent.items()}, agent_loops=dict(r.agent_loops),
             tools_config=str(self.tools_config) if self.tools_config else None,
             interaction_config=str(self.interaction_config) if self.interaction_config else None,
-            policy=r.policy, ready_timeout_s=r.startup_timeout_s)).start()
+            policy=r.policy, ready_timeout_s=r.startup_timeout_s, bus_keys=worker_keys)).start()
 
+    # ------------------------------------------------------------------ every step
     def generate(self, rows: list[dict[str, Any]], weight_version: int) -> Batch:
-        """Roll out `rows` on rank 0 with weights no older than `weight_version`; every rank gets the batch."""
+        """Roll out `rows` with weights no older than `weight_version`; every rank gets the batch."""
         batch = self.manager.generate(rows, weight_version=weight_version) if self.rank == 0 else None
         if self.world > 1:
             box = [batch]
@@ -83,30 +230,72 @@ class RolloutPlane:
             batch = box[0]
         return batch
 
+    def engine_metrics(self, seconds: float) -> dict[str, float]:
+        """Rank 0: per engine since the last call: requests served, tokens generated, busy fraction
+        of `seconds`; its node, weight version and resident memory now."""
+        if self.control is None:
+            return {}
+        client = self.control.client
+        out: dict[str, float] = {}
+        for i, e in enumerate(self.engines):
+            if not client.router.alive[i]:
+                out[f"engine/{e.engine_id}/alive"] = 0.0
+                continue
+            st = self.control.run(client.status(i))
+            now = {"requests": float(st.stats.get("requests", 0)), "tokens": float(st.stats.get("generated_tokens", 0)),
+                   "busy_s": float(st.stats.get("busy_s", 0.0))}
+            last = self._last.get(e.engine_id, {"requests": 0.0, "tokens": 0.0, "busy_s": 0.0})
+            self._last[e.engine_id] = now
+            p = f"engine/{e.engine_id}/"
+            out.update({p + "alive": 1.0, p + "node": float(e.node), p + "weight_version": float(st.weight_version),
+                        p + "requests": now["requests"] - last["requests"],
+                        p + "tokens": now["tokens"] - last["tokens"],
+                        p + "busy": min(1.0, (now["busy_s"] - last["busy_s"]) / max(seconds, 1e-9)),
+                        p + "rss_mb": float(st.stats.get("rss_mb", 0.0))})
+        return out
+
+    def sleep(self) -> dict[str, float]:
+        """Colocated: every engine frees its memory for the update (level `sleep_level`). Returns
+        each engine's resident memory once asleep (rank 0; {} elsewhere or when not colocated)."""
+        if not self.sleeps or self.control is None:
+            return {}
+        from rollout import protocol as P
+
+        client = self.control.client
+        self.control.run(client.broadcast(P.Sleep(level=self.cfg.sleep_level)))
+        out = {}
+        for i, e in enumerate(self.engines):
+            if client.router.alive[i]:
+                out[f"engine/{e.engine_id}/rss_asleep_mb"] = float(self.control.run(client.status(i)).stats.get("rss_mb", 0))
+        return out
+
+    def wake(self) -> None:
+        """Colocated: engines take their memory back; after level 2 they serve again only once the
+        next weight push has committed."""
+        if self.sleeps and self.control is not None:
+            from rollout import protocol as P
+
+            self.control.run(self.control.client.broadcast(P.Wake()))
+
     def push_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         """Load `named` into every engine as `version`; seconds taken. Every rank iterates
         `named` (a sharded actor gathers while it yields); rank 0 sends."""
-        if self.rank != 0:
+        if self.rank != 0 or self.control is None:
             for _ in named:
                 pass
             return 0.0
         from tqdm import tqdm
 
-        from rollout.client import GenerateClient
         from rollout.weight_sync import push_weights
 
         bar = tqdm(named, desc="weight sync", unit="tensor", leave=False)
+        t0 = time.perf_counter()
+        self.control.run(push_weights(self.control.client, bar, version, bucket_bytes=self.cfg.weight_bucket_mb << 20))
+        return time.perf_counter() - t0
 
-        async def send() -> float:
-            async with GenerateClient(self.addresses) as client:
-                await client.wait_ready(timeout_s=self.cfg.startup_timeout_s)
-                rep = await push_weights(client, bar, version, bucket_bytes=self.cfg.weight_bucket_mb << 20)
-                return rep.seconds
-
-        return asyncio.run(send())
-
+    # ------------------------------------------------------------------ shutdown
     def print_engine_logs(self, tail: int = 3000) -> None:
-        """The last lines of every engine's log, on stderr: what a failed run needs to be understood."""
+        """The last lines of every engine's log on this node, on stderr: what a failed run needs."""
         for log in self.engine_logs:
             if log.exists():
                 print(f"--- {log.name} (last lines) ---\n{log.read_text()[-tail:]}", file=sys.stderr)
@@ -115,6 +304,9 @@ class RolloutPlane:
         if self.manager is not None:
             self.manager.close()
             self.manager = None
+        if self.control is not None:
+            self.control.close()
+            self.control = None
         for p in self.procs:
             p.terminate()
         for p in self.procs:

@@ -182,9 +182,37 @@ class Status(Message):
         return int(self.stats.get("waiting", 0)) + int(self.stats.get("running", 0))
 
 
+SLEEP_LEVELS = (1, 2)
+
+
 @dataclass
 class Sleep(Message):
+    """Give memory back while the trainer runs; `level` says how much (vLLM's sleep levels).
+
+    Level 1 frees the KV cache and keeps the weights (a CUDA engine may park them in host RAM),
+    so wake alone makes the engine usable again. Level 2 also discards the weights: after wake
+    the engine serves nothing until a whole new weight version is committed, which is what a
+    colocated engine wants when the trainer is about to send one anyway.
+    """
+
     TYPE: ClassVar[str] = "sleep"
+    level: int = 1
+
+    def __post_init__(self) -> None:
+        _check_sleep_level(self.level)
+
+    def header(self) -> dict[str, Any]:
+        return {"rid": self.rid, "lvl": self.level}
+
+    @classmethod
+    def from_parts(cls, head: dict[str, Any], frames: list[bytes | memoryview]) -> Sleep:
+        return cls(rid=head["rid"], level=int(head.get("lvl", 1)))  # senders before levels mean 1
+
+
+def _check_sleep_level(level: Any) -> None:
+    if type(level) is not int or level not in SLEEP_LEVELS:  # True == 1 must not pass
+        raise ProtocolError(f"sleep level {level!r} is not one of {SLEEP_LEVELS}: use 1 to keep the "
+                            f"weights (KV cache freed) or 2 to discard them until the next weight update")
 
 
 @dataclass

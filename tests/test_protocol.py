@@ -35,13 +35,24 @@ def test_generate_and_result_round_trip_with_raw_frames():
 
 
 @pytest.mark.parametrize("msg", [
-    P.Abort(rid="a"), P.LoadRequest(rid="l"), P.Health(rid="h"), P.Sleep(rid="s"), P.Wake(rid="w"),
+    P.Abort(rid="a"), P.LoadRequest(rid="l"), P.Health(rid="h"), P.Sleep(rid="s"), P.Sleep(rid="s2", level=2),
+    P.Wake(rid="w"),
     P.Status(rid="st", engine_id="e1", weight_version=4, stats={"waiting": 2, "running": 3}),
     P.Ack(rid="k", of="sleep", weight_version=1), P.Error(rid="e", code="bad_frame", message="x"),
     P.WeightsBegin(rid="b", version=2), P.WeightsCommit(rid="c", version=2, num_buckets=3),
 ])
 def test_control_messages_round_trip(msg):
     assert _roundtrip(msg) == msg
+
+
+def test_sleep_level_travels_as_lvl_and_old_senders_mean_level_1():
+    assert msgpack.unpackb(P.Sleep(rid="s", level=2).encode()[0])["lvl"] == 2
+    old = P.decode([msgpack.packb({"v": 1, "t": "sleep", "rid": "s"})])  # a sender from before levels
+    assert isinstance(old, P.Sleep) and old.level == 1
+    with pytest.raises(P.ProtocolError, match=r"sleep level 3 is not one of \(1, 2\)"):
+        P.decode([msgpack.packb({"v": 1, "t": "sleep", "rid": "s", "lvl": 3})])
+    with pytest.raises(P.ProtocolError, match="sleep level 0"):
+        P.Sleep(rid="s", level=0)  # refused where it is made, not only where it arrives
 
 
 def test_status_load_is_waiting_plus_running():

@@ -21,6 +21,16 @@ class EngineDeadError(RuntimeError):
     """The backend cannot serve any more requests; its server exits so clients fail over."""
 
 
+SLEEP_LEVELS = (1, 2)  # 1: free the KV cache, keep the weights; 2: discard the weights too
+
+
+def check_sleep_level(level: int) -> None:
+    """Every backend refuses unknown levels the same way, before it pauses anything."""
+    if type(level) is not int or level not in SLEEP_LEVELS:
+        raise ValueError(f"sleep level {level!r} is not one of {SLEEP_LEVELS}: use 1 to keep the weights "
+                         f"(KV cache freed) or 2 to discard them until the next weight update")
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling. `logprobs` are always returned for every generated token.
@@ -105,11 +115,19 @@ class Engine(Protocol):
     async def finish_weight_update(self) -> None:
         """All buckets of one version have arrived: apply what was staged (vLLM reloads here)."""
 
-    async def sleep(self) -> None:
-        """Free accelerator memory (KV cache, optionally weights) while the trainer runs."""
+    async def sleep(self, level: int = 1) -> None:
+        """Pause generation and give memory back while a colocated trainer needs it.
+
+        level 1: free the KV cache and keep the weights (on CUDA they may move to host RAM);
+        wake() alone makes the engine usable again. level 2: also discard the weights, so the
+        memory they held is free too (vLLM's sleep level 2); only worth it when a new version
+        is about to be sent anyway. Any other level raises ValueError (see check_sleep_level).
+        """
 
     async def wake(self) -> None:
-        """Undo sleep()."""
+        """Take the memory back. After a level-2 sleep the weights have memory again but
+        undefined values until update_weights() + finish_weight_update() load a whole version;
+        the server admits no generation before that commit."""
 
     def stats(self) -> EngineStats:
         """Current load; must be cheap, it is called for every reply."""

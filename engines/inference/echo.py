@@ -10,7 +10,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Iterable
 
-from engines.inference.base import EngineStats, GenerateOutput, SamplingParams
+from engines.inference.base import (
+    EngineStats,
+    GenerateOutput,
+    SamplingParams,
+    check_sleep_level,
+)
 
 
 class EchoEngine:
@@ -20,6 +25,7 @@ class EchoEngine:
         self._aborted: set[str] = set()
         self._stats = EngineStats()
         self.loaded: dict[str, Any] = {}
+        self.sleep_level = 0  # the level of the last sleep(), for tests of the control plane
 
     async def start(self) -> None:
         return None
@@ -50,7 +56,10 @@ class EchoEngine:
     async def finish_weight_update(self) -> None:
         return None
 
-    async def sleep(self) -> None:
+    async def sleep(self, level: int = 1) -> None:
+        """No memory to give back; the level is checked so protocol tests see real refusals."""
+        check_sleep_level(level)
+        self.sleep_level = level
         self._stats.sleeping = True
 
     async def wake(self) -> None:

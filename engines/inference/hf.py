@@ -10,6 +10,9 @@ asyncio loop keeps answering health and load messages): one decode token for eve
 row, plus a prefill for newly admitted requests, which then join the running batch. All rows
 share one left-padded DynamicCache; rows are merged into it on admission and cut out of it
 when they finish, so a long generation never holds up new requests.
+
+Sleep gives a colocated trainer the memory back: level 1 parks CUDA weights in host RAM, level 2
+frees every parameter's storage (and trims the heap, so the RSS really falls).
 """
 
 from __future__ import annotations
@@ -17,13 +20,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import ctypes
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 
-from engines.inference.base import EngineStats, GenerateOutput, SamplingParams
+from engines.inference.base import (
+    EngineStats,
+    GenerateOutput,
+    SamplingParams,
+    check_sleep_level,
+)
 from engines.models import resolve_model
 
 PREFIX_BLOCK = 16  # tokens per block of the modelled prefix cache (vLLM's default block size)
@@ -71,6 +80,9 @@ class HFEngine:
     stats().cached_prompt_tokens models what a prefix cache would hit, it does not skip any
     compute: an LRU of hashes of every 16-token block prefix of the prompts seen so far, and a
     prompt counts its leading blocks found there. The router's affinity benchmarks read it.
+
+    `weights_valid` is False from a level-2 sleep until the next finish_weight_update(); until
+    then the parameters hold undefined values and generate() refuses to run on them.
     """
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 64,
@@ -85,6 +97,8 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.seed = seed
         self.model: Any = None
+        self.weights_valid = True
+        self._weights_freed = False  # parameters are meta tensors (level-2 sleep, not woken yet)
         self.eos_ids: set[int] = set()
         self.max_model_len = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-engine")
@@ -97,8 +111,8 @@ class HFEngine:
         self._stats = EngineStats()
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._has_work = asyncio.Event()
-        self._awake = asyncio.Event()
-        self._awake.set()
+        self._runnable = asyncio.Event()  # awake and weights valid: the scheduler may step
+        self._runnable.set()
         self._scheduler: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ protocol
@@ -117,6 +131,10 @@ class HFEngine:
             return GenerateOutput([], [], "abort")
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already running; request ids must be unique")
+        if not self.weights_valid:
+            raise RuntimeError(f"HFEngine({self.model_name!r}) discarded its weights in sleep(level=2) and no "
+                               f"weight update was committed since; wake(), send every tensor with "
+                               f"update_weights() and call finish_weight_update() before generating")
         self._check_prompt(prompt_ids)
         gen = None
         if params.seed is not None and params.temperature > 0:
@@ -151,24 +169,40 @@ class HFEngine:
         await asyncio.get_running_loop().run_in_executor(self._pool, self._load_weights, items)
 
     async def finish_weight_update(self) -> None:
-        """Buckets are applied as they arrive; nothing is staged."""
+        """Buckets are applied as they arrive; committing only marks the weights valid again.
 
-    async def sleep(self) -> None:
-        """Pause scheduling; on CUDA also move the weights to host memory and free the cache.
-
-        Rows still running keep their KV cache and resume on wake(); the server drains or
-        aborts them first when it wants that memory back.
+        Which names arrived is not tracked: after a level-2 sleep the sender must send the whole
+        model (the trainer always does), or the tensors it skipped keep undefined values.
         """
-        self._awake.clear()
+        if self._weights_freed:
+            raise RuntimeError(_FREED_MESSAGE)
+        self.weights_valid = True
+        self._set_runnable()
+
+    async def sleep(self, level: int = 1) -> None:
+        """Pause scheduling and give memory back; `level` as in the Engine protocol.
+
+        Level 1: on CUDA the weights move to host memory, on CPU they stay; rows still running
+        keep their KV cache and resume on wake() (the server drains them first anyway). Level 2:
+        the parameters' storage is freed on any device; running rows end now with finish_reason
+        'abort' and the tokens they have, since continuing them needs the discarded weights.
+        Queued requests wait and run once a new version is committed.
+        """
+        check_sleep_level(level)
         self._stats.sleeping = True
-        if self.device.type == "cuda":
-            await asyncio.get_running_loop().run_in_executor(self._pool, self._move_weights, torch.device("cpu"))
+        if level == 2:
+            self.weights_valid = False
+        self._set_runnable()
+        ended = await asyncio.get_running_loop().run_in_executor(self._pool, self._release, level)
+        self._running = len(self._batch.rows) if self._batch else 0
+        for req in ended:
+            self._finish(req)
 
     async def wake(self) -> None:
-        if self.device.type == "cuda":
-            await asyncio.get_running_loop().run_in_executor(self._pool, self._move_weights, self.device)
+        """Take the memory back; after level 2 the parameters exist again but hold garbage."""
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._restore)
         self._stats.sleeping = False
-        self._awake.set()
+        self._set_runnable()
 
     def stats(self) -> EngineStats:
         """Counters plus load; kv_cache_usage is the fraction of batch slots in use (no fixed KV pool)."""
@@ -232,10 +266,16 @@ class HFEngine:
         if not req.future.done():
             req.future.set_result(req.output())
 
+    def _set_runnable(self) -> None:
+        if self._stats.sleeping or not self.weights_valid:
+            self._runnable.clear()
+        else:
+            self._runnable.set()
+
     async def _schedule(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await self._awake.wait()
+            await self._runnable.wait()
             if not self._pending and self._batch is None:
                 self._has_work.clear()
                 await self._has_work.wait()
@@ -335,6 +375,8 @@ class HFEngine:
 
     def _load_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
         """Check the whole bucket before copying any of it, so a bad bucket leaves the model intact."""
+        if self._weights_freed:  # copy_ into a meta tensor would silently do nothing
+            raise RuntimeError(_FREED_MESSAGE)
         params = self.model.state_dict(keep_vars=True)
         for name, tensor in items:
             if name not in params:
@@ -352,10 +394,56 @@ class HFEngine:
             for name, tensor in items:  # tied lm_head.weight is the embedding: copying either updates both
                 params[name].copy_(tensor)
 
-    def _move_weights(self, device: torch.device) -> None:
-        self.model.to(device)
+    def _release(self, level: int) -> list[_Request]:
+        """Free what `level` gives up; returns the running rows a level-2 sleep ended.
+
+        Only parameters are freed: non-persistent buffers (rotary inv_freq) are small and no
+        weight update would bring them back."""
+        ended: list[_Request] = []
+        if level == 2:
+            ended, self._batch = (self._batch.rows if self._batch else []), None
+            if not self._weights_freed:
+                _swap_parameters(self.model, lambda p: torch.empty_like(p, device="meta"))
+                self._weights_freed = True
+        elif self.device.type == "cuda":
+            self.model.to("cpu")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        _trim_host_heap()
+        return ended
+
+    def _restore(self) -> None:
+        if self._weights_freed:
+            _swap_parameters(self.model, lambda p: torch.empty_like(p, device=self.device))
+            self._weights_freed = False
+        self.model.to(self.device)  # level 1 on CUDA parked everything, buffers included, on the host
+
+
+_FREED_MESSAGE = ("the weights were discarded by sleep(level=2) and the engine has not been woken; call "
+                  "wake() first so the parameters have memory again, then send the whole model")
+
+
+def _swap_parameters(model: torch.nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace every parameter by `make(old)`, once per distinct tensor.
+
+    Module.to("meta") and to_empty() untie shared parameters (lm_head and the embedding); the
+    memo keeps aliases one tensor, and holds the old ones so no id is reused mid-walk."""
+    memo: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
+    for module in model.modules():
+        for name, old in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            if id(old) not in memo:
+                memo[id(old)] = (old, torch.nn.Parameter(make(old), requires_grad=old.requires_grad))
+            setattr(module, name, memo[id(old)][1])
+
+
+def _trim_host_heap() -> None:
+    """Ask glibc to return freed heap pages to the OS; without it freed tensors can keep the RSS up."""
+    try:
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return
+    if trim is not None:  # glibc only; musl and macOS have no malloc_trim
+        trim(0)
 
 
 def _sample(logits: torch.Tensor, params: list[SamplingParams],

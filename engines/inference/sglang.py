@@ -38,7 +38,12 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable
 
-from engines.inference.base import EngineStats, GenerateOutput, SamplingParams
+from engines.inference.base import (
+    EngineStats,
+    GenerateOutput,
+    SamplingParams,
+    check_sleep_level,
+)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -139,10 +144,17 @@ class SGLangEngine:
         if not getattr(result, "success", True):
             raise RuntimeError(f"SGLang could not flush its cache after a weight update: {result}")
 
-    async def sleep(self) -> None:
-        """Release KV cache and weights from GPU memory (needs enable_memory_saver, set by default)."""
+    async def sleep(self, level: int = 1) -> None:
+        """Release KV cache and weights from GPU memory (needs enable_memory_saver, set by default).
+
+        Both levels release everything: SGLang keeps no host copy of the weights unless it was
+        started with enable_weights_cpu_backup=True (where the version has it), so without it
+        level 1 acts like level 2 and the next weight update must send the whole model (the
+        trainer does).
+        """
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
+        check_sleep_level(level)
         await self._engine.tokenizer_manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None)
         self._sleeping = True
 

@@ -54,7 +54,13 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
-from engines.inference.base import EngineDeadError, EngineStats, GenerateOutput, SamplingParams
+from engines.inference.base import (
+    EngineDeadError,
+    EngineStats,
+    GenerateOutput,
+    SamplingParams,
+    check_sleep_level,
+)
 
 log = logging.getLogger("switchyard.vllm")
 
@@ -300,10 +306,13 @@ class VLLMEngine:
             shutil.rmtree(self._stage_dir, ignore_errors=True)
             self._stage_dir, self._staged_names = None, set()
 
-    async def sleep(self) -> None:
-        """On CUDA, vLLM sleep level 1 (weights to host RAM, KV cache freed); on CPU only a flag."""
+    async def sleep(self, level: int = 1) -> None:
+        """On CUDA, vLLM's own sleep at `level` (1: weights to host RAM, KV cache freed; 2: weights
+        discarded too, reloaded by the next finish_weight_update). On CPU only a flag: vLLM's sleep
+        mode needs CUDA, so level 2 frees nothing there and the weights stay valid."""
+        check_sleep_level(level)
         if self._cuda:
-            await self._llm.sleep(level=1)
+            await self._llm.sleep(level=level)
         self._sleeping = True
 
     async def wake(self) -> None:

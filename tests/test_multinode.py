@@ -1,0 +1,121 @@
+"""Two nodes on one box: two torchrun launchers on loopback (static rendezvous, `--node-rank`),
+each pinned to its own core with its own hf engine. Both nodes' engines serve in every step,
+all engines hold the same weight version, node 1's engine is reached over tcp with the run's
+keys, the run survives kill -9 of both launchers, and killing node 1's engine mid-rollout loses
+no trajectory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["model.path=tiny-llama", "rollout.engine=hf", "data.prompts_per_step=4", "rollout.n=2",
+        "rollout.max_tokens=24", "sft.enabled=false", "rollout.num_workers=0"]
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(node: int, port: int, args: list[str], log: Path) -> subprocess.Popen:
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[node % len(cores)]
+    cmd = ["taskset", "-c", str(core), sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+           "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port",
+           str(port), "launch/train.py", *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _run_two_nodes(args: list[str], tmp: Path, tag: str, timeout: float = 600) -> None:
+    port = _free_port()
+    procs = [_launch(n, port, args, tmp / f"{tag}-node{n}.log") for n in (0, 1)]
+    try:
+        for p in procs:
+            p.wait(timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for n, p in enumerate(procs):
+        assert p.returncode == 0, f"node {n} exited {p.returncode}:\n{(tmp / f'{tag}-node{n}.log').read_text()[-5000:]}"
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _engines(row: dict) -> dict[str, dict[str, float]]:
+    found: dict[str, dict[str, float]] = {}
+    for k, v in row.items():
+        if k.startswith("engine/"):
+            _, eid, name = k.split("/")
+            found.setdefault(eid, {})[name] = v
+    return found
+
+
+def _wait_for(predicate, procs, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        dead = [p.returncode for p in procs if p.poll() is not None]
+        assert not dead, f"a launcher exited ({dead}) before {what}"
+        assert time.monotonic() < deadline, f"{what} did not happen in {timeout} s"
+        time.sleep(0.05)
+
+
+def test_two_nodes_serve_every_step_and_resume_after_kill_9(tmp_path: Path):
+    out = tmp_path / "run"
+    args = [*TINY, "trainer.steps=6", f"trainer.output_dir={out}"]
+    port = _free_port()
+    procs = [_launch(n, port, args, tmp_path / f"first-node{n}.log") for n in (0, 1)]
+    try:
+        _wait_for(lambda: (out / "checkpoints" / "step_000002" / "state.pt").exists(), procs, 420, "step 2's checkpoint")
+        engines = json.loads((out / "engines.json").read_text())
+        ranks = [c for p in procs for c in psutil.Process(p.pid).children(recursive=True)]
+        for p in procs:
+            p.kill()  # kill -9 of both launchers; their ranks run in sessions of their own
+        for p in procs:
+            p.wait(30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    # the ranks notice their launcher is gone and exit; every node's engines follow their rank
+    _, alive = psutil.wait_procs([*ranks, *(psutil.Process(e["pid"]) for e in engines if psutil.pid_exists(e["pid"]))],
+                                 timeout=30)
+    assert not alive, [p.cmdline()[:4] for p in alive]
+    assert len(_metrics(out)) < 6  # killed mid-run
+    placement = (out / "placement.txt").read_text()
+    assert "node0-engine0: node 0" in placement and "node1-engine0: node 1" in placement, placement
+    assert [e["node"] for e in engines] == [0, 1] and engines[1]["tcp"].startswith("tcp://127.0.0.1:")
+    assert "bus_keys" not in " ".join(p.name for p in out.rglob("*"))  # keys never land in the run dir
+
+    _run_two_nodes(args, tmp_path, "second")
+    log0 = (tmp_path / "second-node0.log").read_text()
+    assert "resuming from" in log0, log0[-3000:]
+    rows = _metrics(out)
+    steps = [r["step"] for r in rows]
+    assert steps == [1, 2, 3, 4, 5, 6], steps  # none repeated or missing
+    for r in rows:
+        eng = _engines(r)
+        assert sorted(eng) == ["node0-engine0", "node1-engine0"], r
+        assert {e["node"] for e in eng.values()} == {0.0, 1.0}
+        for eid, e in eng.items():  # both nodes' engines served trajectories in every step
+            assert e["alive"] == 1.0 and e["requests"] > 0 and e["tokens"] > 0, (r["step"], eid, e)
+        # every engine rolled out on the weights of the previous sync
+        assert {e["weight_version"] for e in eng.values()} == {r["weight_version"] - 1}, r
+        assert r["rollout/trajectories"] == 8
