@@ -16,11 +16,25 @@ from engines.training.losses import kl_penalty
 from rollout.advantages import compute_advantages
 
 
-def drift(rollout_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def _over_ranks(sums: list[float], top: float, shard: bool) -> tuple[list[float], float]:
+    """Sums and a maximum over every rank when each holds a shard of the batch (replicas of one
+    shard count alike in numerator and denominator, so means are unaffected)."""
+    if not shard or not torch.distributed.is_initialized():
+        return sums, top
+    t, m = torch.tensor(sums, dtype=torch.float64), torch.tensor([top], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX)
+    return t.tolist(), float(m[0])
+
+
+def drift(rollout_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, mask: torch.Tensor,
+          shard: bool = False) -> dict[str, float]:
     """|rollout - actor| logprob gap over trained tokens: how far the engine and the trainer
     disagree about the policy (dtype, a missed weight sync, top-p)."""
     diff = (rollout_logprobs - actor_logprobs).abs() * mask
-    return {"drift/mean": float(diff.sum() / mask.sum().clamp(min=1)), "drift/max": float(diff.max()) if diff.numel() else 0.0}
+    (total, count), top = _over_ranks([float(diff.sum()), float(mask.sum())],
+                                      float(diff.max()) if diff.numel() else 0.0, shard)
+    return {"drift/mean": total / max(count, 1.0), "drift/max": top}
 
 
 def learn(batch: Batch, actor: Any, ref: Any, algorithm: Any, actor_cfg: ActorConfig) -> dict[str, Any]:
@@ -36,15 +50,16 @@ def learn(batch: Batch, actor: Any, ref: Any, algorithm: Any, actor_cfg: ActorCo
     #    reward) the update's own forward gives the old logprobs, saving a whole pass
     ref_lp = ref.compute_logprobs(batch) if ref is not None else None
     kl_in_reward = ref_lp is not None and not loss.use_kl_loss
-    on_policy = actor_cfg.on_policy(len(batch)) and not kl_in_reward
+    on_policy = actor_cfg.on_policy(batch.total_rows) and not kl_in_reward
     old_lp = None if on_policy else actor.compute_logprobs(batch)[0]
     metrics: dict[str, Any] = {"kl_in_reward": 0.0}
     if old_lp is not None:
-        metrics.update(drift(batch.rollout_logprobs, old_lp, mask))
+        metrics.update(drift(batch.rollout_logprobs, old_lp, mask, batch.is_shard))
     if kl_in_reward:  # KL to the reference as a per-sequence reward penalty
         kl = (kl_penalty(old_lp, ref_lp, "k1") * mask).sum(1)
         rewards = rewards - loss.kl_coef * kl
-        metrics["kl_in_reward"] = float(kl.mean())
+        (kl_sum, rows), _ = _over_ranks([float(kl.sum()), float(len(kl))], 0.0, batch.is_shard)
+        metrics["kl_in_reward"] = kl_sum / max(rows, 1.0)
 
     # 3. advantages; invalid rows are groups of their own (advantage 0, no effect on siblings)
     kwargs = {"norm_by_std": algorithm.norm_by_std} if algorithm.advantage == "grpo" else {}

@@ -63,5 +63,6 @@ def setup(cfg: Config) -> Run:
     if cfg.algorithm.loss.kl_coef > 0:
         ref = make_reference(cfg.reference.backend, model_dir, dtype=cfg.model.dtype, temperature=r.temperature,
                              micro_batch_size=cfg.actor.micro_batch_size)
-    plane = RolloutPlane(r, model_dir, cfg.model.dtype, rank, world, tools_path, inter_path)
+    plane = RolloutPlane(r, model_dir, cfg.model.dtype, rank, world, tools_path, inter_path,
+                         dp_rank=int(getattr(actor, "dp_rank", rank)))
     return Run(rank, barrier, rows, RowStream(rows, seed=cfg.data.seed), tools, model_dir, actor, ref, plane)

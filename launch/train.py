@@ -56,9 +56,9 @@ def train(cfg: Config) -> dict[str, Any]:
             plane.push_weights(actor.named_hf_weights(), version)
         for step in range(start + 1, cfg.trainer.steps + 1):
             t0 = time.perf_counter()
-            batch = plane.generate(stream.next_batch(cfg.data.prompts_per_step), version)
+            batch, metrics = plane.generate(stream.next_batch(cfg.data.prompts_per_step), version)
             t_rollout = time.perf_counter() - t0
-            metrics = {**batch.metrics(), **plane.engine_metrics(t_rollout), **plane.sleep()}
+            metrics.update({**plane.engine_metrics(t_rollout), **plane.sleep()})
             metrics.update(learn(batch, actor, run.ref, cfg.algorithm, cfg.actor))
             version += 1
             plane.wake()  # colocated engines come back; the push below is what they serve with

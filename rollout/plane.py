@@ -106,8 +106,11 @@ class _Control:
 
 class RolloutPlane:
     def __init__(self, cfg: RolloutConfig, model_dir: str, dtype: str, rank: int, world: int,
-                 tools_config: Path | None = None, interaction_config: Path | None = None) -> None:
+                 tools_config: Path | None = None, interaction_config: Path | None = None, dp_rank: int = 0) -> None:
+        """`dp_rank`: this rank's data-parallel replica, whose rows of each batch it receives."""
         self.cfg, self.model_dir, self.dtype, self.rank, self.world = cfg, model_dir, dtype, rank, world
+        self.dp_rank = dp_rank
+        self.replica_of: list[int] = [dp_rank]
         self.tools_config, self.interaction_config = tools_config, interaction_config
         self.node, self.nodes, self.local_rank = node_topology()
         self.placement = resolve_placement(cfg.placement)
@@ -133,8 +136,9 @@ class RolloutPlane:
         local = self._start_local(run_dir, tcp=multi) if self.local_rank == 0 else []
         if self.world > 1:
             everyone: list[Any] = [None] * self.world
-            torch.distributed.all_gather_object(everyone, local)
-            self.engines = [e for part in everyone for e in part]
+            torch.distributed.all_gather_object(everyone, (local, self.dp_rank))
+            self.engines = [e for part, _ in everyone for e in part]
+            self.replica_of = [dp for _, dp in everyone]
         else:
             self.engines = local
         if self.rank == 0:
@@ -221,14 +225,20 @@ class RolloutPlane:
             policy=r.policy, ready_timeout_s=r.startup_timeout_s, bus_keys=worker_keys)).start()
 
     # ------------------------------------------------------------------ every step
-    def generate(self, rows: list[dict[str, Any]], weight_version: int) -> Batch:
-        """Roll out `rows` with weights no older than `weight_version`; every rank gets the batch."""
+    def generate(self, rows: list[dict[str, Any]], weight_version: int) -> tuple[Batch, dict[str, float]]:
+        """Roll out `rows` with weights no older than `weight_version`. Every rank gets its data-
+        parallel replica's rows (`rollout.handoff`); the metrics of the whole batch and of the
+        handoff come back on rank 0 ({} elsewhere)."""
         batch = self.manager.generate(rows, weight_version=weight_version) if self.rank == 0 else None
-        if self.world > 1:
-            box = [batch]
-            torch.distributed.broadcast_object_list(box, src=0)
-            batch = box[0]
-        return batch
+        metrics = batch.metrics() if batch is not None else {}
+        if self.world == 1:
+            assert batch is not None
+            return batch, metrics
+        from rollout.handoff import hand_out
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        shard, cost = hand_out(batch, self.replica_of, self.rank, device)
+        return shard, {**metrics, **cost}
 
     def engine_metrics(self, seconds: float) -> dict[str, float]:
         """Rank 0: per engine since the last call: requests served, tokens generated, busy fraction

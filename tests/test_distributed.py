@@ -58,6 +58,17 @@ def test_ddp_update_and_zero3_reference_match_one_process(tmp_path: Path):
 
     ref = TorchReference(tiny).compute_logprobs(batch)
     assert torch.allclose(got["ref_logprobs"], ref, atol=1e-5)
+
+    # per-rank shards (group-aligned: 4 and 3 rows) give the very same update and logprobs
+    assert [r["shard_rows"] for r in ranks] == [[0, 1, 2, 3], [4, 5, 6]]
+    assert all(r["shard_equal"] and r["shard_global"] == 7 for r in ranks)
+    assert all(r["shard_lp_matches"] and r["shard_ref_matches"] for r in ranks)
+    assert ranks[0]["handoff"]["handoff/bytes_sent"] > 0 and ranks[1]["handoff"] == {}
+    shard = torch.load(tmp_path / "shard.pt")
+    for k, v in actor.module.state_dict().items():
+        assert torch.allclose(shard["params"][k], v, atol=1e-6), k
+    for key in ("pg_loss", "loss", "grad_norm", "drift_mean", "drift_max"):
+        assert ranks[0]["shard_metrics"][key] == pytest.approx(m[key], rel=1e-4, abs=1e-6), key
     for r in ranks:  # ZeRO-3: each rank holds about half of the parameters
         assert 0 < r["ref_local_numel"] <= 0.55 * r["total_numel"]
 

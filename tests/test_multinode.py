@@ -119,3 +119,38 @@ def test_two_nodes_serve_every_step_and_resume_after_kill_9(tmp_path: Path):
         # every engine rolled out on the weights of the previous sync
         assert {e["weight_version"] for e in eng.values()} == {r["weight_version"] - 1}, r
         assert r["rollout/trajectories"] == 8
+        # each rank received only its own rows: rank 0 kept its 2 groups and sent rank 1 the other 2
+        assert r["handoff/replicas"] == 2 and r["handoff/rows_local"] == 4 and r["handoff/rows_sent"] == 4, r
+
+
+def test_killing_node_1_engine_mid_rollout_loses_no_trajectory(tmp_path: Path):
+    out = tmp_path / "run"
+    args = [*TINY, "trainer.steps=4", "rollout.request_log=true", "rollout.max_tokens=48", f"trainer.output_dir={out}"]
+    port = _free_port()
+    procs = [_launch(n, port, args, tmp_path / f"node{n}.log") for n in (0, 1)]
+    log1 = out / "engines" / "node1-engine0.jsonl"
+
+    def step_2_rollout_started() -> bool:  # node 1's engine answered a request on step 1's weights
+        return log1.exists() and any(json.loads(x)["weight_version"] >= 1 for x in log1.read_text().splitlines()
+                                     if x.endswith("}"))
+
+    try:
+        _wait_for(step_2_rollout_started, procs, 420, "step 2's rollout on node 1")
+        victim = next(e for e in json.loads((out / "engines.json").read_text()) if e["node"] == 1)
+        os.kill(victim["pid"], signal.SIGKILL)
+        for n, p in enumerate(procs):
+            assert p.wait(420) == 0, (tmp_path / f"node{n}.log").read_text()[-5000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert "re-issuing" in (tmp_path / "node0.log").read_text()  # the kill hit requests in flight
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:  # every trajectory of every step finished, the interrupted ones on node 0's engine
+        assert r["rollout/trajectories"] == 8 and r["rollout/invalid"] == 0, r
+    eng = [_engines(r) for r in rows]
+    assert eng[0]["node1-engine0"]["requests"] > 0
+    for e in eng[2:]:  # after the kill node 0's engine serves alone and the run goes on syncing it
+        assert e["node1-engine0"]["alive"] == 0.0 and e["node0-engine0"]["requests"] > 0
+    assert [e["node0-engine0"]["weight_version"] for e in eng] == [r["weight_version"] - 1 for r in rows]

@@ -146,6 +146,32 @@ class ActorBase:
     def _local_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.tensor_split(rows, self.dp_size)[self.dp_rank]
 
+    def _rows_of(self, batch: Batch) -> torch.Tensor:
+        """This replica's rows: all of a shard (the handoff sent only those), else its share."""
+        rows = torch.arange(len(batch))
+        return rows if batch.is_shard else self._local_rows(rows)
+
+    def _global_denominator(self, mask: torch.Tensor, agg: str) -> float:
+        """A shard's mini-batch denominator summed over the data-parallel replicas."""
+        t = torch.tensor([_denominator(mask, agg)], dtype=torch.float64, device=self.device)
+        if self.dp_size > 1:
+            dist.all_reduce(t, group=self.dp_group)
+        return float(t[0])
+
+    def _mini_batches(self, batch: Batch, mini: int, gen: torch.Generator, shuffle: bool) -> list[torch.Tensor]:
+        """One epoch's mini-batches, as this replica's row indices into `batch`. A whole batch is
+        split into global mini-batches of `mini` rows, each shared out over the replicas; a shard
+        is shuffled locally and cut into as many mini-batches as every other replica cuts its own
+        into (the optimizer steps are collective, so their number must agree)."""
+        if not batch.is_shard:
+            n = len(batch)
+            order = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
+            return [order[s:s + mini] for s in range(0, n, mini)]
+        steps = math.ceil(batch.total_rows / mini)
+        local = torch.Generator().manual_seed(int(gen.initial_seed()) * 7919 + self.dp_rank)
+        order = torch.randperm(len(batch), generator=local) if shuffle else torch.arange(len(batch))
+        return list(torch.tensor_split(order, steps))
+
     def _micro_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
         return list(rows.split(self.cfg.micro_batch_size)) if len(rows) else []
 
@@ -154,7 +180,7 @@ class ActorBase:
     def compute_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token logprobs and entropy of the batch's responses; every rank gets all rows."""
         self._set_train(False)
-        micro = [batch.micro_batch(mb) for mb in self._micro_rows(self._local_rows(torch.arange(len(batch))))]
+        micro = [batch.micro_batch(mb) for mb in self._micro_rows(self._rows_of(batch))]
         r = batch.responses.shape[1]
         with self._bar("logprobs", len(micro)) as bar:
             res = self._forward_logprobs(micro, bar)
@@ -162,7 +188,8 @@ class ActorBase:
         lp = torch.cat([pad(x[0]) for x in res]) if res else torch.zeros(0, r)
         ent = torch.cat([pad(x[1]) for x in res]) if res else torch.zeros(0, r)
         n, real = len(batch), batch.real_responses
-        lp, ent = (gather_rows(t, n, self.dp_size, self.dp_group, self.device) for t in (lp, ent))
+        if not batch.is_shard:  # every rank gets all rows; a shard keeps its own
+            lp, ent = (gather_rows(t, n, self.dp_size, self.dp_group, self.device) for t in (lp, ent))
         return torch.where(real, lp, 0.0), torch.where(real, ent, 0.0)
 
     # ------------------------------------------------------------------ RL update
@@ -176,7 +203,7 @@ class ActorBase:
         |rollout - actor| logprob gap over mask-1 tokens, measured on that same forward.
         """
         mask = batch.loss_mask
-        n = len(batch)
+        n = batch.total_rows
         mini = self.cfg.mini_batch(n)
         if old_logprobs is None and not self.cfg.on_policy(n):
             raise ValueError("update(old_logprobs=None) is only valid for one epoch over one mini-batch; compute "
@@ -196,10 +223,11 @@ class ActorBase:
         bar = self._bar("update", self.cfg.ppo_epochs * math.ceil(n / mini)
                         * math.ceil(per_rank / self.cfg.micro_batch_size))
         for _ in range(self.cfg.ppo_epochs):
-            order = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
-            for s in range(0, n, mini):
-                idx = order[s:s + mini]
-                denom = _denominator(mask[idx], loss.agg)
+            for idx in self._mini_batches(batch, mini, gen, shuffle):
+                if batch.is_shard:
+                    denom = self._global_denominator(mask[idx], loss.agg)
+                else:
+                    denom = _denominator(mask[idx], loss.agg)
                 if denom == 0:  # nothing to learn from (all rows invalid or empty); every rank skips alike
                     continue
 
@@ -215,7 +243,8 @@ class ActorBase:
                     tally.add(met, float(msk.sum()))
                     return value
 
-                micro = [batch.micro_batch(mb) for mb in self._micro_rows(self._local_rows(idx))]
+                mine = idx if batch.is_shard else self._local_rows(idx)
+                micro = [batch.micro_batch(mb) for mb in self._micro_rows(mine)]
                 self._forward_backward(micro, loss.entropy_coef > 0, self.temperature, loss_fn, bar)
                 norms.append(self._step_optimizer())
         bar.close()

@@ -82,9 +82,30 @@ class Batch:
     session_ids: list[str]
     errors: list[str]
     turns: list[list[dict[str, Any]]]
+    global_size: int = 0  # > 0: this is one data-parallel rank's shard of a batch of that many rows
 
     def __len__(self) -> int:
         return int(self.prompts.shape[0])
+
+    @property
+    def is_shard(self) -> bool:
+        return self.global_size > 0
+
+    @property
+    def total_rows(self) -> int:
+        """Rows of the whole step's batch, on every rank (mini-batch sizes count these)."""
+        return self.global_size or len(self)
+
+    def shard(self, rows: torch.Tensor, global_size: int | None = None) -> Batch:
+        """`rows` of this batch as a data-parallel shard (tensors and per-row lists alike)."""
+        idx = rows.tolist()
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        tensors = {name: getattr(self, name)[rows] for name in TENSOR_FIELDS}
+        return Batch(**tensors, num_turns=pick(self.num_turns), termination=pick(self.termination),
+                     weight_versions=pick(self.weight_versions),
+                     reward_extra={k: pick(v) for k, v in self.reward_extra.items()},
+                     request_ids=pick(self.request_ids), session_ids=pick(self.session_ids), errors=pick(self.errors),
+                     turns=pick(self.turns), global_size=global_size or self.total_rows)
 
     @property
     def prompt_width(self) -> int:
@@ -153,6 +174,17 @@ class Batch:
             x = torch.tensor(vals, dtype=torch.float64)
             m[f"rollout/reward_extra/{key}"] = float(x.nanmean()) if len(x) else nan
         return m
+
+
+TENSOR_FIELDS = ("prompts", "responses", "response_mask", "rollout_logprobs", "attention_mask", "position_ids",
+                 "prompt_lengths", "response_lengths", "rewards", "group_index", "valid")
+
+
+def group_shards(group_index: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """Row indices of `parts` data-parallel shards, split at group boundaries (a GRPO group's
+    baseline needs all its samples on one rank), as even in groups as possible."""
+    groups = torch.unique(group_index)
+    return [torch.nonzero(torch.isin(group_index, g)).flatten() for g in torch.tensor_split(groups, parts)]
 
 
 def pad_outputs(outputs: Sequence[Finished], pad_id: int, group_index: Sequence[int],

@@ -84,8 +84,14 @@ class DeepSpeedReference:
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         n, r = len(batch), batch.responses.shape[1]
-        local = torch.tensor_split(torch.arange(n), self.world)[self.rank]
-        steps = math.ceil(math.ceil(n / self.world) / self.micro_batch_size)
+        if batch.is_shard:  # this rank's rows only; ZeRO-3 gathers are collective, so all ranks take
+            local = torch.arange(n)  # as many forward passes as the rank with the most rows
+            most = torch.tensor([n], device=self.device)
+            torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+            steps = math.ceil(int(most[0]) / self.micro_batch_size)
+        else:
+            local = torch.tensor_split(torch.arange(n), self.world)[self.rank]
+            steps = math.ceil(math.ceil(n / self.world) / self.micro_batch_size)
         out = []
         for i in range(steps):
             mb = local[i * self.micro_batch_size:(i + 1) * self.micro_batch_size]
@@ -96,4 +102,4 @@ class DeepSpeedReference:
             if real:
                 out.append(lp)
         lp = torch.cat(out) if out else torch.zeros(0, r)
-        return gather_rows(lp, n, self.world)
+        return lp if batch.is_shard else gather_rows(lp, n, self.world)

@@ -29,11 +29,12 @@ class TorchReference:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
-        local = torch.tensor_split(torch.arange(len(batch)), self.world)[self.rank]
+        rows = torch.arange(len(batch))
+        local = rows if batch.is_shard else torch.tensor_split(rows, self.world)[self.rank]
         out = [response_logprobs(self.module, batch, mb, self.temperature, self.device)
                for mb in local.split(self.micro_batch_size)]
         lp = torch.cat(out) if out else torch.zeros(0, batch.responses.shape[1])
-        return gather_rows(lp, len(batch), self.world)
+        return lp if batch.is_shard else gather_rows(lp, len(batch), self.world)
 
 
 def make_reference(backend: str, model: str, dtype: str = "float32", temperature: float = 1.0,
