@@ -106,6 +106,24 @@ def weight_sync_section(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def nodes_section(r: dict[str, Any]) -> list[str]:
+    p = r["params"]
+    lines = ["## Rollout across simulated nodes", "",
+             f"`launch/train.py` under torchrun, {r['model']} on hf engines; each node a launcher pinned to "
+             f"{p['cores_per_node']} core(s) with its own engine; {p['n']} samples per prompt, up to {p['max_tokens']} "
+             f"tokens each; mean over steps 2-{p['steps']}. Tokens/s = tokens all engines generated / rollout wall time.", "",
+             "| run | prompts/step | rollout s | tokens/s | vs 1 node (ideal 2x) | engine busy | token share |",
+             "|---|---|---|---|---|---|---|"]
+    one = r["nodes1"]["tokens_per_s"]
+    for name in ("nodes1", "nodes2", "nodes2_same_engine_batch"):
+        x = r[name]
+        share = " / ".join(f"{v:.2f}" for v in x["token_share"].values())
+        lines.append(f"| {x['nodes']} node(s){' (2x prompts)' if name.endswith('batch') else ''} | "
+                     f"{x['prompts_per_step']} | {x['rollout_s']:.1f} | {x['tokens_per_s']:.0f} | "
+                     f"{x['tokens_per_s'] / one:.2f} | {x['engine_busy_mean']:.2f} | {share} |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true")
@@ -117,7 +135,8 @@ def main() -> None:
     commands = [["benchmarks/bus_vs_ray.py", *quick],
                 ["benchmarks/tool_latency.py", *quick, *gsm],
                 ["benchmarks/routing.py", *quick, *gsm],
-                ["benchmarks/weight_sync.py", *quick]]
+                ["benchmarks/weight_sync.py", *quick],
+                ["benchmarks/nodes.py", *quick]]
     t0 = time.perf_counter()
     seconds = [run(c) for c in commands]
     total = time.perf_counter() - t0
@@ -131,6 +150,7 @@ def main() -> None:
     lines += [f"python {' '.join(c)}   # {s:.0f} s" for c, s in zip(commands, seconds)] + ["```", ""]
     lines += bus_section(load("bus_vs_ray")) + [""] + tool_section(load("tool_latency")) + [""]
     lines += routing_section(load("routing")) + [""] + weight_sync_section(load("weight_sync")) + [""]
+    lines += nodes_section(load("nodes")) + [""]
     Path(args.output).write_text("\n".join(lines))
     print(f"\nwrote {args.output} ({total / 60:.1f} min)")
 

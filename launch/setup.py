@@ -50,6 +50,9 @@ def setup(cfg: Config) -> Run:
         rows = training_rows(cfg.data, AgentLoopRegistry(r.agent_loops).names, list(tools), list(inter))
     except (OSError, ValueError) as e:
         raise ConfigError(f"data: {e}") from None
+    if r.placement == "split" and not torch.cuda.is_available():
+        raise ConfigError("rollout.placement='split' puts engines on GPUs of their own and this machine has none; "
+                          "use rollout.placement=cpu (engines on core slices) or colocated (they also sleep)")
     rank, world = init_distributed()
     barrier = torch.distributed.barrier if world > 1 else (lambda: None)
     if rank == 0:

@@ -154,10 +154,13 @@ class RolloutPlane:
 
         cfg = self.cfg
         if torch.cuda.is_available() and self.placement != "cpu":  # written for GPU nodes, not run here
+            # every node plans alike: colocated engines on its training GPUs; split engines on the
+            # GPUs past its local ranks (train.sbatch's ENGINE_GPUS_PER_NODE leaves them free)
             tp = int(cfg.engine_options.get("tensor_parallel_size", 1))
-            plan = plan_placement(self.placement, nodes=self.nodes, devices_per_node=torch.cuda.device_count(),
-                                  train_devices=self.world, rollout_tp=tp)
-            slots = [s for s in plan.engines if s.node == self.node]
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            plan = plan_placement(self.placement, nodes=1, devices_per_node=torch.cuda.device_count(),
+                                  train_devices=local_ranks, rollout_tp=tp)
+            slots = list(plan.engines)
         else:
             slots = list(plan_placement("cpu", num_engines=cfg.num_engines).engines)
         tmp = Path(tempfile.mkdtemp(prefix="switchyard-"))  # mode 0700: the ipc sockets' trust boundary

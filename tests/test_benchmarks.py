@@ -69,3 +69,13 @@ def test_weight_sync_small_run(tmp_path):
     assert last.startswith("RESULT reshard_vs_memcpy=")
     assert set(report["gb_per_s"]) == {"memcpy", "reshard", "in_process", "bus"}
     assert all(v > 0 for v in report["gb_per_s"].values()) and report["tp"] == 2
+
+
+@pytest.mark.slow
+def test_nodes_small_run(tmp_path):
+    last, report = _run("benchmarks/nodes.py", ["--quick", "--steps", "2", "--prompts", "2"], tmp_path)
+    assert last.startswith("RESULT speedup=")
+    assert report["nodes1"]["token_share"] == {"engine0": 1.0}
+    assert set(report["nodes2"]["token_share"]) == {"node0-engine0", "node1-engine0"}
+    assert all(v > 0 for v in report["nodes2"]["token_share"].values())  # both nodes' engines served
+    assert report["speedup"] > 0 and report["nodes2_same_engine_batch"]["prompts_per_step"] == 4

@@ -46,6 +46,9 @@ def metrics(out: Path) -> list[dict]:
     (["algorithm.loss.clip_low=1.5"], "loss.clip_low=1.5"),
     (["trainer.stepz=3"], "trainer.stepz"),
     (["actor.ppo_mini_batch_size=5"], "actor.ppo_mini_batch_size=5"),
+    (["rollout.placement=spread"], "rollout.placement='spread'"),
+    (["rollout.placement=split"], "rollout.placement='split'"),
+    (["rollout.sleep_level=3"], "rollout.sleep_level=3"),
 ])
 def test_bad_config_values_fail_before_any_model_loads(tmp_path: Path, override: list[str], key: str):
     cache = tmp_path / "cache"
