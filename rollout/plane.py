@@ -254,7 +254,10 @@ class RolloutPlane:
             if not client.router.alive[i]:
                 out[f"engine/{e.engine_id}/alive"] = 0.0
                 continue
-            st = self.control.run(client.status(i))
+            st = self._status(i)
+            if st is None:
+                out[f"engine/{e.engine_id}/alive"] = 0.0
+                continue
             now = {"requests": float(st.stats.get("requests", 0)), "tokens": float(st.stats.get("generated_tokens", 0)),
                    "busy_s": float(st.stats.get("busy_s", 0.0))}
             last = self._last.get(e.engine_id, {"requests": 0.0, "tokens": 0.0, "busy_s": 0.0})
@@ -278,9 +281,18 @@ class RolloutPlane:
         self.control.run(client.broadcast(P.Sleep(level=self.cfg.sleep_level)))
         out = {}
         for i, e in enumerate(self.engines):
-            if client.router.alive[i]:
-                out[f"engine/{e.engine_id}/rss_asleep_mb"] = float(self.control.run(client.status(i)).stats.get("rss_mb", 0))
+            st = self._status(i) if client.router.alive[i] else None
+            if st is not None:
+                out[f"engine/{e.engine_id}/rss_asleep_mb"] = float(st.stats.get("rss_mb", 0))
         return out
+
+    def _status(self, engine: int) -> Any:
+        """An engine's status, or None when it died meanwhile (failover already handles its work)."""
+        assert self.control is not None
+        try:
+            return self.control.run(self.control.client.status(engine))
+        except Exception:  # engine down or not answering: a metric gap, never a failed step
+            return None
 
     def wake(self) -> None:
         """Colocated: engines take their memory back; after level 2 they serve again only once the
