@@ -107,9 +107,12 @@ class TrainerConfig:
     seed: int = 0
     wandb_project: str | None = None  # metrics go to wandb too when set
     export_hf: bool = True  # write output_dir/hf (safetensors) at the end
+    collective_timeout_s: float = 3600.0  # longest wait of a rank in a collective: cover the longest rollout
 
     def __post_init__(self) -> None:
         _positive("trainer", self, "steps", "save_every")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"trainer.collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds)")
 
 
 @dataclass

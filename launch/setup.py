@@ -53,7 +53,7 @@ def setup(cfg: Config) -> Run:
     if r.placement == "split" and not torch.cuda.is_available():
         raise ConfigError("rollout.placement='split' puts engines on GPUs of their own and this machine has none; "
                           "use rollout.placement=cpu (engines on core slices) or colocated (they also sleep)")
-    rank, world = init_distributed()
+    rank, world = init_distributed(cfg.trainer.collective_timeout_s)
     barrier = torch.distributed.barrier if world > 1 else (lambda: None)
     if rank == 0:
         resolve_model(cfg.model.path)  # fetch/convert once, before other ranks read it
@@ -62,6 +62,12 @@ def setup(cfg: Config) -> Run:
     actor = make_actor(cfg.actor, model_dir, cfg.model.dtype, r.temperature, cfg.trainer.seed)
     if rank == 0 and hasattr(actor, "mesh"):
         print(actor.mesh.describe(), flush=True)
+    if rank == 0:
+        m = actor.memory_report()
+        print(f"actor memory on rank 0 ({world} rank(s), sharding {cfg.actor.sharding if cfg.actor.backend == 'torch' else 'tp/pp'}): "
+              f"weights {m['weights_gb']:.3g} GB + gradients {m['grads_gb']:.3g} GB + AdamW {m['optimizer_gb']:.3g} GB = "
+              f"{m['total_gb']:.3g} GB for {m['parameters'] / 1e6:.0f}M parameters ({m['bytes_per_parameter']:.1f} bytes "
+              "each), plus activations", flush=True)
     ref = None
     if cfg.algorithm.loss.kl_coef > 0:
         ref = make_reference(cfg.reference.backend, model_dir, dtype=cfg.model.dtype, temperature=r.temperature,

@@ -66,12 +66,12 @@ def init_training_mesh(tp: int = 1, pp: int = 1) -> TrainMesh:
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
         if "RANK" in os.environ:
-            dist.init_process_group(backend)
+            init_process_group()
         else:
             store = os.path.join(tempfile.mkdtemp(prefix="switchyard-pg-"), "store")
-            dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+            dist.init_process_group(process_group_backend(torch.cuda.is_available()), init_method=f"file://{store}",
+                                    rank=0, world_size=1)
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"{world} ranks cannot be split into TP {tp} x PP {pp}; the world size must be a multiple "
@@ -120,9 +120,33 @@ class PlacementPlan:
         return "\n".join(lines)
 
 
-def init_distributed() -> tuple[int, int]:
+DEFAULT_TIMEOUT_S = 3600.0  # a collective may wait through a whole rollout; NCCL's own default is 10 min
+
+
+def process_group_backend(cuda: bool) -> str:
+    """One process group, a backend per device type: gloo for CPU tensors (metrics, norms, the
+    batch handoff of CPU shards), NCCL for CUDA tensors. $SWITCHYARD_PG_BACKEND overrides it, e.g.
+    `cpu:gloo,cuda:gloo` runs the GPU layout's per-device dispatch on a CPU-only box."""
+    return os.environ.get("SWITCHYARD_PG_BACKEND") or ("cpu:gloo,cuda:nccl" if cuda else "gloo")
+
+
+def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """The default process group, as every entry point creates it: on GPU nodes this rank's
+    device is `LOCAL_RANK` (without it every local rank would use cuda:0)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # CUDA-only call
+    dist.init_process_group(process_group_backend(cuda), timeout=timedelta(seconds=timeout_s))
+
+
+def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     """(rank, world) of this process under torchrun; creates the default process group when there
-    is more than one rank (NCCL with CUDA, gloo on CPU). On CPU the ranks of a box share its cores
+    is more than one rank (`init_process_group`). On CPU the ranks of a box share its cores
     (torchrun alone would leave each one thread)."""
     import torch
 
@@ -131,7 +155,7 @@ def init_distributed() -> tuple[int, int]:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     if world > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        init_process_group(timeout_s)
     return rank, world
 
 

@@ -91,3 +91,64 @@ def test_torchrun_two_ranks_runs_grpo_steps(tmp_path: Path):
         # KL in the reward needs the explicit old-logprob pass; the hf engine is fp32 like the actor
         assert r["drift/mean"] < 1e-3 and r["kl_in_reward"] == r["kl_in_reward"]  # finite
     assert (out / "hf" / "model.safetensors").exists() and (out / "reward_curve.png").exists()
+
+
+def test_fsdp_actor_matches_one_process_and_holds_half_the_optimizer(tmp_path: Path):
+    """FSDP2 over 2 gloo ranks: the same logprobs and SGD update as one process (fp32; tolerance
+    1e-5/1e-6 as for DDP: only the order of the gradient sum differs), half the AdamW state per rank."""
+    tiny = str(resolve_model("tiny-llama"))
+    torchrun(["tests/dist_fsdp.py", tiny, str(tmp_path)])
+    got = torch.load(tmp_path / "fsdp.pt")
+    ranks = [json.loads((tmp_path / f"fsdp_rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["metrics"] == ranks[1]["metrics"] and ranks[0]["yielded"] > 0 and ranks[1]["yielded"] == 0
+
+    batch = make_batch(1000, n=7)
+    actor = TorchActor(ActorConfig(lr=1.0, micro_batch_size=1, grad_clip=1e9), tiny)
+    actor.optimizer = torch.optim.SGD(actor.params, lr=1.0)
+    lp, ent = actor.compute_logprobs(batch)
+    m = actor.update(batch, advantages_for(batch), None, None, LossConfig(agg="seq-mean-token-mean"))
+    assert torch.allclose(got["logprobs"], lp, atol=1e-5) and torch.allclose(got["entropy"], ent, atol=1e-4)
+    mine = dict(actor.named_hf_weights())
+    assert set(got["weights"]) == set(mine)
+    for k, v in mine.items():  # SGD with lr 1: the weight change is the gradient
+        assert torch.allclose(got["weights"][k], v, atol=1e-6), k
+    for key in ("pg_loss", "loss", "grad_norm", "drift_mean", "drift_max"):
+        assert ranks[0]["metrics"][key] == pytest.approx(m[key], rel=1e-4, abs=1e-6), key
+
+    whole = TorchActor(ActorConfig(lr=1e-3, micro_batch_size=2), tiny)
+    whole.update(batch, advantages_for(batch), None, None, LossConfig())
+    full_bytes = sum(t.numel() * t.element_size() for s in whole.optimizer.state.values() for t in s.values()
+                     if isinstance(t, torch.Tensor))
+    for r in ranks:  # exp_avg and exp_avg_sq sharded: about half each (the step counters are per parameter)
+        assert 0.45 * full_bytes <= r["optimizer_bytes"] <= 0.55 * full_bytes, (r["optimizer_bytes"], full_bytes)
+        assert r["restored"]
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # gathered tensor by tensor, loads in HF
+    assert sum(p.numel() for p in exported.parameters()) == sum(p.numel() for p in whole.module.parameters())
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_gpu_style_process_group_fsdp_bf16_runs_and_resumes(tmp_path: Path):
+    """The process group as a GPU run builds it (a backend per device type: `cpu:gloo,cuda:<x>`,
+    here x = gloo as CPU torch has no NCCL) carries every reduction of a real run: the FSDP actor
+    in bf16, the ZeRO-3 reference with a KL penalty, the batch handoff, metrics; then a resume."""
+    out = tmp_path / "run"
+    args = ["launch/train.py", "model.path=tiny-llama", "rollout.engine=hf", "data.prompts_per_step=2", "rollout.n=2",
+            "rollout.max_tokens=24", "sft.steps=2", "sft.batch_size=4", "actor.sharding=fsdp", "model.dtype=bfloat16",
+            "reference.backend=deepspeed", "algorithm.loss.kl_coef=0.01", f"trainer.output_dir={out}"]
+    env = {"HF_HUB_OFFLINE": "1", "SWITCHYARD_PG_BACKEND": "cpu:gloo,cuda:gloo"}
+    proc = torchrun([*args, "trainer.steps=2"], env=env)
+    assert "SUMMARY steps=2" in proc.stdout and "sharding fsdp" in proc.stdout, proc.stdout[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints" / "step_000002").iterdir()) == [
+        "shard_rank0.pt", "shard_rank1.pt", "state.pt"]  # each rank saves only its shards
+    proc = torchrun([*args, "trainer.steps=3"], env=env)
+    assert "resuming from" in proc.stdout and "SUMMARY steps=3" in proc.stdout, proc.stdout[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # bf16 engine vs bf16 FSDP compute: close, not equal
+        assert r["drift/mean"] < 1e-3 and r["kl_in_reward"] == r["kl_in_reward"] and r["handoff/rows_local"] == 2
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out / "hf") is not None

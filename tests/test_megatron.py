@@ -167,7 +167,9 @@ def test_trainer_with_megatron_tp2_runs_and_resumes(tmp_path: Path):
             "rollout.max_tokens=24", "sft.steps=2", "sft.batch_size=4", "actor.backend=megatron", "actor.tp=2",
             "actor.trainable=[]", "reference.backend=deepspeed", "algorithm.loss.kl_coef=0.01",
             f"trainer.output_dir={out}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    # the process group as a GPU run builds it, a backend per device type (gloo standing in for NCCL)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "SWITCHYARD_PG_BACKEND": "cpu:gloo,cuda:gloo"}
     run = lambda steps: subprocess.run(  # noqa: E731
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args,
          f"trainer.steps={steps}"], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)

@@ -124,6 +124,23 @@ class ActorBase:
     def _set_train(self, mode: bool) -> None:
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ memory
+    def memory_report(self) -> dict[str, float]:
+        """Bytes this rank holds for the actor, per kind, before the first step: weights as held
+        (a shard under FSDP/TP/PP), fp32 gradients and AdamW's two fp32 moments for the trainable
+        ones. Activations come on top; they scale with micro_batch_size x sequence length."""
+        local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731
+        module = self.module if hasattr(self, "module") else self.model  # type: ignore[attr-defined]
+        held = [local(p) for p in module.parameters()]
+        trainable = sum(local(p).numel() for p in self.params)
+        gb = 2.0**30
+        out = {"parameters": float(sum(p.numel() for p in module.parameters())),
+               "weights_gb": sum(p.numel() * p.element_size() for p in held) / gb,
+               "grads_gb": 4 * trainable / gb, "optimizer_gb": 8 * trainable / gb}
+        out["total_gb"] = out["weights_gb"] + out["grads_gb"] + out["optimizer_gb"]
+        out["bytes_per_parameter"] = out["total_gb"] * gb / max(1.0, out["parameters"])
+        return out
+
     # ------------------------------------------------------------------ shared helpers
     @property
     def lr(self) -> float:

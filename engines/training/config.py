@@ -13,6 +13,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("torch", "megatron")
+SHARDINGS = ("none", "fsdp")  # torch actor: DDP replicas, or FSDP2 shards of weights, gradients and optimizer
 
 
 def compute_dtype(name: str) -> torch.dtype:
@@ -41,6 +42,7 @@ class ActorConfig:
     trainable: list[str] = field(default_factory=list)  # parameter-name regexes to train; empty = all
     tp: int = 1  # megatron: tensor parallel size
     pp: int = 1  # megatron: pipeline parallel size
+    sharding: str = "none"  # torch: "none" (DDP) or "fsdp" (FSDP2; bf16 compute when model.dtype is bfloat16)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -56,6 +58,11 @@ class ActorConfig:
             raise ValueError(f"actor.trainable={list(self.trainable)} / actor.gradient_checkpointing="
                              f"{self.gradient_checkpointing} are torch-actor options; the megatron actor trains every "
                              "parameter without recomputation: set actor.trainable=[] actor.gradient_checkpointing=false")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"actor.sharding={self.sharding!r} is not allowed; choose one of {list(SHARDINGS)}")
+        if self.backend == "megatron" and self.sharding != "none":
+            raise ValueError(f"actor.sharding={self.sharding!r} is a torch-actor option; the megatron actor shards "
+                             "with actor.tp / actor.pp")
         if self.lr <= 0:
             raise ValueError(f"actor.lr={self.lr} must be > 0")
         if self.ppo_mini_batch_size < 0:

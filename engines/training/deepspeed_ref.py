@@ -24,6 +24,7 @@ from engines.training.actor import gather_rows
 from engines.training.batch import Batch
 from engines.training.config import compute_dtype
 from engines.training.hf_model import default_device, response_logprobs
+from parallel.mesh import process_group_backend
 
 
 def _import_deepspeed() -> Any:
@@ -44,7 +45,7 @@ def ensure_process_group() -> None:
     if dist.is_initialized():
         return
     store = os.path.join(tempfile.mkdtemp(prefix="switchyard-pg-"), "store")
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=f"file://{store}",
+    dist.init_process_group(process_group_backend(torch.cuda.is_available()), init_method=f"file://{store}",
                             rank=0, world_size=1)
 
 

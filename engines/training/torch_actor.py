@@ -1,10 +1,14 @@
-"""The plain-torch actor: a transformers causal LM on CPU or one GPU per rank, data parallel with
-DDP (gloo on CPU, NCCL on GPUs) when torchrun starts more than one rank.
+"""The plain-torch actor: a transformers causal LM on CPU or one GPU per rank, data parallel over
+the ranks torchrun starts, in one of two ways (`actor.sharding`):
+
+  none  DDP: every rank holds the whole model, its gradients and AdamW state (16 bytes per
+        parameter); gradients are synchronised on the last micro-batch of a mini-batch only
+  fsdp  FSDP2 (`engines/training/fsdp.py`): weights, gradients and AdamW state sharded over the
+        ranks, gathered layer by layer for compute, optionally in bf16 with fp32 master weights
 
 The PPO loop, SFT step and metrics are `ActorBase`'s; this file only says how micro-batches go
-forward and backward under DDP: gradients are synchronised on the last micro-batch of a
-mini-batch only (`no_sync` before it), and each loss is multiplied by the world size so DDP's
-gradient average becomes the sum the global-denominator losses need.
+forward and backward. Both wrappers average gradients over the ranks, so each loss is multiplied
+by the world size to turn that average into the sum the global-denominator losses need.
 """
 
 from __future__ import annotations
@@ -22,6 +26,16 @@ from engines.training.batch import MicroBatch
 from engines.training.config import ActorConfig
 from engines.training.hf_model import default_device, load_causal_lm, micro_logprobs
 
+SHARD_BYTES = 2 << 30  # HF export: safetensors files of at most this many bytes
+
+
+def _dummy_micro() -> MicroBatch:
+    """A one-token pass for a rank with fewer micro-batches than the others (FSDP's gathers are
+    collective); its loss is multiplied by zero."""
+    ids = torch.zeros((1, 2), dtype=torch.long)
+    return MicroBatch(rows=torch.zeros(0, dtype=torch.long), input_ids=ids, attention_mask=torch.ones_like(ids),
+                      position_ids=None, first=0, targets=ids[:, 1:], target_mask=torch.ones((1, 1), dtype=torch.bool))
+
 
 class TorchActor(ActorBase):
     def __init__(self, cfg: ActorConfig, model: str, dtype: str = "float32", temperature: float = 1.0,
@@ -38,7 +52,13 @@ class TorchActor(ActorBase):
             self.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.params = self._select_trainable(list(cfg.trainable))
         self.model: torch.nn.Module = self.module
-        if self.world > 1:
+        self.fsdp = cfg.sharding == "fsdp" and self.world > 1
+        if self.fsdp:
+            from engines.training.fsdp import shard_model
+
+            shard_model(self.module, self.compute_dtype)  # in place: new parameters, DTensor shards
+            self.params = [p for p in self.module.parameters() if p.requires_grad]
+        elif self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             self.model = DistributedDataParallel(self.module, device_ids=[self.device] if self.device.type == "cuda"
@@ -60,40 +80,66 @@ class TorchActor(ActorBase):
                              f"{[n for n, _ in named[:3]]}")
         return keep
 
+    def _autocast(self) -> Any:
+        return nullcontext() if self.fsdp else super()._autocast()  # FSDP casts the gathered weights itself
+
+    def _padded(self, micro: list[MicroBatch]) -> list[tuple[MicroBatch, bool]]:
+        """(micro-batch, real) pairs, padded under FSDP to the most any rank has."""
+        pairs = [(mb, True) for mb in micro]
+        if self.fsdp:
+            from engines.training.fsdp import max_over_ranks
+
+            pairs += [(_dummy_micro(), False)] * (max_over_ranks(len(micro), self.device) - len(micro))
+        return pairs
+
     # ------------------------------------------------------------------ the backend hooks
     def _set_train(self, mode: bool) -> None:
         self.module.train(mode)
 
     def _forward_backward(self, micro: list[MicroBatch], want_entropy: bool, temperature: float, loss_fn: LossFn,
                           bar: tqdm) -> None:
-        for j, mb in enumerate(micro):
-            sync = j == len(micro) - 1 or self.world == 1
-            with nullcontext() if sync else self.model.no_sync():
+        pairs = self._padded(micro)
+        for j, (mb, real) in enumerate(pairs):
+            sync = j == len(pairs) - 1 or self.world == 1
+            if self.fsdp:
+                self.module.set_requires_gradient_sync(sync)
+            with nullcontext() if sync or self.fsdp else self.model.no_sync():
                 with self._autocast():
                     lp, ent = micro_logprobs(self.model, mb.to(self.device), temperature, want_entropy)
-                (loss_fn(mb, lp, ent) * self.world).backward()
-            bar.update(1)
+                loss = loss_fn(mb, lp, ent) if real else lp.float().sum() * 0.0
+                (loss * self.world).backward()
+            if real:
+                bar.update(1)
 
     def _forward_logprobs(self, micro: list[MicroBatch], bar: tqdm) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
-        for mb in micro:
+        for mb, real in self._padded(micro):
             with self._autocast():
                 lp, ent = micro_logprobs(self.module, mb.to(self.device), self.temperature, True)
             assert ent is not None
-            out.append((lp.float().cpu(), ent.float().cpu()))
-            bar.update(1)
+            if real:
+                out.append((lp.float().cpu(), ent.float().cpu()))
+                bar.update(1)
         return out
 
     def _step_optimizer(self) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     # ------------------------------------------------------------------ weights and state
     def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF checkpoint names, each storage once (a tied lm_head is its embedding), in the
-        compute dtype. Only rank 0 yields anything: every rank holds the same replica."""
+        compute dtype; rank 0 yields. Sharded, every rank must iterate: each tensor is gathered
+        from its shards just before it is yielded, never the whole model at once."""
+        if self.fsdp:
+            from engines.training.fsdp import full_named_tensors
+
+            for name, t in full_named_tensors(self.module):
+                if self.rank == 0:
+                    yield name, t.detach().to(self.compute_dtype)
+            return
         if self.rank != 0:
             return
         seen: set[int] = set()
@@ -105,20 +151,68 @@ class TorchActor(ActorBase):
             yield name, t.detach().to(self.compute_dtype)
 
     def state_dict(self) -> dict[str, Any]:
+        """Sharded: this rank's shards of the weights and optimizer (resume on as many ranks)."""
+        if self.fsdp:
+            from engines.training.fsdp import local_state
+
+            return {**self._counters(), **local_state(self.module, self.optimizer)}
         return {"model": self.module.state_dict(), **self._counters()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.fsdp:
+            from engines.training.fsdp import load_local_state
+
+            load_local_state(self.module, self.optimizer, state)
+            self.rl_steps, self.sft_steps = int(state["rl_steps"]), int(state["sft_steps"])
+            self.set_lr(float(state["lr"]))
+            return
         self.module.load_state_dict(state["model"])
         self._load_counters(state)
 
     def save_hf(self, path: Path) -> None:
-        """safetensors + config + tokenizer, in the compute dtype; rank 0 writes."""
-        if self.rank != 0:
-            return
+        """safetensors + config + tokenizer, in the compute dtype; rank 0 writes. Sharded, the
+        tensors are gathered one at a time and written in files of at most SHARD_BYTES."""
         from transformers import AutoTokenizer
 
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        self.module.to(self.compute_dtype).save_pretrained(path, safe_serialization=True)
-        self.module.to(torch.float32)
-        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+        if self.fsdp:
+            self._save_hf_sharded(path)
+        elif self.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            self.module.to(self.compute_dtype).save_pretrained(path, safe_serialization=True)
+            self.module.to(torch.float32)
+        if self.rank == 0:
+            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+
+    def _save_hf_sharded(self, path: Path) -> None:
+        import json
+
+        from safetensors.torch import save_file
+
+        if self.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            self.module.config.save_pretrained(path)
+        index: dict[str, str] = {}
+        part: dict[str, torch.Tensor] = {}
+        size = 0
+
+        def flush() -> None:
+            nonlocal part, size
+            name = f"model-{len(set(index.values())) + 1:05d}.safetensors"
+            save_file(part, str(path / name), metadata={"format": "pt"})
+            index.update({k: name for k in part})
+            part, size = {}, 0
+
+        for name, t in self.named_hf_weights():  # every rank gathers; only rank 0 receives tensors
+            nbytes = t.numel() * t.element_size()
+            if part and size + nbytes > SHARD_BYTES:
+                flush()  # rank 0 holds at most one file's worth of whole tensors
+            part[name] = t.cpu().contiguous()
+            size += nbytes
+        if self.rank != 0:
+            return
+        if not index:  # one file: the plain single-file layout
+            save_file(part, str(path / "model.safetensors"), metadata={"format": "pt"})
+            return
+        flush()
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=1))

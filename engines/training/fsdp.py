@@ -1,0 +1,110 @@
+"""FSDP2 for the torch actor: parameters, gradients and AdamW state sharded over the data-parallel
+ranks (`torch.distributed.fsdp.fully_shard`), so per-rank memory for them falls as 1/DP.
+
+Each decoder layer is its own FSDP unit (its parameters are gathered just before it runs and freed
+after), the root holds the embeddings, final norm and head. With a mixed-precision dtype the
+gathered parameters are cast to it for compute while the sharded master copy, the gradients'
+reduction and AdamW's state stay fp32. The same calls run over gloo on CPU and NCCL on GPUs.
+
+Collectives happen inside forward and backward, so every rank must run the same number of them:
+`pad_micro` gives a rank with fewer rows dummy micro-batches whose loss is multiplied by zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a transformers causal LM (`model.layers`, `transformer.h`, ...)."""
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+        obj: Any = module
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, torch.nn.ModuleList):
+            return list(obj)
+    raise ValueError(f"cannot find the decoder layers of {type(module).__name__} to shard them; "
+                     "use actor.sharding=none (DDP) for this model")
+
+
+def shard_model(module: torch.nn.Module, compute_dtype: torch.dtype) -> torch.nn.Module:
+    """Shard `module` in place over the default process group; returns it (now an FSDPModule)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mixed = None if compute_dtype == torch.float32 else compute_dtype
+    policy = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32)
+    for layer in _layers(module):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(module, mp_policy=policy)
+    return module
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def full_named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) one at a time, on every rank (each is an all-gather of its shards), so
+    no rank ever holds more than one whole tensor beyond its own shards. Tied weights once."""
+    seen: set[int] = set()
+    for name, t in module.state_dict().items():
+        local = t.to_local() if is_dtensor(t) else t
+        key = local.untyped_storage().data_ptr() if local.numel() else id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        yield name, (t.full_tensor() if is_dtensor(t) else t)
+
+
+def local_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's shards of the weights and the optimizer state, as plain tensors (a checkpoint
+    holds one such file per rank and resumes on the same number of ranks)."""
+    local = lambda v: v.to_local() if isinstance(v, torch.Tensor) and is_dtensor(v) else v  # noqa: E731
+    opt = optimizer.state_dict()
+    return {"model": {k: local(v) for k, v in module.state_dict().items()},
+            "optimizer": {"state": {i: {k: local(v) for k, v in s.items()} for i, s in opt["state"].items()},
+                          "param_groups": opt["param_groups"]}}
+
+
+def load_local_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Undo `local_state` on a module sharded the same way."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for name, t in module.state_dict().items():
+            (t.to_local() if is_dtensor(t) else t).copy_(state["model"][name])
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    saved = state["optimizer"]
+    rebuilt = {}
+    for i, s in saved["state"].items():
+        p = params[int(i)]
+        rebuilt[i] = {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                      if is_dtensor(p) and isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in s.items()}
+    optimizer.load_state_dict({"state": rebuilt, "param_groups": saved["param_groups"]})
+
+
+def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this rank holds (its shards only under FSDP)."""
+    total = 0
+    for s in optimizer.state.values():
+        for v in s.values():
+            if isinstance(v, torch.Tensor):
+                local = v.to_local() if is_dtensor(v) else v
+                total += local.numel() * local.element_size()
+    return total
+
+
+def max_over_ranks(n: int, device: torch.device) -> int:
+    """The largest `n` any rank has (how many micro-batches everyone must run)."""
+    t = torch.tensor([n], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t[0])
