@@ -136,10 +136,14 @@ class ActorBase:
         gb = 2.0**30
         out = {"parameters": float(sum(p.numel() for p in module.parameters())),
                "weights_gb": sum(p.numel() * p.element_size() for p in held) / gb,
-               "grads_gb": 4 * trainable / gb, "optimizer_gb": 8 * trainable / gb}
+               "grads_gb": 4 * trainable / gb, "optimizer_gb": 8 * trainable * self._optimizer_share() / gb}
         out["total_gb"] = out["weights_gb"] + out["grads_gb"] + out["optimizer_gb"]
         out["bytes_per_parameter"] = out["total_gb"] * gb / max(1.0, out["parameters"])
         return out
+
+    def _optimizer_share(self) -> float:
+        """The fraction of its parameters' optimizer state this rank holds (1/DP when sharded)."""
+        return 1.0
 
     # ------------------------------------------------------------------ shared helpers
     @property

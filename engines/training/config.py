@@ -13,7 +13,10 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("torch", "megatron")
-SHARDINGS = ("none", "fsdp")  # torch actor: DDP replicas, or FSDP2 shards of weights, gradients and optimizer
+SHARDINGS = {  # per backend: what is sharded over the data-parallel ranks besides TP/PP
+    "torch": ("none", "fsdp"),  # DDP replicas, or FSDP2 shards of weights, gradients and optimizer
+    "megatron": ("none", "optimizer"),  # optimizer: AdamW state over DP (ZeRO-1, as a distributed optimizer)
+}
 
 
 def compute_dtype(name: str) -> torch.dtype:
@@ -42,7 +45,7 @@ class ActorConfig:
     trainable: list[str] = field(default_factory=list)  # parameter-name regexes to train; empty = all
     tp: int = 1  # megatron: tensor parallel size
     pp: int = 1  # megatron: pipeline parallel size
-    sharding: str = "none"  # torch: "none" (DDP) or "fsdp" (FSDP2; bf16 compute when model.dtype is bfloat16)
+    sharding: str = "none"  # torch: none (DDP) | fsdp (FSDP2); megatron: none | optimizer (ZeRO-1 over DP)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -58,11 +61,9 @@ class ActorConfig:
             raise ValueError(f"actor.trainable={list(self.trainable)} / actor.gradient_checkpointing="
                              f"{self.gradient_checkpointing} are torch-actor options; the megatron actor trains every "
                              "parameter without recomputation: set actor.trainable=[] actor.gradient_checkpointing=false")
-        if self.sharding not in SHARDINGS:
-            raise ValueError(f"actor.sharding={self.sharding!r} is not allowed; choose one of {list(SHARDINGS)}")
-        if self.backend == "megatron" and self.sharding != "none":
-            raise ValueError(f"actor.sharding={self.sharding!r} is a torch-actor option; the megatron actor shards "
-                             "with actor.tp / actor.pp")
+        if self.sharding not in SHARDINGS[self.backend]:
+            raise ValueError(f"actor.sharding={self.sharding!r} is not allowed with actor.backend={self.backend!r}; "
+                             f"choose one of {list(SHARDINGS[self.backend])}")
         if self.lr <= 0:
             raise ValueError(f"actor.lr={self.lr} must be > 0")
         if self.ppo_mini_batch_size < 0:

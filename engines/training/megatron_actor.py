@@ -110,7 +110,14 @@ class MegatronActor(ActorBase):
         self.model = self._build().to(self.device)
         self._load_hf(Path(model))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.zero: Any = None  # sharding=optimizer: AdamW state in DP ranges (engines/training/zero.py)
+        if cfg.sharding == "optimizer" and m.dp > 1:
+            from engines.training.zero import ShardedAdamW
+
+            self.zero = ShardedAdamW(self.params, m.dp_rank, m.dp, m.groups["dp"], cfg.lr, cfg.weight_decay)
+            self.optimizer = self.zero.optimizer  # this rank's shard: what set_lr and checkpoints see
+        else:
+            self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     # ------------------------------------------------------------------ model
     def _build(self) -> torch.nn.Module:
@@ -257,6 +264,9 @@ class MegatronActor(ActorBase):
             at += 2 * n
         return out
 
+    def _optimizer_share(self) -> float:
+        return 1.0 / self.mesh.dp if self.zero is not None else 1.0
+
     def _step_optimizer(self) -> float:
         """Sum gradients over data-parallel replicas (and the tied embedding copies of the first
         and last stage), clip by the global norm, step."""
@@ -287,8 +297,12 @@ class MegatronActor(ActorBase):
         if self.cfg.grad_clip and norm > self.cfg.grad_clip:
             for p in self.params:
                 p.grad.mul_(self.cfg.grad_clip / (norm + 1e-6))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.zero is not None:
+            self.zero.step()
+        else:
+            self.optimizer.step()
+        for p in self.params:
+            p.grad = None
         return norm
 
     # ------------------------------------------------------------------ weights and state
@@ -312,6 +326,8 @@ class MegatronActor(ActorBase):
                              "with the same actor.tp and actor.pp")
         self.model.load_state_dict(state["model"])
         self._load_counters(state)
+        if self.zero is not None:
+            self.zero.refresh()
 
     def save_hf(self, path: Path) -> None:
         """Gather to rank 0 and write safetensors + config + tokenizer there; every rank calls it."""
@@ -328,3 +344,4 @@ class MegatronActor(ActorBase):
         cfg["torch_dtype"] = self.dtype
         self.hf_config.__class__.from_dict(cfg).save_pretrained(path)
         AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+
