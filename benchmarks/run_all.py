@@ -124,6 +124,26 @@ def nodes_section(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def actor_memory_section(r: dict[str, Any]) -> list[str]:
+    lines = ["## Actor memory per rank: DDP vs FSDP", "",
+             f"The torch actor on {r['model']} under torchrun (gloo), two PPO updates; what each rank holds for weights, "
+             "gradients and AdamW state, counted tensor by tensor, and its peak RSS (which includes the process's "
+             "Python/torch baseline).", "",
+             "| run | held per rank (MiB) | bytes per parameter | peak RSS per rank (MiB) |", "|---|---|---|---|"]
+    for key, run in r["runs"].items():
+        held = max(x["total_gb"] for x in run["per_rank"]) * 1024
+        rss = " / ".join(f"{x['peak_rss_gb'] * 1024:.0f}" for x in run["per_rank"])
+        lines.append(f"| {run['ranks']} rank(s), sharding {run['sharding']} | {held:.0f} | "
+                     f"{r['bytes_per_parameter'][key]:.1f} | {rss} |")
+    p = r["projection_gb"]
+    lines += ["", "The same accounting (16 bytes per parameter: fp32 master 4, gradients 4, AdamW 8; sharded ones "
+              "divided by DP; activations on top), projected in GB per GPU:", "",
+              "| model | DDP | FSDP DP 8 | FSDP DP 64 |", "|---|---|---|---|"]
+    for size in ("7", "70"):
+        lines.append(f"| {size}B | {p[size]['dp1_ddp']:.0f} | {p[size]['dp8_fsdp']:.1f} | {p[size]['dp64_fsdp']:.1f} |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true")
@@ -136,7 +156,8 @@ def main() -> None:
                 ["benchmarks/tool_latency.py", *quick, *gsm],
                 ["benchmarks/routing.py", *quick, *gsm],
                 ["benchmarks/weight_sync.py", *quick],
-                ["benchmarks/nodes.py", *quick]]
+                ["benchmarks/nodes.py", *quick],
+                ["benchmarks/actor_memory.py", *quick]]
     t0 = time.perf_counter()
     seconds = [run(c) for c in commands]
     total = time.perf_counter() - t0
@@ -150,7 +171,7 @@ def main() -> None:
     lines += [f"python {' '.join(c)}   # {s:.0f} s" for c, s in zip(commands, seconds)] + ["```", ""]
     lines += bus_section(load("bus_vs_ray")) + [""] + tool_section(load("tool_latency")) + [""]
     lines += routing_section(load("routing")) + [""] + weight_sync_section(load("weight_sync")) + [""]
-    lines += nodes_section(load("nodes")) + [""]
+    lines += nodes_section(load("nodes")) + [""] + actor_memory_section(load("actor_memory")) + [""]
     Path(args.output).write_text("\n".join(lines))
     print(f"\nwrote {args.output} ({total / 60:.1f} min)")
 

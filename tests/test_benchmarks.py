@@ -79,3 +79,12 @@ def test_nodes_small_run(tmp_path):
     assert set(report["nodes2"]["token_share"]) == {"node0-engine0", "node1-engine0"}
     assert all(v > 0 for v in report["nodes2"]["token_share"].values())  # both nodes' engines served
     assert report["speedup"] > 0 and report["nodes2_same_engine_batch"]["prompts_per_step"] == 4
+
+
+@pytest.mark.slow
+def test_actor_memory_small_run(tmp_path):
+    last, report = _run("benchmarks/actor_memory.py", ["--quick"], tmp_path)
+    assert last.startswith("RESULT fsdp_dp2_vs_dp1=")
+    assert 0.45 <= report["held_ratio_fsdp_vs_dp1"] <= 0.55  # FSDP over 2 ranks: half of everything per rank
+    assert report["held_ratio_ddp_vs_dp1"] == pytest.approx(1.0, rel=0.02)  # DDP: a full replica each
+    assert report["projection_gb"]["7"]["dp1_ddp"] == pytest.approx(16 * 7e9 / 2**30)

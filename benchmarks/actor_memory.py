@@ -1,0 +1,129 @@
+"""Per-rank memory of the torch actor against data-parallel size and sharding, measured, and the
+same accounting projected to 7B and 70B models.
+
+    python benchmarks/actor_memory.py --quick    # tiny-llama
+    python benchmarks/actor_memory.py            # SmolLM2-135M-Instruct
+
+Each configuration runs under torchrun (gloo): build the actor, take two PPO updates on a fixed
+synthetic batch, then every rank reports what it holds (weights as held, gradients, optimizer
+state, counted tensor by tensor) and its peak resident memory. Runs: 1 rank; 2 ranks with DDP
+(`actor.sharding=none`); 2 ranks with FSDP2 (`actor.sharding=fsdp`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, machine, result_line, write_result  # noqa: E402
+
+GB = 2.0**30
+RUNS = {"dp1": (1, "none"), "dp2_ddp": (2, "none"), "dp2_fsdp": (2, "fsdp")}
+
+
+def _batch(vocab: int, n: int = 8, prompt: int = 64, response: int = 64) -> Any:
+    import torch
+
+    from agent.loop import AgentLoopOutput
+    from engines.training.batch import pad_outputs
+
+    g = torch.Generator().manual_seed(0)
+    outs = []
+    for i in range(n):
+        ids = torch.randint(3, vocab, (prompt + response,), generator=g).tolist()
+        outs.append(AgentLoopOutput(prompt_ids=ids[:prompt], response_ids=ids[prompt:], response_mask=[1] * response,
+                                    response_logprobs=[-1.0] * response, reward=float(i % 2), num_turns=1,
+                                    termination="stop"))
+    return pad_outputs(outs, 0, [i // 4 for i in range(n)])
+
+
+def worker(model: str, sharding: str, out: Path) -> None:
+    """One rank: build, update twice, report."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from engines.training.config import ActorConfig
+    from engines.training.losses import LossConfig
+    from engines.training.torch_actor import TorchActor
+    from parallel.mesh import init_distributed
+
+    rank, world = init_distributed()
+    actor = TorchActor(ActorConfig(lr=1e-5, micro_batch_size=2, sharding=sharding), model, progress=False)
+    batch = _batch(int(actor.module.config.vocab_size))
+    adv = (batch.rewards - 0.5)[:, None] * batch.response_mask
+    for _ in range(2):
+        actor.update(batch, adv, None, None, LossConfig())
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
+    held = {"weights_gb": nbytes(actor.module.parameters()) / GB,
+            "grads_gb": 4 * sum(local(p).numel() for p in actor.params) / GB,  # fp32 gradients while they live
+            "optimizer_gb": nbytes(t for s in actor.optimizer.state.values() for t in s.values()
+                                   if isinstance(t, torch.Tensor) and t.dim() > 0) / GB}
+    held["total_gb"] = sum(held.values())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    report = {"rank": rank, "world": world, **held, "peak_rss_gb": peak,
+              "parameters": float(sum(p.numel() for p in actor.module.parameters())),
+              "predicted": actor.memory_report()}
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def project(params: float, dp: int, sharded: bool) -> float:
+    """GB per rank for weights, gradients and AdamW by the accounting measured above: 16 bytes per
+    parameter (fp32 master weights 4, fp32 gradients 4, AdamW moments 8), divided by DP when
+    sharded. Activations and the one gathered layer FSDP holds at a time come on top."""
+    return 16 * params / (dp if sharded else 1) / GB
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", nargs=3, metavar=("MODEL", "SHARDING", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker[0], args.worker[1], Path(args.worker[2]))
+        return
+    from engines.models import resolve_model
+
+    name = "tiny-llama" if args.quick else "smollm2-135m-instruct"
+    model = str(resolve_model(name))
+    report: dict[str, Any] = {"machine": machine(), "model": name, "runs": {}}
+    for key, (ranks, sharding) in RUNS.items():
+        with tempfile.TemporaryDirectory(prefix="actor-mem-") as tmp:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                   str(Path(__file__).resolve()), "--worker", model, sharding, tmp]
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"{key} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+            ranks_out = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(ranks)]
+        report["runs"][key] = {"ranks": ranks, "sharding": sharding, "per_rank": ranks_out}
+        print(f"{key}: " + ", ".join(f"rank {r['rank']}: held {r['total_gb'] * 1024:.0f} MiB, peak RSS "
+                                     f"{r['peak_rss_gb'] * 1024:.0f} MiB" for r in ranks_out), flush=True)
+    params = report["runs"]["dp1"]["per_rank"][0]["parameters"]
+    held = {k: max(r["total_gb"] for r in v["per_rank"]) for k, v in report["runs"].items()}
+    report["held_ratio_fsdp_vs_dp1"] = held["dp2_fsdp"] / held["dp1"]
+    report["held_ratio_ddp_vs_dp1"] = held["dp2_ddp"] / held["dp1"]
+    report["bytes_per_parameter"] = {k: v * GB / params for k, v in held.items()}
+    report["projection_gb"] = {f"{size}": {f"dp{dp}_{'fsdp' if s else 'ddp'}": project(size * 1e9, dp, s)
+                                            for dp in (1, 8, 64) for s in (False, True) if s or dp == 1}
+                               for size in (7, 70)}
+    write_result("actor_memory", report, args.out)
+    print(result_line({"fsdp_dp2_vs_dp1": report["held_ratio_fsdp_vs_dp1"],
+                       "ddp_dp2_vs_dp1": report["held_ratio_ddp_vs_dp1"],
+                       "gb_7b_fsdp_dp8": report["projection_gb"]["7"]["dp8_fsdp"],
+                       "gb_70b_fsdp_dp64": report["projection_gb"]["70"]["dp64_fsdp"]}))
+
+
+if __name__ == "__main__":
+    main()
