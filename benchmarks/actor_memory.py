@@ -78,7 +78,7 @@ def worker(model: str, sharding: str, out: Path) -> None:
 
 
 def project(params: float, dp: int, sharded: bool) -> float:
-    """GB per rank for weights, gradients and AdamW by the accounting measured above: 16 bytes per
+    """GiB per rank for weights, gradients and AdamW by the accounting measured above: 16 bytes per
     parameter (fp32 master weights 4, fp32 gradients 4, AdamW moments 8), divided by DP when
     sharded. Activations and the one gathered layer FSDP holds at a time come on top."""
     return 16 * params / (dp if sharded else 1) / GB

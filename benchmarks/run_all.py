@@ -137,7 +137,7 @@ def actor_memory_section(r: dict[str, Any]) -> list[str]:
                      f"{r['bytes_per_parameter'][key]:.1f} | {rss} |")
     p = r["projection_gb"]
     lines += ["", "The same accounting (16 bytes per parameter: fp32 master 4, gradients 4, AdamW 8; sharded ones "
-              "divided by DP; activations on top), projected in GB per GPU:", "",
+              "divided by DP; activations on top), projected in GiB per GPU:", "",
               "| model | DDP | FSDP DP 8 | FSDP DP 64 |", "|---|---|---|---|"]
     for size in ("7", "70"):
         lines.append(f"| {size}B | {p[size]['dp1_ddp']:.0f} | {p[size]['dp8_fsdp']:.1f} | {p[size]['dp64_fsdp']:.1f} |")
