@@ -12,7 +12,9 @@ Collectives happen inside forward and backward, so every rank must run the same 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +44,78 @@ def shard_model(module: torch.nn.Module, compute_dtype: torch.dtype) -> torch.nn
     for layer in _layers(module):
         fully_shard(layer, mp_policy=policy)
     fully_shard(module, mp_policy=policy)
+    return module
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory) while their
+    buffers stay real: rotary tables and the like are computed at construction and are not in
+    the checkpoint."""
+    original = torch.nn.Module.register_parameter
+
+    def register(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def load_sharded(path: str, device: torch.device, compute_dtype: torch.dtype,
+                 prepare: Callable[[torch.nn.Module], None] = lambda m: None) -> torch.nn.Module:
+    """The HF model at `path`, sharded over the ranks without any rank ever holding all of it:
+    built with meta parameters, `prepare`d (trainable flags, checkpointing), sharded, then each
+    rank reads only its dim-0 slice of every tensor from the safetensors files."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with _parameters_on_meta():
+        module = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for m in module.modules():  # as load_causal_lm: chat models pad with a real token
+        if isinstance(m, torch.nn.Embedding):
+            m.padding_idx = None
+    prepare(module)
+    shard_model(module, compute_dtype)
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in module.named_buffers():
+            b.copy_(buffers[name])
+    params = dict(module.named_parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loaded: set[str] = set()
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}; the sharded actor reads safetensors checkpoints")
+    with torch.no_grad():
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    p = params.get(key)
+                    if p is None:
+                        continue  # e.g. a tied lm_head stored twice
+                    local = p.to_local() if is_dtensor(p) else p
+                    if local.dim() == 0:
+                        mine = st.get_tensor(key)
+                    else:  # torch.chunk's rows for this rank, read from the file alone
+                        rows = st.get_slice(key).get_shape()[0]
+                        per = -(-rows // world)
+                        mine = st.get_slice(key)[min(rows, rank * per):min(rows, (rank + 1) * per)]
+                    if tuple(mine.shape) != tuple(local.shape):
+                        raise ValueError(f"{key}: this rank's slice of the checkpoint has shape {tuple(mine.shape)}, "
+                                         f"its shard {tuple(local.shape)}; the checkpoint does not match the config")
+                    local.copy_(mine)
+                    loaded.add(key)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"{path} holds no tensor for {missing[:5]}{' ...' if len(missing) > 5 else ''}; is it "
+                         "this model's checkpoint?")
     return module
 
 

@@ -47,26 +47,32 @@ class TorchActor(ActorBase):
         self.dp_rank, self.dp_size = self.rank, self.world
         self.device = device or default_device()
         torch.manual_seed(seed)
-        self.module = load_causal_lm(model, torch.float32, self.device)
-        if cfg.gradient_checkpointing:
-            self.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.params = self._select_trainable(list(cfg.trainable))
-        self.model: torch.nn.Module = self.module
         self.fsdp = cfg.sharding == "fsdp" and self.world > 1
-        if self.fsdp:
-            from engines.training.fsdp import shard_model
+        if self.fsdp:  # no rank ever loads the whole model: meta build, shard, read its slices
+            from engines.training.fsdp import load_sharded
 
-            shard_model(self.module, self.compute_dtype)  # in place: new parameters, DTensor shards
+            self.module = load_sharded(model, self.device, self.compute_dtype, self._prepare)
             self.params = [p for p in self.module.parameters() if p.requires_grad]
-        elif self.world > 1:
+        else:
+            self.module = load_causal_lm(model, torch.float32, self.device)
+            self._prepare(self.module)
+        self.model: torch.nn.Module = self.module
+        if not self.fsdp and self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             self.model = DistributedDataParallel(self.module, device_ids=[self.device] if self.device.type == "cuda"
                                                  else None)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
-    def _select_trainable(self, patterns: list[str]) -> list[torch.nn.Parameter]:
-        named = list(self.module.named_parameters())
+    def _prepare(self, module: torch.nn.Module) -> None:
+        """Activation checkpointing and the trainable subset, set before any wrapping."""
+        if self.cfg.gradient_checkpointing:
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.params = self._select_trainable(module, list(self.cfg.trainable))
+
+    @staticmethod
+    def _select_trainable(module: torch.nn.Module, patterns: list[str]) -> list[torch.nn.Parameter]:
+        named = list(module.named_parameters())
         if not patterns:
             return [p for _, p in named]
         regexes = [re.compile(p) for p in patterns]
