@@ -199,6 +199,10 @@ class EngineServer:
         except (TypeError, ValueError) as e:
             self._reply(identity, P.Error(rid=msg.rid, code="bad_sampling", message=str(e)))
             return
+        if int(msg.prompt_ids.min()) < 0:
+            self._reply(identity, P.Error(rid=msg.rid, code="bad_prompt", message=(
+                f"prompt token ids must be >= 0, got {int(msg.prompt_ids.min())}")))
+            return
         async with self._gate:  # held while sleeping, mid weight update, or behind the wanted version
             await self._gate.wait_for(lambda: not self._sleeping and not self._updating and not self._weights_freed
                                       and self.weight_version >= msg.min_weight_version)

@@ -8,6 +8,7 @@ exactly the tokens the model produced.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
 
@@ -31,6 +32,21 @@ def check_sleep_level(level: int) -> None:
                          f"(KV cache freed) or 2 to discard them until the next weight update")
 
 
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
+
+
+def _int(name: str, value: Any, low: int | None = None) -> None:
+    if type(value) is not int:  # bool and float are refused: top_k=1.5 or max_tokens=True is a bug
+        raise ValueError(f"{name}={value!r} must be an integer")
+    if low is not None and value < low:
+        raise ValueError(f"{name}={value} must be >= {low}")
+
+
+def _real(name: str, value: Any) -> None:
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling. `logprobs` are always returned for every generated token.
@@ -49,14 +65,29 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        """Every field checked for type and range, so a request that would poison a batch (a
+        temperature that overflows the logits, a fractional top_k, a string of stop ids) fails
+        alone at the bus boundary instead of inside a batched step with its batch-mates."""
+        _int("max_tokens", self.max_tokens, low=1)
+        _real("temperature", self.temperature)
+        if self.temperature != 0 and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature={self.temperature!r} must be 0 (greedy) or in [{MIN_TEMPERATURE}, "
+                             f"{MAX_TEMPERATURE}]; smaller values overflow the scaled logits")
+        _real("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        _int("top_k", self.top_k)
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k={self.top_k} must be -1 (off) or >= 1")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids")
+        for t in self.stop_token_ids:
+            _int("stop_token_ids[]", t, low=0)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if type(self.ignore_eos) is not bool:
+            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be true or false")
+        if self.seed is not None:
+            _int("seed", self.seed, low=0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -19,8 +19,9 @@ from engines.inference.base import (
 
 
 class EchoEngine:
-    def __init__(self, model: str = "echo", delay_s: float = 0.0, **_: Any) -> None:
+    def __init__(self, model: str = "echo", delay_s: float = 0.0, max_model_len: int = 32768, **_: Any) -> None:
         self.delay_s = float(delay_s)
+        self.max_model_len = int(max_model_len)  # replies stop there, as a model's context would
         self._running = 0
         self._aborted: set[str] = set()
         self._stats = EngineStats()
@@ -38,7 +39,7 @@ class EchoEngine:
             if request_id in self._aborted:
                 self._aborted.discard(request_id)
                 return GenerateOutput([], [], "abort")
-            n = params.max_tokens
+            n = max(0, min(params.max_tokens, self.max_model_len - len(prompt_ids)))
             ids = (list(prompt_ids) * (n // max(len(prompt_ids), 1) + 1))[:n]
             self._stats.prompt_tokens += len(prompt_ids)
             self._stats.generated_tokens += n
