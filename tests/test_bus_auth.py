@@ -34,7 +34,7 @@ def tcp_server(tmp_path_factory):
         proc.wait(30)
 
 
-async def _raw(address: str, msg: P.Message, curve: ClientKeys | None, timeout_s: float = 3.0):
+async def _raw(address: str, msg: P.Message, curve: ClientKeys | None, timeout_s: float = 1.5):
     """One message from a bare DEALER (optionally a CURVE client with `curve`); the reply or None."""
     ctx = zmq.asyncio.Context()
     s = ctx.socket(zmq.DEALER)
