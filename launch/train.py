@@ -34,8 +34,8 @@ def train(cfg: Config) -> dict[str, Any]:
 
     run = setup(cfg)
     actor, plane, stream, rank, barrier = run.actor, run.plane, run.stream, run.rank, run.barrier
-    out, version, start, sharded = Path(cfg.trainer.output_dir), 0, 0, (cfg.actor.backend == "megatron"
-                                                                      or cfg.actor.sharding == "fsdp")
+    out, version, start = Path(cfg.trainer.output_dir), 0, 0
+    sharded = cfg.actor.backend == "megatron" or cfg.actor.sharding == "fsdp"  # a checkpoint file per rank
     ckpt = Checkpointer(out)
     latest = ckpt.latest() if cfg.trainer.resume else None
     if latest is not None:
