@@ -147,9 +147,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"{path}: bad config{f' at {key}' if key else ''}: {str(e).splitlines()[0]}") from None
     except ValueError as e:  # a section's __post_init__
         raise ConfigError(f"{path}: {e}") from None
+    except Exception as e:  # the YAML itself does not parse
+        if type(e).__module__.split(".")[0] != "yaml":
+            raise
+        raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}; fix the file") from None
     assert isinstance(cfg, Config)
+    _check_finite(cfg, "")
     validate(cfg)
     return cfg
+
+
+def _check_finite(node: Any, key: str) -> None:
+    """No number anywhere in the tree is NaN or infinite (`actor.lr=nan` would otherwise pass
+    every `x <= 0` check and fail only after the model loaded)."""
+    import dataclasses
+    import math
+
+    if isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{key}={node} must be a finite number")
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            _check_finite(getattr(node, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            _check_finite(v, f"{key}.{k}")
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            _check_finite(v, f"{key}[{i}]")
 
 
 def resolve_path(p: str | None) -> Path | None:

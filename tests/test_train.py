@@ -49,6 +49,9 @@ def metrics(out: Path) -> list[dict]:
     (["rollout.placement=spread"], "rollout.placement='spread'"),
     (["rollout.placement=split"], "rollout.placement='split'"),
     (["rollout.sleep_level=3"], "rollout.sleep_level=3"),
+    (["actor.lr=nan"], "actor.lr=nan must be a finite number"),
+    (["algorithm.loss.kl_coef=inf"], "kl_coef=inf"),
+    (["actor.grad_clip=nan"], "actor.grad_clip=nan"),
 ])
 def test_bad_config_values_fail_before_any_model_loads(tmp_path: Path, override: list[str], key: str):
     cache = tmp_path / "cache"
@@ -166,3 +169,11 @@ def test_default_config_runs_on_smollm2_with_vllm(tmp_path: Path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out / "hf")  # the export loads (vLLM loaded the same files above)
+
+
+def test_malformed_yaml_is_a_config_error(tmp_path: Path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor:\n  lr: [1, 2\n")
+    proc = train([], timeout=120, cache=tmp_path / "cache", config=bad)
+    assert proc.returncode == 2 and "not valid YAML" in proc.stderr and "Traceback" not in proc.stderr, \
+        proc.stderr[-2000:]
