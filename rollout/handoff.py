@@ -10,6 +10,7 @@ metrics and traces are made; other ranks' shards carry empty placeholders for th
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -17,23 +18,22 @@ import torch
 import torch.distributed as dist
 
 from engines.training.batch import TENSOR_FIELDS, Batch, group_shards
+from rollout.weight_sync import tensor_from_raw, tensor_to_raw
 
 
 def pack(batch: Batch) -> tuple[torch.Tensor, list[tuple[str, str, list[int]]]]:
-    """A shard's tensors as one flat uint8 tensor, and the (name, dtype, shape) to unpack it."""
+    """A shard's tensors as one flat uint8 tensor, and the (name, dtype, shape) to unpack it
+    (each tensor's bytes as `weight_sync.tensor_to_raw` gives them)."""
     parts, layout = [], []
     for name in TENSOR_FIELDS:
-        t = getattr(batch, name).contiguous()
-        parts.append(t.view(torch.uint8).flatten() if t.numel() else torch.zeros(0, dtype=torch.uint8))
-        layout.append((name, str(t.dtype).removeprefix("torch."), list(t.shape)))
+        raw, dtype, shape = tensor_to_raw(getattr(batch, name))
+        parts.append(raw)
+        layout.append((name, dtype, shape))
     return torch.cat(parts), layout
 
 
 def _nbytes(dtype: str, shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    return math.prod(shape) * getattr(torch, dtype).itemsize
 
 
 def unpack(flat: torch.Tensor, layout: list[tuple[str, str, list[int]]], global_size: int) -> Batch:
@@ -41,7 +41,7 @@ def unpack(flat: torch.Tensor, layout: list[tuple[str, str, list[int]]], global_
     tensors, at = {}, 0
     for name, dtype, shape in layout:
         size = _nbytes(dtype, shape)
-        tensors[name] = flat[at:at + size].clone().view(getattr(torch, dtype)).reshape(shape)  # aligned copy
+        tensors[name] = tensor_from_raw(flat[at:at + size].clone(), dtype, shape, name)  # clone: aligned for view
         at += size
     n = int(tensors["prompts"].shape[0])
     return Batch(**tensors, num_turns=[0] * n, termination=[""] * n, weight_versions=[[] for _ in range(n)],

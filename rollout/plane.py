@@ -248,13 +248,8 @@ class RolloutPlane:
         of `seconds`; its node, weight version and resident memory now."""
         if self.control is None:
             return {}
-        client = self.control.client
         out: dict[str, float] = {}
-        for i, e in enumerate(self.engines):
-            if not client.router.alive[i]:
-                out[f"engine/{e.engine_id}/alive"] = 0.0
-                continue
-            st = self._status(i)
+        for e, st in zip(self.engines, self._statuses()):
             if st is None:
                 out[f"engine/{e.engine_id}/alive"] = 0.0
                 continue
@@ -277,22 +272,28 @@ class RolloutPlane:
             return {}
         from rollout import protocol as P
 
-        client = self.control.client
-        self.control.run(client.broadcast(P.Sleep(level=self.cfg.sleep_level)))
-        out = {}
-        for i, e in enumerate(self.engines):
-            st = self._status(i) if client.router.alive[i] else None
-            if st is not None:
-                out[f"engine/{e.engine_id}/rss_asleep_mb"] = float(st.stats.get("rss_mb", 0))
-        return out
+        self.control.run(self.control.client.broadcast(P.Sleep(level=self.cfg.sleep_level)))
+        return {f"engine/{e.engine_id}/rss_asleep_mb": float(st.stats.get("rss_mb", 0))
+                for e, st in zip(self.engines, self._statuses()) if st is not None}
 
-    def _status(self, engine: int) -> Any:
-        """An engine's status, or None when it died meanwhile (failover already handles its work)."""
+    def _statuses(self) -> list[Any]:
+        """Every engine's status, asked of all at once; None for an engine that is down or died
+        meanwhile (failover already handles its work: a metric gap, never a failed step)."""
         assert self.control is not None
-        try:
-            return self.control.run(self.control.client.status(engine))
-        except Exception:  # engine down or not answering: a metric gap, never a failed step
-            return None
+        client = self.control.client
+
+        async def one(i: int) -> Any:
+            if not client.router.alive[i]:
+                return None
+            try:
+                return await client.status(i)
+            except Exception:
+                return None
+
+        async def every() -> list[Any]:
+            return list(await asyncio.gather(*(one(i) for i in range(len(self.engines)))))
+
+        return self.control.run(every())
 
     def wake(self) -> None:
         """Colocated: engines take their memory back; after level 2 they serve again only once the

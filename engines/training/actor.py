@@ -53,6 +53,15 @@ def gather_rows(local: torch.Tensor, total: int, parts: int, group: Any = None,
     return torch.cat([c[:n].to(local.device) for c, n in zip(chunks, sizes)])
 
 
+def max_over_ranks(n: int, device: torch.device) -> int:
+    """The largest `n` any rank has: how many passes every rank must make when the passes hold
+    collectives (FSDP's gathers, ZeRO-3's), whatever its own share of rows."""
+    t = torch.tensor([n], device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t[0])
+
+
 def _denominator(mask: torch.Tensor, agg: str) -> float:
     """What `agg_loss` divides a mini-batch by: its mask-1 tokens, or its sequences with one."""
     keep = mask.bool()

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engines.training.actor import gather_rows
+from engines.training.actor import gather_rows, max_over_ranks
 from engines.training.batch import Batch
 from engines.training.config import compute_dtype
 from engines.training.hf_model import default_device, response_logprobs
@@ -87,9 +87,7 @@ class DeepSpeedReference:
         n, r = len(batch), batch.responses.shape[1]
         if batch.is_shard:  # this rank's rows only; ZeRO-3 gathers are collective, so all ranks take
             local = torch.arange(n)  # as many forward passes as the rank with the most rows
-            most = torch.tensor([n], device=self.device)
-            torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-            steps = math.ceil(int(most[0]) / self.micro_batch_size)
+            steps = math.ceil(max_over_ranks(n, self.device) / self.micro_batch_size)
         else:
             local = torch.tensor_split(torch.arange(n), self.world)[self.rank]
             steps = math.ceil(math.ceil(n / self.world) / self.micro_batch_size)

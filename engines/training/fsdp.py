@@ -7,7 +7,7 @@ gathered parameters are cast to it for compute while the sharded master copy, th
 reduction and AdamW's state stay fp32. The same calls run over gloo on CPU and NCCL on GPUs.
 
 Collectives happen inside forward and backward, so every rank must run the same number of them:
-`pad_micro` gives a rank with fewer rows dummy micro-batches whose loss is multiplied by zero.
+the torch actor gives a rank with fewer rows dummy micro-batches whose loss is multiplied by zero.
 """
 
 from __future__ import annotations
@@ -174,11 +174,3 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
                 local = v.to_local() if is_dtensor(v) else v
                 total += local.numel() * local.element_size()
     return total
-
-
-def max_over_ranks(n: int, device: torch.device) -> int:
-    """The largest `n` any rank has (how many micro-batches everyone must run)."""
-    t = torch.tensor([n], device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t[0])

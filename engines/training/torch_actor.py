@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import torch
 from tqdm import tqdm
 
-from engines.training.actor import ActorBase, LossFn, dist_info
+from engines.training.actor import ActorBase, LossFn, dist_info, max_over_ranks
 from engines.training.batch import MicroBatch
 from engines.training.config import ActorConfig
 from engines.training.hf_model import default_device, load_causal_lm, micro_logprobs
@@ -93,8 +93,6 @@ class TorchActor(ActorBase):
         """(micro-batch, real) pairs, padded under FSDP to the most any rank has."""
         pairs = [(mb, True) for mb in micro]
         if self.fsdp:
-            from engines.training.fsdp import max_over_ranks
-
             pairs += [(_dummy_micro(), False)] * (max_over_ranks(len(micro), self.device) - len(micro))
         return pairs
 
