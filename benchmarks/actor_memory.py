@@ -73,7 +73,8 @@ def worker(model: str, sharding: str, out: Path) -> None:
               "parameters": float(sum(p.numel() for p in actor.module.parameters())),
               "predicted": actor.memory_report()}
     (out / f"rank{rank}.json").write_text(json.dumps(report))
-    if world > 1:
+    if world > 1:  # nobody tears its group down while the other rank still talks (gloo aborts then)
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
