@@ -65,7 +65,8 @@ def setup(cfg: Config) -> Run:
     if rank == 0:
         m = actor.memory_report()
         print(f"actor memory on rank 0 ({world} rank(s), {cfg.actor.backend} actor, sharding {cfg.actor.sharding}): "
-              f"weights {m['weights_gb']:.3g} GB + gradients {m['grads_gb']:.3g} GB + AdamW {m['optimizer_gb']:.3g} GB = "
+              f"weights {m['weights_gb']:.3g} GB + gradients {m['grads_gb']:.3g} GB + AdamW {m['optimizer_gb']:.3g} GB"
+              + (f" + fp32 main weights {m['main_weights_gb']:.3g} GB" if m["main_weights_gb"] else "") + " = "
               f"{m['total_gb']:.3g} GB for {m['parameters'] / 1e6:.0f}M parameters ({m['bytes_per_parameter']:.1f} bytes "
               "each), plus activations", flush=True)
     ref = None

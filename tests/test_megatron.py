@@ -161,9 +161,12 @@ def ref_tok(model: Path):
 
 
 @pytest.mark.slow
-def test_trainer_with_megatron_tp2_runs_and_resumes(tmp_path: Path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_trainer_with_megatron_tp2_runs_and_resumes(tmp_path: Path, dtype: str):
+    """bfloat16: bf16 parameters with fp32 main weights and grads, which the checkpoint keeps."""
     out = tmp_path / "run"
-    args = ["launch/train.py", "model.path=tiny-llama", "rollout.engine=hf", "data.prompts_per_step=2", "rollout.n=2",
+    args = ["launch/train.py", "model.path=tiny-llama", f"model.dtype={dtype}", "rollout.engine=hf",
+            "data.prompts_per_step=2", "rollout.n=2",
             "rollout.max_tokens=24", "sft.steps=2", "sft.batch_size=4", "actor.backend=megatron", "actor.tp=2",
             "actor.trainable=[]", "reference.backend=deepspeed", "algorithm.loss.kl_coef=0.01",
             f"trainer.output_dir={out}"]
@@ -176,6 +179,11 @@ def test_trainer_with_megatron_tp2_runs_and_resumes(tmp_path: Path):
     first = run(2)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-6000:]
     assert "TP 2 x PP 1 x DP 1" in first.stdout
+    assert ("fp32 main weights" in first.stdout) == (dtype == "bfloat16")
+    shard = torch.load(out / "checkpoints" / "step_000002" / "shard_rank0.pt", weights_only=False)
+    assert getattr(torch, dtype) in {t.dtype for t in shard["model"].values() if isinstance(t, torch.Tensor)}
+    assert all(m.dtype == torch.float32 for m in shard.get("masters", {}).values()) and bool(shard.get("masters")) == (
+        dtype == "bfloat16")
     assert sorted(p.name for p in (out / "checkpoints" / "step_000002").iterdir()) == [
         "shard_rank0.pt", "shard_rank1.pt", "state.pt"]
     second = run(3)
@@ -185,7 +193,9 @@ def test_trainer_with_megatron_tp2_runs_and_resumes(tmp_path: Path):
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and [r["data/index"] for r in rows] == [2, 4, 6]
-    assert all(r["drift/mean"] < 1e-3 and r["kl_in_reward"] == r["kl_in_reward"] for r in rows)
+    # bf16: the engine runs the bf16 weights in bf16 too; what differs is the order of sums
+    assert all(r["drift/mean"] < (1e-3 if dtype == "float32" else 3e-3) and r["kl_in_reward"] == r["kl_in_reward"]
+               for r in rows)
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out / "hf")
@@ -208,21 +218,37 @@ def test_smollm2_tp3_logprobs_match_hf(tmp_path, servers):
 
 @pytest.mark.slow
 def test_megatron_tp2_with_optimizer_sharded_over_dp2_matches_replicated(tmp_path: Path):
-    """TP 2 x DP 2 (4 processes): AdamW state sharded over DP (each parameter stepped by one DP
-    rank, then broadcast) gives the same weights after two steps as the replicated optimizer,
-    and each rank holds about half the state."""
+    """TP 2 x DP 2 (4 processes): AdamW state sharded over DP (each rank steps a range of every
+    parameter, then all-gathers) gives the same weights after two steps as the replicated
+    optimizer, and each rank holds about half the state; the same with bf16 parameters, fp32 main
+    weights and fp32 main grads, whose update agrees with the fp32 run's."""
     model = resolve_model("tiny-llama")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "tests/megatron_zero1.py", str(model), str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    got = torch.load(tmp_path / "zero1.pt")
+    got = torch.load(tmp_path / "zero1_0.pt")
     for k, v in got["replicated"].items():  # the same AdamW arithmetic on the same gradients: equal
         assert torch.allclose(got["sharded"][k], v, atol=1e-7), k
+        # bf16 parameters, fp32 main weights and grads: sharding changes nothing in the arithmetic
+        assert got["bf16"][k].dtype == torch.bfloat16 and torch.equal(got["bf16_sharded"][k], got["bf16"][k]), k
+    # and the bf16 run's update is the fp32 run's: the two weight changes point the same way
+    # (bf16 rounds each weight by up to 2^-9 of its size, ~1e-4 here, against changes of ~2e-3)
+    w0 = load_file(str(model / "model.safetensors"))
+    d32 = torch.cat([(v.float() - w0[k].float()).reshape(-1) for k, v in got["replicated"].items()])
+    d16 = torch.cat([(got["bf16"][k].float() - w0[k].float()).reshape(-1) for k in got["replicated"]])
+    assert torch.nn.functional.cosine_similarity(d32, d16, dim=0) > 0.99
     import json
 
     ranks = [json.loads((tmp_path / f"zero1_rank{r}.json").read_text()) for r in range(4)]
     for r in ranks:
         assert 0.45 * r["full"] <= r["shard"] <= 0.55 * r["full"], r  # AdamW moments: half per rank
         assert r["m_sharded"]["grad_norm"] == pytest.approx(r["m_replicated"]["grad_norm"], rel=1e-6)
+        # bf16: moments and fp32 main weights (12 bytes per parameter) both halve when sharded
+        assert 0.45 * r["bf16_full"] <= r["bf16_shard"] <= 0.55 * r["bf16_full"], r
+        assert r["bf16_full"] == pytest.approx(1.5 * r["full"], rel=0.01), r
+        low = r["m_bf16_sharded"]
+        assert low["bf16_elements"] > 0.99 and low["masters_round_to_params"] and low["masters_finer"] > 0.9, low
+        assert low["report_bytes_per_parameter"] == pytest.approx(2 + 4 + (8 + 4) / 2, rel=0.01), low
+        assert low["grad_norm"] == pytest.approx(r["m_replicated"]["grad_norm"], rel=0.02)

@@ -137,7 +137,7 @@ class ActorBase:
     def memory_report(self) -> dict[str, float]:
         """Bytes this rank holds for the actor, per kind, before the first step: weights as held
         (a shard under FSDP/TP/PP), fp32 gradients and AdamW's two fp32 moments for the trainable
-        ones. Activations come on top; they scale with micro_batch_size x sequence length."""
+        ones, and fp32 main weights for those held below fp32. Activations come on top; they scale with micro_batch_size x sequence length."""
         local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731
         module = self.module if hasattr(self, "module") else self.model  # type: ignore[attr-defined]
         held = [local(p) for p in module.parameters()]
@@ -146,7 +146,10 @@ class ActorBase:
         out = {"parameters": float(sum(p.numel() for p in module.parameters())),
                "weights_gb": sum(p.numel() * p.element_size() for p in held) / gb,
                "grads_gb": 4 * trainable / gb, "optimizer_gb": 8 * trainable * self._optimizer_share() / gb}
-        out["total_gb"] = out["weights_gb"] + out["grads_gb"] + out["optimizer_gb"]
+        # parameters held below fp32 get fp32 main weights in the optimizer, sharded like its moments
+        low = sum(local(p).numel() for p in self.params if local(p).element_size() < 4)
+        out["main_weights_gb"] = 4 * low * self._optimizer_share() / gb
+        out["total_gb"] = out["weights_gb"] + out["grads_gb"] + out["optimizer_gb"] + out["main_weights_gb"]
         out["bytes_per_parameter"] = out["total_gb"] * gb / max(1.0, out["parameters"])
         return out
 

@@ -86,6 +86,12 @@ def vocab_parallel_stats(logits: torch.Tensor, targets: torch.Tensor, vocab: int
     return lp, ent
 
 
+def _into_main_grad(p: torch.Tensor) -> None:
+    """Post-accumulate hook of a below-fp32 parameter: move its gradient into the fp32 main grad."""
+    p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
+    p.grad = None
+
+
 class MegatronActor(ActorBase):
     def __init__(self, cfg: ActorConfig, model: str, dtype: str = "float32", temperature: float = 1.0,
                  seed: int = 0, progress: bool = True) -> None:
@@ -97,6 +103,9 @@ class MegatronActor(ActorBase):
         if cfg.backend != "megatron":
             raise ValueError(f"MegatronActor got actor.backend={cfg.backend!r}; set actor.backend=megatron")
         super().__init__(cfg, model, dtype, temperature, seed, progress)
+        # Megatron's way: parameters in the compute dtype (no autocast: megatron-core's linear
+        # layers run their own backward and do not mix dtypes), fp32 main weights and grads below
+        self.param_dtype = self.compute_dtype
         self.mesh: TrainMesh = init_training_mesh(cfg.tp, cfg.pp)
         m = self.mesh
         self.rank, self.world = m.rank, m.world
@@ -110,14 +119,23 @@ class MegatronActor(ActorBase):
         self.model = self._build().to(self.device)
         self._load_hf(Path(model))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.zero: Any = None  # sharding=optimizer: AdamW state in DP ranges (engines/training/zero.py)
-        if cfg.sharding == "optimizer" and m.dp > 1:
+        # sharding=optimizer: AdamW state in DP ranges (engines/training/zero.py); parameters below
+        # fp32 always step through it, for its fp32 main weights (the whole tensor when unsharded)
+        self.zero: Any = None
+        sharded = cfg.sharding == "optimizer" and m.dp > 1
+        if sharded or self.param_dtype != torch.float32:
             from engines.training.zero import ShardedAdamW
 
-            self.zero = ShardedAdamW(self.params, m.dp_rank, m.dp, m.groups["dp"], cfg.lr, cfg.weight_decay)
+            self.zero = ShardedAdamW(self.params, m.dp_rank if sharded else 0, m.dp if sharded else 1,
+                                     m.groups["dp"], cfg.lr, cfg.weight_decay)
             self.optimizer = self.zero.optimizer  # this rank's shard: what set_lr and checkpoints see
         else:
             self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self._sharded_optimizer = sharded
+        if self.param_dtype != torch.float32:  # fp32 main grads: micro-batches accumulate without rounding
+            for p in self.params:
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)  # type: ignore[attr-defined]
+                p.register_post_accumulate_grad_hook(_into_main_grad)
 
     # ------------------------------------------------------------------ model
     def _build(self) -> torch.nn.Module:
@@ -130,7 +148,7 @@ class MegatronActor(ActorBase):
             num_layers=lay.num_layers, hidden_size=lay.hidden, num_attention_heads=lay.heads,
             num_query_groups=lay.groups, kv_channels=lay.head_dim, ffn_hidden_size=lay.ffn,
             **family.transformer_flags(lay), attention_dropout=0.0, hidden_dropout=0.0,
-            tensor_model_parallel_size=m.tp, pipeline_model_parallel_size=m.pp, params_dtype=torch.float32,
+            tensor_model_parallel_size=m.tp, pipeline_model_parallel_size=m.pp, params_dtype=self.param_dtype,
             pipeline_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=False,
             bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
             gradient_accumulation_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False)
@@ -193,16 +211,16 @@ class MegatronActor(ActorBase):
             b, s = mb.input_ids.shape
             inp = None
             if prev is not None:
-                inp = torch.empty((s, b, self.layout.hidden), dtype=torch.float32, device=self.device)
+                inp = torch.empty((s, b, self.layout.hidden), dtype=self.param_dtype, device=self.device)
                 dist.recv(inp, src=prev)
                 inp.requires_grad_(grad)
             self.model.set_input_tensor(inp)
             pos = torch.arange(s, device=self.device)[None].expand(b, s)
-            with torch.set_grad_enabled(grad), self._autocast():
+            with torch.set_grad_enabled(grad):
                 out = self.model(mb.input_ids.to(self.device) if m.first_stage else None, pos,
                                  self._mask(mb.attention_mask))
             if nxt is not None:
-                dist.send(out.detach().float().contiguous(), dst=nxt)
+                dist.send(out.detach().to(self.param_dtype).contiguous(), dst=nxt)
                 saved.append((inp, out))
             else:
                 k = mb.targets.shape[1]
@@ -222,7 +240,7 @@ class MegatronActor(ActorBase):
                 if nxt is None:
                     out.backward()
                 else:
-                    g = torch.empty(out.shape, dtype=torch.float32, device=self.device)
+                    g = torch.empty(out.shape, dtype=self.param_dtype, device=self.device)
                     dist.recv(g, src=nxt)
                     out.backward(g.to(out.dtype))
                 if prev is not None:
@@ -265,7 +283,19 @@ class MegatronActor(ActorBase):
         return out
 
     def _optimizer_share(self) -> float:
-        return 1.0 / self.mesh.dp if self.zero is not None else 1.0
+        return 1.0 / self.mesh.dp if self._sharded_optimizer else 1.0
+
+    def _grads(self) -> dict[int, torch.Tensor]:
+        """Each trainable parameter's gradient by id: the fp32 main grad below fp32, else .grad."""
+        out = {}
+        for p in self.params:
+            if hasattr(p, "main_grad"):
+                out[id(p)] = p.main_grad
+            else:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                out[id(p)] = p.grad
+        return out
 
     def _step_optimizer(self) -> float:
         """Sum gradients over data-parallel replicas (and the tied embedding copies of the first
@@ -273,15 +303,13 @@ class MegatronActor(ActorBase):
         from parallel.reshard import tp_sharded
 
         m = self.mesh
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        grads = self._grads()
         if m.dp > 1:
-            for p in self.params:
-                dist.all_reduce(p.grad, group=m.groups["dp"])
+            for g in grads.values():
+                dist.all_reduce(g, group=m.groups["dp"])
         if m.pp > 1 and self.layout.tied and (m.first_stage or m.last_stage):
             w = (self.model.embedding.word_embeddings.weight if m.first_stage else self.model.output_layer.weight)
-            dist.all_reduce(w.grad, group=m.groups["embedding"])
+            dist.all_reduce(grads[id(w)], group=m.groups["embedding"])
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         for name, p in self.model.named_parameters():
             if not p.requires_grad:
@@ -290,19 +318,21 @@ class MegatronActor(ActorBase):
                 continue  # replicated over TP: count once
             if self.layout.tied and m.pp > 1 and m.last_stage and name == "output_layer.weight":
                 continue  # the first stage's embedding already counts it
-            sq += p.grad.double().pow(2).sum()
+            sq += grads[id(p)].double().pow(2).sum()
         if m.tp * m.pp > 1:
             dist.all_reduce(sq, group=m.groups["mp"])
         norm = float(sq.sqrt())
         if self.cfg.grad_clip and norm > self.cfg.grad_clip:
-            for p in self.params:
-                p.grad.mul_(self.cfg.grad_clip / (norm + 1e-6))
+            for g in grads.values():
+                g.mul_(self.cfg.grad_clip / (norm + 1e-6))
         if self.zero is not None:
-            self.zero.step()
+            self.zero.step([grads[id(p)] for p in self.params])
         else:
             self.optimizer.step()
         for p in self.params:
             p.grad = None
+            if hasattr(p, "main_grad"):
+                p.main_grad.zero_()
         return norm
 
     # ------------------------------------------------------------------ weights and state
@@ -317,17 +347,27 @@ class MegatronActor(ActorBase):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard (each rank saves its own): model, optimizer, counters."""
-        return {"model": self.model.state_dict(), **self._counters(), "coords": (self.mesh.tp_rank, self.mesh.pp_rank)}
+        out = {"model": self.model.state_dict(), **self._counters(), "coords": (self.mesh.tp_rank, self.mesh.pp_rank),
+               "dp": self.mesh.dp}
+        if self.zero is not None:
+            out["masters"] = self.zero.master_state()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = (self.mesh.tp_rank, self.mesh.pp_rank)
         if tuple(state["coords"]) != mine:
             raise ValueError(f"checkpoint shard is for (tp, pp) = {tuple(state['coords'])}, this rank is {mine}; resume "
                              "with the same actor.tp and actor.pp")
+        if self._sharded_optimizer and state.get("dp") != self.mesh.dp:
+            raise ValueError(f"checkpoint's optimizer is sharded over DP {state.get('dp')}, this run has DP "
+                             f"{self.mesh.dp}; resume with the same number of processes")
         self.model.load_state_dict(state["model"])
         self._load_counters(state)
         if self.zero is not None:
-            self.zero.refresh()
+            if "masters" in state:
+                self.zero.load_master_state(state["masters"])
+            else:
+                self.zero.refresh()
 
     def save_hf(self, path: Path) -> None:
         """Gather to rank 0 and write safetensors + config + tokenizer there; every rank calls it."""

@@ -47,12 +47,36 @@ class ShardedAdamW:
             for p, m, (start, end, _) in zip(self.params, self.masters, self.ranges):
                 m.copy_(p.detach().reshape(-1)[start:end])
 
+    def _copies(self) -> list[int]:
+        """Indices of the masters that are fp32 copies rather than views of their parameter."""
+        return [i for i, (m, p) in enumerate(zip(self.masters, self.params))
+                if m.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()]
+
+    def master_state(self) -> dict[int, torch.Tensor]:
+        """This rank's fp32 master ranges that are copies (of lower-precision parameters), for a
+        checkpoint: rounding them to the parameters' dtype would lose what the updates added."""
+        return {i: self.masters[i].detach().clone() for i in self._copies()}
+
+    def load_master_state(self, masters: dict[int, torch.Tensor]) -> None:
+        if sorted(masters) != self._copies():
+            raise ValueError("checkpoint's fp32 main weights do not match this actor's parameters; resume with the same "
+                             "actor.param_dtype, actor.sharding and number of processes")
+        with torch.no_grad():
+            for i, saved in masters.items():
+                self.masters[i].copy_(saved)
+
     @torch.no_grad()
-    def step(self) -> None:
-        for p, m, (start, end, _) in zip(self.params, self.masters, self.ranges):
-            m.grad = p.grad.reshape(-1)[start:end].float()
+    def step(self, grads: list[torch.Tensor] | None = None) -> None:
+        """Step from `grads` (one per parameter, already summed over DP; default: `p.grad`)."""
+        for p, m, g, (start, end, _) in zip(self.params, self.masters, grads or [p.grad for p in self.params],
+                                            self.ranges):
+            m.grad = g.reshape(-1)[start:end].float()
         self.optimizer.step()
         for p, m, (start, end, per) in zip(self.params, self.masters, self.ranges):
+            if self.dp_size == 1:  # the whole parameter is this rank's range
+                p.copy_(m.detach().view_as(p))
+                m.grad = None
+                continue
             mine = torch.zeros(per, dtype=p.dtype, device=p.device)
             mine[:end - start] = m.detach()
             parts = [torch.empty_like(mine) for _ in range(self.dp_size)]
@@ -62,7 +86,6 @@ class ShardedAdamW:
 
     def state_bytes(self) -> int:
         """Bytes this rank holds beyond the model's own parameters: moments and master copies."""
-        own = sum(m.numel() * m.element_size() for m, p in zip(self.masters, self.params)
-                  if m.untyped_storage().data_ptr() != p.untyped_storage().data_ptr())
+        own = sum(self.masters[i].numel() * self.masters[i].element_size() for i in self._copies())
         return own + sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
                          if isinstance(t, torch.Tensor))
