@@ -85,6 +85,13 @@ def project(params: float, dp: int, sharded: bool) -> float:
     return 16 * params / (dp if sharded else 1) / GB
 
 
+def project_megatron_bf16(params: float, dp: int, tp: int = 1) -> float:
+    """GiB per rank for the Megatron actor with `model.dtype=bfloat16` and `actor.sharding=optimizer`
+    (the accounting its test checks at TP 2 x DP 2): bf16 weights 2 and fp32 main grads 4 per
+    parameter of its TP shard, fp32 main weights and AdamW moments 12 divided by DP."""
+    return (2 + 4 + 12 / dp) * params / tp / GB
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -119,6 +126,9 @@ def main() -> None:
     report["projection_gb"] = {f"{size}": {f"dp{dp}_{'fsdp' if s else 'ddp'}": project(size * 1e9, dp, s)
                                             for dp in (1, 8, 64) for s in (False, True) if s or dp == 1}
                                for size in (7, 70)}
+    for size in (7, 70):
+        report["projection_gb"][f"{size}"].update({f"megatron_bf16_tp{tp}_dp{dp}": project_megatron_bf16(size * 1e9, dp, tp)
+                                                   for tp, dp in ((1, 8), (8, 8))})
     write_result("actor_memory", report, args.out)
     print(result_line({"fsdp_dp2_vs_dp1": report["held_ratio_fsdp_vs_dp1"],
                        "ddp_dp2_vs_dp1": report["held_ratio_ddp_vs_dp1"],

@@ -138,9 +138,21 @@ def actor_memory_section(r: dict[str, Any]) -> list[str]:
     p = r["projection_gb"]
     lines += ["", "The same accounting (16 bytes per parameter: fp32 master 4, gradients 4, AdamW 8; sharded ones "
               "divided by DP; activations on top), projected in GiB per GPU:", "",
-              "| model | DDP | FSDP DP 8 | FSDP DP 64 |", "|---|---|---|---|"]
+              "| model | DDP | FSDP DP 8 | FSDP DP 64 | Megatron bf16 + ZeRO-1, TP 1 x DP 8 | TP 8 x DP 8 |",
+              "|---|---|---|---|---|---|"]
     for size in ("7", "70"):
-        lines.append(f"| {size}B | {p[size]['dp1_ddp']:.0f} | {p[size]['dp8_fsdp']:.1f} | {p[size]['dp64_fsdp']:.1f} |")
+        q = p[size]
+        lines.append(f"| {size}B | {q['dp1_ddp']:.0f} | {q['dp8_fsdp']:.1f} | {q['dp64_fsdp']:.1f} | "
+                     f"{q.get('megatron_bf16_tp1_dp8', float('nan')):.1f} | {q.get('megatron_bf16_tp8_dp8', float('nan')):.1f} |")
+    lines += ["", "The Megatron columns: bf16 weights 2 + fp32 main grads 4 bytes per parameter of the TP shard, fp32 main "
+              "weights and AdamW moments 12 divided by DP (`model.dtype=bfloat16`, `actor.sharding=optimizer`). What "
+              "the anchors document for the same sizes (their repositories' docs and example scripts): verl's smallest "
+              "full-parameter 7B GRPO is 2 x H800 with FSDP parameter and optimizer offload to CPU, its standard 7B "
+              "recipes 8 GPUs without actor offload (FSDP, or Megatron TP 2 x PP 2); its 70B-class full-parameter "
+              "GRPO needs 32 x H800 (or 32 x H20) with parameter and optimizer offload (docs/perf/device_tuning.rst). "
+              "slime counts 18 bytes per parameter for Megatron training (bf16 weights 2, fp32 grads 4, fp32 master 4, "
+              "Adam 8; its v0.1.0 release notes) and offloads Adam to the CPU for 32B dense models on one 8-GPU node "
+              "(scripts/run-qwen3-32B.sh). switchyard has no CPU offload of weights or optimizer yet."]
     return lines
 
 
