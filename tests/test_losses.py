@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch.distributions import Categorical
 
-from engines.training.losses import (AGG_MODES, KL_KINDS, LossConfig, agg_loss, compute_loss, entropy_from_logits,
-                                     kl_penalty, logprobs_from_logits, masked_mean, policy_loss)
+from engines.training.losses import (AGG_MODES, KL_KINDS, OFF_POLICY_MODES, LossConfig, agg_loss, behaviour_weights,
+                                     compute_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, masked_mean,
+                                     policy_loss)
 
 
 def gen(seed: int) -> torch.Generator:
@@ -257,6 +258,13 @@ def test_logprobs_match_log_softmax_gather():
     ("kl_coef", -0.01, "kl_coef >= 0"),
     ("use_kl_loss", "yes", "true or false"),
     ("entropy_coef", -1e-3, "entropy_coef >= 0"),
+    ("off_policy", "ppo", "none, tis, mis, decoupled"),
+    ("is_level", "row", "token, sequence"),
+    ("is_cap", 0.5, "is_cap >= 1"),
+    ("is_cap", float("inf"), "a finite number"),
+    ("is_band", (0.5,), "[low, high] with 0 <= low <= 1 <= high"),
+    ("is_band", (1.5, 3.0), "[low, high] with 0 <= low <= 1 <= high"),
+    ("is_band", (-0.1, 2.0), "[low, high] with 0 <= low <= 1 <= high"),
 ])
 def test_loss_config_rejects_bad_values_naming_the_field(field, value, allowed):
     with pytest.raises(ValueError) as err:
@@ -302,3 +310,151 @@ def test_compute_loss_missing_inputs_say_how_to_fix():
         compute_loss(LossConfig(entropy_coef=0.01), new, old, adv, mask)
     loss, metrics = compute_loss(LossConfig(), new, old, adv, mask)  # plain PPO needs neither
     assert "kl" not in metrics and "entropy" not in metrics
+
+
+# ------------------------------------------------------------------ off-policy correction
+# One row, three trained tokens and one padding token. r = current / proximal = [1.1, 0.7, 1.0];
+# w = proximal / behaviour = [0.5, 1.5, 4.0]. PPO per token (clip 0.2): A=1, r=1.1 -> -1.1;
+# A=-2, r=0.7 clipped to 0.8 -> 1.6; A=3, r=1 -> -3.
+HAND_PPO = [-1.1, 1.6, -3.0]
+HAND_W = [0.5, 1.5, 4.0]
+
+
+def hand_case() -> tuple[torch.Tensor, ...]:
+    old = torch.tensor([[-1.0, -2.0, -0.5, float("-inf")]])
+    new = old + torch.log(torch.tensor([[1.1, 0.7, 1.0, 1.0]]))
+    rollout = old - torch.log(torch.tensor([[0.5, 1.5, 4.0, 1.0]]))
+    rollout[0, -1] = float("nan")  # padding garbage in the behaviour logprobs must not matter
+    adv = torch.tensor([[1.0, -2.0, 3.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    return new, old, adv, mask, rollout
+
+
+def test_off_policy_none_keeps_the_plain_arithmetic_and_reports_the_gap():
+    new, old, adv, mask = batch(seed=20)
+    rollout = old + 0.3 * torch.randn(old.shape, generator=gen(21))
+    a_in, b_in = new.clone().requires_grad_(True), new.clone().requires_grad_(True)
+    plain, m_plain = compute_loss(LossConfig(), a_in, old, adv, mask)
+    none, m_none = compute_loss(LossConfig(off_policy="none"), b_in, old, adv, mask, rollout_logprobs=rollout)
+    plain.backward()
+    none.backward()
+    assert torch.equal(plain, none) and torch.equal(a_in.grad, b_in.grad)
+    assert torch.equal(plain, policy_loss(new, old, adv, mask)[0])
+    assert "is_weight_mean" not in m_plain  # nothing to measure without behaviour logprobs
+    assert m_none["is_weight_mean"] > 0 and m_none["rollout_kl"] > 0 and m_none["is_masked_frac"] == 0.0
+
+
+@pytest.mark.parametrize("mode", OFF_POLICY_MODES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_behaviour_equal_to_proximal_gives_exactly_the_plain_loss(mode, level):
+    new, old, adv, mask = batch(seed=22)
+    plain, _ = compute_loss(LossConfig(), new, old, adv, mask)
+    loss, m = compute_loss(LossConfig(off_policy=mode, is_level=level), new, old, adv, mask,
+                           rollout_logprobs=old.clone())
+    assert torch.equal(loss, plain)  # w = exp(0) = 1 exactly, so every factor is exactly 1
+    assert m["is_weight_mean"] == m["is_weight_max"] == 1.0
+    assert m["is_masked_frac"] == 0.0 and m["rollout_kl"] == 0.0
+
+
+def test_tis_truncates_the_weight_and_keeps_the_proximal_ratio():
+    new, old, adv, mask, rollout = hand_case()
+    new.requires_grad_(True)
+    loss, m = compute_loss(LossConfig(off_policy="tis", is_cap=2.0), new, old, adv, mask, rollout_logprobs=rollout)
+    loss.backward()
+    factor = [0.5, 1.5, 2.0]  # 4.0 truncated at the cap
+    assert loss.item() == pytest.approx(sum(p * f for p, f in zip(HAND_PPO, factor)) / 3, abs=1e-6)
+    # d/d logprob of -A r f is -A r f / n where the clip is inactive; the clipped token gets none
+    assert new.grad[0].tolist() == pytest.approx([-1.1 * 0.5 / 3, 0.0, -3.0 * 2.0 / 3, 0.0], abs=1e-6)
+    assert m["pg_loss"] == pytest.approx(loss.item())
+
+
+def test_decoupled_uses_the_untruncated_weight():
+    new, old, adv, mask, rollout = hand_case()
+    loss, _ = compute_loss(LossConfig(off_policy="decoupled"), new, old, adv, mask, rollout_logprobs=rollout)
+    assert loss.item() == pytest.approx(sum(p * w for p, w in zip(HAND_PPO, HAND_W)) / 3, abs=1e-6)
+    wide, _ = compute_loss(LossConfig(off_policy="tis", is_cap=10.0), new, old, adv, mask, rollout_logprobs=rollout)
+    assert loss.item() == pytest.approx(wide.item(), abs=1e-7)  # tis with a cap above every w is decoupled
+
+
+def test_off_policy_metrics_on_a_hand_made_example():
+    new, old, adv, mask, rollout = hand_case()
+    for mode in OFF_POLICY_MODES:  # the gap is reported whatever the correction
+        _, m = compute_loss(LossConfig(off_policy=mode), new, old, adv, mask, rollout_logprobs=rollout)
+        assert m["is_weight_mean"] == pytest.approx(2.0, rel=1e-6)
+        assert m["is_weight_max"] == pytest.approx(4.0, rel=1e-6)
+        assert m["rollout_kl"] == pytest.approx(sum(w - 1 - math.log(w) for w in HAND_W) / 3, rel=1e-5)
+        assert m["is_masked_frac"] == pytest.approx(1 / 3 if mode == "mis" else 0.0)  # 4.0 is outside [0.5, 2]
+    _, m = compute_loss(LossConfig(), new, old, adv, torch.zeros_like(mask), rollout_logprobs=rollout)
+    assert m["is_weight_mean"] == m["is_weight_max"] == m["is_masked_frac"] == m["rollout_kl"] == 0.0
+
+
+def test_mis_token_level_drops_tokens_outside_the_band_but_keeps_the_denominator():
+    new, old, adv, mask = batch(seed=23)
+    log_w = torch.log(torch.tensor([0.3, 0.9, 1.2, 2.5, 1.0, 0.6, 1.9, 3.0])).expand_as(old)
+    rollout = old - log_w
+    new.requires_grad_(True)
+    loss, m = compute_loss(LossConfig(off_policy="mis", is_band=(0.5, 2.0)), new, old, adv, mask,
+                           rollout_logprobs=rollout)
+    loss.backward()
+    inside = ((log_w.exp() >= 0.5) & (log_w.exp() <= 2.0)).float()
+    per_token = [[ref_token_loss(n, o, a, 0.2, 0.2, None) * k for n, o, a, k in zip(*rows)]
+                 for rows in zip(new.tolist(), old.tolist(), adv.tolist(), inside.tolist())]
+    assert loss.item() == pytest.approx(ref_agg(per_token, mask, "token-mean"), abs=1e-6)
+    keep = mask.bool()
+    assert (new.grad[keep & (inside == 0)] == 0).all() and (new.grad[keep & (inside == 1)] != 0).any()
+    assert m["is_masked_frac"] == pytest.approx(float((inside == 0)[keep].float().mean()))
+
+
+def rows_case() -> tuple[torch.Tensor, ...]:
+    """Three rows whose token weights are [3, 0.5], [1.5, 1.5] and [0.25]: inside the band
+    [0.5, 2] as sequences (product 1.5), outside as a sequence though every token is inside
+    (2.25), outside either way (0.25). The third row's padding holds garbage."""
+    old = torch.tensor([[-1.0, -2.0, -1.5], [-0.5, -1.0, -2.0], [-3.0, 0.0, 0.0]])
+    w = torch.tensor([[3.0, 0.5, 1.0], [1.5, 1.5, 1.0], [0.25, 1.0, 1.0]])
+    rollout = old - torch.log(w)
+    rollout[2, 1:] = float("-inf")
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0]])
+    new = old + 0.05 * torch.randn(old.shape, generator=gen(24))
+    adv = torch.tensor([[1.0, -1.0, 0.0], [2.0, 2.0, 0.0], [-1.0, 0.0, 0.0]])
+    return new, old, adv, mask, rollout
+
+
+def test_sequence_level_weight_is_one_per_row():
+    _, old, _, mask, rollout = rows_case()
+    factor, m = behaviour_weights(old, rollout, mask, "decoupled", "sequence")
+    for row, want in enumerate([1.5, 2.25, 0.25]):
+        n = int(mask[row].sum())
+        assert factor[row, :n].tolist() == pytest.approx([want] * n, rel=1e-6)
+    assert m["is_weight_max"] == pytest.approx(2.25, rel=1e-6)
+    assert m["is_weight_mean"] == pytest.approx((2 * 1.5 + 2 * 2.25 + 0.25) / 5, rel=1e-6)
+    tis, _ = behaviour_weights(old, rollout, mask, "tis", "sequence", cap=2.0)
+    assert tis[1, :2].tolist() == pytest.approx([2.0, 2.0]) and tis[0, :2].tolist() == pytest.approx([1.5, 1.5])
+
+
+@pytest.mark.parametrize("level,kept", [("token", [[0, 1], [1, 1], [0]]), ("sequence", [[1, 1], [0, 0], [0]])])
+def test_mis_drops_tokens_or_whole_rows(level, kept):
+    new, old, adv, mask, rollout = rows_case()
+    cfg = LossConfig(off_policy="mis", is_level=level, agg="seq-mean-token-mean")
+    loss, m = compute_loss(cfg, new, old, adv, mask, rollout_logprobs=rollout)
+    per_token = [[ref_token_loss(n, o, a, 0.2, 0.2, None) * (k[i] if i < len(k) else 0)
+                  for i, (n, o, a) in enumerate(zip(*rows))]
+                 for rows, k in zip(zip(new.tolist(), old.tolist(), adv.tolist()), kept)]
+    # a dropped token still counts in its row's length and a dropped row in the number of rows
+    assert loss.item() == pytest.approx(ref_agg(per_token, mask, "seq-mean-token-mean"), abs=1e-6)
+    assert m["is_masked_frac"] == pytest.approx(sum(len(k) - sum(k) for k in kept) / 5)
+    # so micro-batches with the mini-batch denominator still add up to the whole
+    parts = [compute_loss(cfg, new[s], old[s], adv[s], mask[s], denominator=3.0, rollout_logprobs=rollout[s])[0]
+             for s in (slice(0, 1), slice(1, 3))]
+    assert sum(parts).item() == pytest.approx(loss.item(), abs=1e-6)
+
+
+def test_off_policy_needs_rollout_logprobs_and_known_names():
+    new, old, adv, mask = batch()
+    with pytest.raises(ValueError, match="off_policy='tis'.*no rollout_logprobs.*off_policy=none"):
+        compute_loss(LossConfig(off_policy="tis"), new, old, adv, mask)
+    with pytest.raises(ValueError, match=r"'is'.*'none', 'tis', 'mis', 'decoupled'"):
+        behaviour_weights(old, old, mask, mode="is")
+    with pytest.raises(ValueError, match=r"'row'.*'token', 'sequence'"):
+        behaviour_weights(old, old, mask, level="row")
+    with pytest.raises(ValueError, match=r"rollout_logprobs has shape \(5, 7\)"):
+        behaviour_weights(old, old[:, :7], mask)

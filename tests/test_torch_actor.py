@@ -4,6 +4,7 @@ old-logprob pass, SFT learns, and the export loads in transformers with the same
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -94,6 +95,36 @@ def test_on_policy_shortcut_equals_explicit_old_logprobs(tiny):
     assert mb["drift_max"] == pytest.approx(float(gap.max()), rel=1e-5)
     with pytest.raises(ValueError, match="one epoch over one mini-batch"):
         _actor(tiny, ppo_mini_batch_size=4).update(batch, adv, None, None, LossConfig())
+
+
+def test_off_policy_correction_reports_weights_and_is_exact_on_policy(tiny):
+    batch = make_batch(1000, n=8)
+    adv = advantages_for(batch)
+    own, _ = _actor(tiny).compute_logprobs(batch)
+    mask = batch.loss_mask.bool()
+    # stale-looking data (make_batch's rollout logprobs): the weights are the actor's own over
+    # them; micro_batch_size=3 gives three micro-batches, so the max must not be averaged
+    w = torch.exp(own - batch.rollout_logprobs)[mask]
+    m = _actor(tiny, lr=1e-3, micro_batch_size=3).update(batch, adv, own, None, LossConfig(off_policy="tis"))
+    assert m["is_weight_mean"] == pytest.approx(float(w.mean()), rel=1e-5)
+    assert m["is_weight_max"] == pytest.approx(float(w.max()), rel=1e-5)
+    assert m["rollout_kl"] == pytest.approx(float((w - 1 - w.log()).mean()), rel=1e-4) and m["is_masked_frac"] == 0.0
+
+    # behaviour == proximal: every weight is exp(0) = 1 exactly, so tis is the plain update bit for bit
+    same = dataclasses.replace(batch, rollout_logprobs=own.clone())
+    a, b = _actor(tiny, lr=1e-3, micro_batch_size=3), _actor(tiny, lr=1e-3, micro_batch_size=3)
+    ma = a.update(same, adv, own, None, LossConfig(off_policy="tis"))
+    mb = b.update(same, adv, own, None, LossConfig())
+    assert ma["is_weight_mean"] == ma["is_weight_max"] == 1.0 and ma["rollout_kl"] == 0.0
+    assert ma["pg_loss"] == mb["pg_loss"] and mb["is_weight_mean"] == 1.0  # none reports the gap too
+    for (k, va), vb in zip(a.module.state_dict().items(), b.module.state_dict().values()):
+        assert torch.equal(va, vb), k
+    # on-policy shortcut: the proximal logprobs come from the update's own forward, which differs
+    # from compute_logprobs' (other micro-batch widths, train mode) by fp32 noise; the test above
+    # bounds that at 1e-5 per token, so every w is within ~1e-5 of 1
+    mc = _actor(tiny, lr=1e-3, micro_batch_size=3).update(same, adv, None, None, LossConfig(off_policy="tis"))
+    assert mc["is_weight_mean"] == pytest.approx(1.0, abs=1e-5) and mc["is_weight_max"] == pytest.approx(1.0, abs=1e-5)
+    assert mc["pg_loss"] == pytest.approx(mb["pg_loss"], abs=1e-6)
 
 
 def test_ppo_epochs_and_mini_batches_take_several_steps(tiny):

@@ -25,6 +25,7 @@ from engines.training.config import ActorConfig, compute_dtype
 from engines.training.losses import IGNORE_INDEX, LossConfig, compute_loss
 
 _ADDITIVE = ("pg_loss", "kl", "entropy", "loss")  # per-micro-batch shares of the mini-batch value
+# keys ending in "_max" (ratio_max, is_weight_max) are maxima over micro-batches and ranks, not means
 LossFn = Callable[[MicroBatch, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
@@ -74,10 +75,14 @@ class _Tally:
     def __init__(self) -> None:
         self.sums: dict[str, float] = defaultdict(float)
         self.weights: dict[str, float] = defaultdict(float)
+        self.maxes: dict[str, float] = {}
         self.drift = [0.0, 0.0, 0.0]  # sum, count, max of |rollout - old| over mask-1 tokens
 
     def add(self, metrics: dict[str, float], tokens: float) -> None:
         for k, v in metrics.items():
+            if k.endswith("_max"):
+                self.maxes[k] = max(self.maxes.get(k, v), v)
+                continue
             self.sums[k] += v if k in _ADDITIVE else v * tokens
             self.weights[k] += 0.0 if k in _ADDITIVE else tokens
 
@@ -272,7 +277,8 @@ class ActorBase:
                         old = lp.detach().float()
                         tally.add_drift(pick(batch.rollout_logprobs), old, msk)
                     value, met = compute_loss(loss, lp.float(), old, pick(advantages), msk, pick(ref_logprobs),
-                                              None if ent is None else ent.float(), denom)
+                                              None if ent is None else ent.float(), denom,
+                                              rollout_logprobs=pick(batch.rollout_logprobs))
                     tally.add(met, float(msk.sum()))
                     return value
 
@@ -323,9 +329,10 @@ class ActorBase:
     # ------------------------------------------------------------------ reductions
     def _reduce(self, tally: _Tally, steps: int) -> dict[str, float]:
         """Additive shares summed over micro-batches and ranks make one value per optimizer step,
-        averaged over the steps; the other metrics are token-weighted means. Only the ranks that
-        own metrics contribute, so a value replicated over tensor or pipeline ranks counts once."""
-        keys = sorted(tally.sums)
+        averaged over the steps; "_max" keys are the largest value seen; the other metrics are
+        token-weighted means. Only the ranks that own metrics contribute, so a value replicated over
+        tensor or pipeline ranks counts once."""
+        keys = sorted({*tally.sums, *tally.maxes})
         if self.world > 1:
             every: list[Any] = [None] * self.world
             dist.all_gather_object(every, keys)
@@ -335,10 +342,15 @@ class ActorBase:
         own = self._owns_metrics()
         t = torch.tensor([[tally.sums.get(k, 0.0) if own else 0.0 for k in keys],
                           [tally.weights.get(k, 0.0) if own else 0.0 for k in keys]], dtype=torch.float64)
+        top = torch.tensor([tally.maxes.get(k, -math.inf) if own else -math.inf for k in keys], dtype=torch.float64)
         if self.world > 1:
             dist.all_reduce(t)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
         out = {}
         for i, k in enumerate(keys):
+            if k.endswith("_max"):
+                out[k] = float(top[i]) if math.isfinite(float(top[i])) else 0.0
+                continue
             den = float(steps) if k in _ADDITIVE else float(t[1, i])
             out[k] = float(t[0, i] / den) if den > 0 else 0.0
         return out

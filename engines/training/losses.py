@@ -11,6 +11,12 @@ One loss is built from three terms, each aggregated the same way (`agg_loss`):
 When the KL belongs in the reward instead, the trainer takes the per-token `kl_penalty(...)`
 and hands it to `rollout.advantages.reinforce_pp(kl=..., kl_coef=...)` or subtracts it from the
 rewards; `compute_loss` then leaves it out.
+
+Three policies meet in an off-policy batch: the behaviour policy that sampled the tokens (the
+engine's `rollout_logprobs`: older weights under bounded staleness, another numeric stack
+always), the proximal policy (the actor before this update: `old_logprobs`) and the current one.
+PPO's ratio and clip only relate current to proximal; `behaviour_weights` supplies the per-token
+factor that corrects for behaviour != proximal (`LossConfig.off_policy`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import torch
 IGNORE_INDEX = -100  # label of tokens a cross entropy skips (PyTorch's default ignore_index)
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_KINDS = ("k1", "k2", "k3", "abs")
+OFF_POLICY_MODES = ("none", "tis", "mis", "decoupled")
+IS_LEVELS = ("token", "sequence")
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: any real ratio is far inside; stops inf/NaN from a bad row
 _K3_MAX = 10.0
 
@@ -87,7 +95,8 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 response_mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
                 dual_clip_c: float | None = None, agg: str = "token-mean",
-                denominator: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                denominator: float | None = None,
+                token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate: per token max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)).
 
     r = exp(logprobs - old_logprobs). Asymmetric bounds are DAPO's "clip-higher": a larger
@@ -98,6 +107,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     `dual_clip_c` (> 1; Ye et al. 2020, "dual-clip PPO") caps the loss of negative-advantage
     tokens at -A * c: a token whose ratio has already exploded (stale data, off-policy engine)
     cannot dominate the step. It does not touch positive advantages.
+
+    `token_weights` ([B, T], detached; from `behaviour_weights`) multiply each token's clipped
+    (and dual-clipped) loss before aggregation: the off-policy correction. None leaves the
+    arithmetic exactly as without it.
 
     Metrics (floats over mask-1 tokens): `clipfrac` (the clip bound was active),
     `clipfrac_high` / `clipfrac_low` (which side), `dual_clipfrac`, `approx_kl` (the k3
@@ -122,6 +135,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         cap = -adv * dual_clip_c
         dual = (adv < 0) & (loss_mat > cap)
         loss_mat = torch.where(adv < 0, torch.minimum(loss_mat, cap), loss_mat)
+    if token_weights is not None:
+        _check_like(response_mask, token_weights=token_weights)
+        loss_mat = loss_mat * torch.where(keep, token_weights.detach(), 0)
     loss = agg_loss(loss_mat, response_mask, agg, denominator)
 
     with torch.no_grad():
@@ -140,6 +156,62 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             "ratio_max": torch.where(keep, r, 0).max().item() if keep.numel() else 0.0,
         }
     return loss, metrics
+
+
+def behaviour_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                      mode: str = "none", level: str = "token", cap: float = 2.0,
+                      band: tuple[float, float] = (0.5, 2.0)) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """Importance weights w = pi_old / mu of the proximal policy (`old_logprobs`) over the behaviour
+    policy that sampled the tokens (`rollout_logprobs`), and the per-token factor `mode` turns
+    them into for `policy_loss(token_weights=...)` (None for "none": nothing to correct).
+
+    log w is clamped to +-20 like the PPO log ratio, so one broken row cannot make inf or NaN.
+    `level="sequence"` uses one weight per row, exp(sum of the row's mask-1 log w), for all its
+    tokens (a micro-batch always holds whole rows, so the sum is complete); it is unbiased for
+    sequence-level objectives but its variance grows with length.
+    - "tis": truncated IS, factor min(w, cap). Bounded variance, biased where w > cap.
+    - "mis": masked IS, factor 1 where w is inside `band`, 0 outside: those tokens (or whole rows)
+      leave the loss. They stay in the denominator of `agg_loss`, so the micro-batch losses still
+      add up exactly to the mini-batch loss and a dropped token just contributes 0.
+    - "decoupled" (decoupled PPO, Hilton et al. 2021; AReaL): factor w, untruncated: the PPO
+      objective of the proximal policy, importance-weighted from behaviour samples, so the trust
+      region stays around the proximal policy however stale the data. tis is the same product with
+      w truncated at `cap`: bounded variance, paid for with bias where the gap is large.
+
+    Metrics over mask-1 tokens, for every mode (0 with none): `is_weight_mean`, `is_weight_max`
+    (of w at `level`, before truncation or masking: the off-policy gap itself), `is_masked_frac`
+    (tokens "mis" dropped) and `rollout_kl`, the k3 estimate of KL(mu || pi_old) per token,
+    w - 1 - log w >= 0 (the tokens are samples of mu).
+    """
+    if mode not in OFF_POLICY_MODES:
+        raise ValueError(f"unknown off-policy correction {mode!r}; choose one of {list(OFF_POLICY_MODES)}")
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown importance-weight level {level!r}; choose one of {list(IS_LEVELS)}")
+    _check_like(response_mask, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs)
+    keep = response_mask.bool()
+    with torch.no_grad():
+        log_w = torch.where(keep, old_logprobs.detach() - rollout_logprobs.detach(), 0)
+        tok = log_w.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        if level == "sequence":
+            log_w = log_w.sum(dim=-1, keepdim=True).expand_as(log_w)
+        w = torch.exp(log_w.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        dropped = torch.zeros_like(keep)
+        factor: torch.Tensor | None = None
+        if mode == "tis":
+            factor = w.clamp(max=cap)
+        elif mode == "mis":
+            dropped = keep & ((w < band[0]) | (w > band[1]))
+            factor = (~dropped).to(w.dtype)
+        elif mode == "decoupled":
+            factor = w
+        mean = lambda x: masked_mean(x.float(), keep).item()  # noqa: E731
+        metrics = {
+            "is_weight_mean": mean(w),
+            "is_weight_max": torch.where(keep, w, 0).max().item() if keep.numel() else 0.0,
+            "is_masked_frac": mean(dropped),
+            "rollout_kl": mean(torch.expm1(tok) - tok),
+        }
+    return factor, metrics
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
@@ -234,12 +306,16 @@ class LossConfig:
     kl_kind: str = "k3"
     use_kl_loss: bool = False  # True: kl_coef * KL is a loss term; False: the KL goes in the reward
     entropy_coef: float = 0.0
+    off_policy: str = "none"  # behaviour != proximal correction: none | tis | mis | decoupled (`behaviour_weights`)
+    is_level: str = "token"  # token | sequence: one importance weight per token or per row
+    is_cap: float = 2.0  # tis: the weight is truncated at this
+    is_band: tuple[float, float] = (0.5, 2.0)  # mis: tokens (rows) with a weight outside [low, high] are dropped
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, allowed: str) -> ValueError:
             return ValueError(f"loss.{field}={value!r} is invalid; allowed: {allowed}")
 
-        for field in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
+        for field in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "is_cap"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise bad(field, value, "a finite number")
@@ -261,20 +337,43 @@ class LossConfig:
             raise bad("use_kl_loss", self.use_kl_loss, "true or false")
         if self.entropy_coef < 0:
             raise bad("entropy_coef", self.entropy_coef, "entropy_coef >= 0 (it is a bonus subtracted from the loss)")
+        if self.off_policy not in OFF_POLICY_MODES:
+            raise bad("off_policy", self.off_policy, ", ".join(OFF_POLICY_MODES))
+        if self.is_level not in IS_LEVELS:
+            raise bad("is_level", self.is_level, ", ".join(IS_LEVELS))
+        if self.is_cap < 1:
+            raise bad("is_cap", self.is_cap, "is_cap >= 1 (a cap below 1 would shrink on-policy tokens too)")
+        band = self.is_band
+        if (not isinstance(band, (list, tuple)) or len(band) != 2
+                or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) for x in band)
+                or not 0 <= band[0] <= 1 <= band[1]):
+            raise bad("is_band", band, "[low, high] with 0 <= low <= 1 <= high (weights outside it are dropped)")
+        self.is_band = (float(band[0]), float(band[1]))
 
 
 def compute_loss(cfg: LossConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                  response_mask: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
-                 entropy: torch.Tensor | None = None,
-                 denominator: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                 entropy: torch.Tensor | None = None, denominator: float | None = None,
+                 rollout_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The scalar the actor backpropagates: policy loss (+ KL loss) (- entropy bonus).
 
     `ref_logprobs` is needed when `cfg.use_kl_loss` and `cfg.kl_coef > 0`; `entropy` (per token,
-    from `entropy_from_logits`) when `cfg.entropy_coef > 0`. Given but unused, they are still
-    reported as metrics (`kl`, `entropy`). `denominator` as in `agg_loss`, applied to every term.
+    from `entropy_from_logits`) when `cfg.entropy_coef > 0`; `rollout_logprobs` (the behaviour
+    policy's, as the engine reported them) when `cfg.off_policy != "none"`. Given but unused, they
+    are still reported as metrics (`kl`, `entropy`, the `is_*` and `rollout_kl` of
+    `behaviour_weights`). `denominator` as in `agg_loss`, applied to every term.
     """
+    if cfg.off_policy != "none" and rollout_logprobs is None:
+        raise ValueError(f"loss.off_policy={cfg.off_policy!r} needs the behaviour policy's logprobs but no "
+                         "rollout_logprobs were given; pass the batch's rollout_logprobs, or set off_policy=none")
+    weights: torch.Tensor | None = None
+    is_metrics: dict[str, float] = {}
+    if rollout_logprobs is not None:
+        weights, is_metrics = behaviour_weights(old_logprobs, rollout_logprobs, response_mask, cfg.off_policy,
+                                                cfg.is_level, cfg.is_cap, cfg.is_band)
     loss, metrics = policy_loss(logprobs, old_logprobs, advantages, response_mask, cfg.clip_low, cfg.clip_high,
-                                cfg.dual_clip_c, cfg.agg, denominator)
+                                cfg.dual_clip_c, cfg.agg, denominator, weights)
+    metrics.update(is_metrics)
     kl_as_loss = cfg.use_kl_loss and cfg.kl_coef > 0
     if kl_as_loss and ref_logprobs is None:
         raise ValueError(f"loss.use_kl_loss is true with kl_coef={cfg.kl_coef} but no ref_logprobs were "
