@@ -42,6 +42,11 @@ class GenerateResult:
     cached_prompt_tokens: int
     attempts: int
     request_id: str  # wire id of the attempt that answered, as the server logs it
+    # (weight version, number of tokens) of each stretch of token_ids, in order: more than one
+    # when a preempting weight update interrupted the generation and it went on with new weights;
+    # `weight_version` is then the oldest of them
+    segments: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    preemptions: int = 0
 
 
 class RequestFailed(RuntimeError):
@@ -142,10 +147,41 @@ class GenerateClient:
     async def generate(self, prompt_ids: Sequence[int] | np.ndarray, sampling: SamplingParams | dict | None = None,
                        session_id: str | None = None, group_id: str | None = None,
                        min_weight_version: int = 0) -> GenerateResult:
-        """Generate on the engine the router picks; re-issued elsewhere if that engine dies."""
+        """Generate on the engine the router picks; re-issued elsewhere if that engine dies.
+
+        A generation preempted by a weight update (finish_reason "preempted") is continued from
+        the tokens it has, on the new weights (the next request waits for a newer version), until
+        it ends or reaches max_tokens; the caller gets one result whose `segments` say which
+        version produced which tokens. The stop strings of `sampling` are checked per segment,
+        so one that straddles a preemption is missed (token stop ids are not)."""
         sp = sampling.to_dict() if isinstance(sampling, SamplingParams) else dict(sampling or {})
-        rid = f"{self._prefix}-{next(self._ids)}"
         prompt = np.asarray(prompt_ids, dtype=np.int32)
+        ids: list[int] = []
+        lps: list[float] = []
+        segments: list[tuple[int, int]] = []
+        budget = sp.get("max_tokens")
+        preempted = 0
+        while True:
+            part = await self._generate_once(np.concatenate([prompt, np.asarray(ids, np.int32)]) if ids else prompt,
+                                             sp if budget is None else {**sp, "max_tokens": budget - len(ids)},
+                                             session_id, group_id, min_weight_version)
+            ids += part.token_ids
+            lps += part.logprobs
+            if part.token_ids or not segments:
+                segments.append((part.weight_version, len(part.token_ids)))
+            reason = part.finish_reason
+            if reason == "preempted" and budget is not None and len(ids) >= int(budget):
+                reason = "length"
+            if reason != "preempted":
+                return dataclasses.replace(part, token_ids=ids, logprobs=lps, finish_reason=reason,
+                                           weight_version=min(v for v, _ in segments), segments=segments,
+                                           preemptions=preempted)
+            preempted += 1
+            min_weight_version = max(min_weight_version, part.weight_version + 1)
+
+    async def _generate_once(self, prompt: np.ndarray, sp: dict[str, Any], session_id: str | None,
+                             group_id: str | None, min_weight_version: int) -> GenerateResult:
+        rid = f"{self._prefix}-{next(self._ids)}"
         failed: set[int] = set()
         for attempt in range(1, self.max_attempts + 1):
             engine = await self._pick(session_id, group_id, failed)

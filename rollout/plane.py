@@ -303,9 +303,10 @@ class RolloutPlane:
 
             self.control.run(self.control.client.broadcast(P.Wake()))
 
-    def push_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+    def push_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int, preempt: bool = False) -> float:
         """Load `named` into every engine as `version`; seconds taken. Every rank iterates
-        `named` (a sharded actor gathers while it yields); rank 0 sends."""
+        `named` (a sharded actor gathers while it yields); rank 0 sends. `preempt`: running
+        generations stop and continue on the new weights instead of finishing first."""
         if self.rank != 0 or self.control is None:
             for _ in named:
                 pass
@@ -316,7 +317,8 @@ class RolloutPlane:
 
         bar = tqdm(named, desc="weight sync", unit="tensor", leave=False)
         t0 = time.perf_counter()
-        self.control.run(push_weights(self.control.client, bar, version, bucket_bytes=self.cfg.weight_bucket_mb << 20))
+        self.control.run(push_weights(self.control.client, bar, version, bucket_bytes=self.cfg.weight_bucket_mb << 20,
+                                      preempt=preempt))
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ shutdown

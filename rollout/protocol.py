@@ -238,17 +238,20 @@ class Ack(Message):
 
 @dataclass
 class WeightsBegin(Message):
-    """Start loading weight version `version`; generation pauses until the commit."""
+    """Start loading weight version `version`; generation pauses until the commit. `preempt`:
+    requests running now stop at once and reply with finish_reason "preempted" and the tokens
+    they have (the client continues them on the new weights); otherwise they finish first."""
 
     TYPE: ClassVar[str] = "weights_begin"
     version: int = 0
+    preempt: bool = False
 
     def header(self) -> dict[str, Any]:
-        return {"rid": self.rid, "ver": self.version}
+        return {"rid": self.rid, "ver": self.version, "pre": self.preempt}
 
     @classmethod
     def from_parts(cls, head: dict[str, Any], frames: list[bytes | memoryview]) -> "WeightsBegin":
-        return cls(rid=head["rid"], version=int(head["ver"]))
+        return cls(rid=head["rid"], version=int(head["ver"]), preempt=bool(head.get("pre", False)))
 
 
 @dataclass

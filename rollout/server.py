@@ -58,6 +58,9 @@ class EngineServer:
         self._outbox: asyncio.Queue[list[Any]] = asyncio.Queue()
         self._inflight: dict[tuple[bytes, str], asyncio.Task] = {}
         self._aborted: set[tuple[bytes, str]] = set()  # aborted before reaching the engine
+        self._running: set[tuple[bytes, str]] = set()  # inside the engine now
+        self._preempted: set[tuple[bytes, str]] = set()  # stopped by a preempting weight update
+        self.preemptions = 0
         self._weight_jobs: asyncio.Queue[tuple[bytes, P.Message]] = asyncio.Queue()
         self._gate = asyncio.Condition()  # guards sleeping / updating / weight_version
         self._sleeping = False
@@ -182,6 +185,7 @@ class EngineServer:
         stats["refused"] = self.refused
         stats["weights_freed"] = self._weights_freed
         stats["requests"] = self.requests
+        stats["preemptions"] = self.preemptions
         stats["rss_mb"] = _rss_mb()
         now = time.monotonic()
         stats["busy_s"] = self._busy_s + (now - self._busy_since if self._generating else 0.0)
@@ -210,6 +214,8 @@ class EngineServer:
                 self._busy_since = time.monotonic()
             self._generating += 1
             self._idle.clear()
+        key = (identity, msg.rid)
+        self._running.add(key)
         try:
             if (identity, msg.rid) in self._aborted:  # aborted while held at the gate
                 self._reply(identity, P.Result(rid=msg.rid, finish_reason="abort", engine_id=self.engine_id,
@@ -229,19 +235,26 @@ class EngineServer:
             self._reply(identity, P.Error(rid=msg.rid, code="engine_error", message=f"{type(e).__name__}: {e}"))
             return
         finally:
+            self._running.discard(key)
+            preempted = key in self._preempted
+            self._preempted.discard(key)
             self._generating -= 1
             if self._generating == 0:
                 self._busy_s += time.monotonic() - self._busy_since
                 self._idle.set()
+        reason = out.finish_reason
+        if preempted and reason == "abort":  # stopped for a weight update, not by its client: it continues
+            reason = "preempted"
+            self.preemptions += 1
         if self._request_log:  # logged before the reply leaves, so an audit never misses one
             self._request_log.write(json.dumps({
                 "rid": msg.rid, "sid": msg.session_id, "gid": msg.group_id, "engine_id": self.engine_id,
                 "weight_version": self.weight_version, "prompt_len": int(msg.prompt_ids.size),
-                "token_ids": list(map(int, out.token_ids)), "finish_reason": out.finish_reason}) + "\n")
+                "token_ids": list(map(int, out.token_ids)), "finish_reason": reason}) + "\n")
         stats = self.engine.stats()
         self.requests += 1
         self._reply(identity, P.Result(
-            rid=msg.rid, token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason,
+            rid=msg.rid, token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=reason,
             weight_version=self.weight_version, engine_id=self.engine_id,
             cached_prompt_tokens=out.cached_prompt_tokens, load=stats.waiting + stats.running))
 
@@ -274,7 +287,11 @@ class EngineServer:
                         raise ValueError(f"weight version {msg.version} is not newer than the engine's "
                                          f"{self.weight_version}; versions must increase")
                     await self._set_gate(_updating=True)
-                    await self._idle.wait()  # requests already admitted finish on the old weights
+                    if msg.preempt:  # running requests stop now, with their tokens; clients continue them
+                        for key in list(self._running):
+                            self._preempted.add(key)
+                            await self.engine.abort(self._engine_rid(*key))
+                    await self._idle.wait()  # requests already admitted end on the old weights
                     pending_version, loaded = msg.version, 0
                 elif isinstance(msg, P.WeightsBucket):
                     if msg.version != pending_version:

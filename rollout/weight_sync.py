@@ -115,16 +115,17 @@ class SyncReport:
 
 
 async def push_weights(client: "GenerateClient", named: Iterable[tuple[str, "torch.Tensor"]], version: int,
-                       bucket_bytes: int = 256 << 20, timeout_s: float = 600.0) -> SyncReport:
+                       bucket_bytes: int = 256 << 20, timeout_s: float = 600.0, preempt: bool = False) -> SyncReport:
     """Load weight version `version` into every live engine behind `client`, bucket by bucket.
 
-    Each engine pauses admission at `weights_begin` (running requests finish first), checks every
+    Each engine pauses admission at `weights_begin` (running requests finish first, or with
+    `preempt` stop at once and are continued by their clients on the new weights), checks every
     bucket's CRC32 as it arrives, and switches at `weights_commit`; the call returns only after
     every engine acknowledged the commit with `version`, so the next rollout is on-policy. Buckets
     are produced lazily, so the trainer never holds more than one extra bucket of bytes.
     """
     t0 = time.perf_counter()
-    begun = await client.broadcast(WeightsBegin(version=version), timeout_s)
+    begun = await client.broadcast(WeightsBegin(version=version, preempt=preempt), timeout_s)
     buckets = nbytes = 0
     for bucket in iter_buckets(named, version, bucket_bytes):
         await client.broadcast(bucket, timeout_s)
