@@ -34,7 +34,9 @@ class AgentLoopOutput:
     the loop added the token itself. `turns` holds one dict of metrics per step of the loop
     (generation, tool round, interaction), `request_ids` the bus ids of every generation in order
     (what EngineServers write to their request logs), `weight_versions` the policy version each
-    generation reported.
+    generation reported (the oldest, for a generation a weight update preempted and continued),
+    and `version_segments` [version, tokens] runs over the model tokens in order: which weights
+    produced which tokens (the agent worker fills it in; loops need not).
     """
 
     prompt_ids: list[int]
@@ -51,6 +53,7 @@ class AgentLoopOutput:
     messages: list[dict[str, Any]] = field(default_factory=list)
     session_id: str = ""
     error: str = ""
+    version_segments: list[list[int]] = field(default_factory=list)
 
     def check(self) -> None:
         """Raise if the response lists disagree in length or a mask-0 token carries a logprob."""

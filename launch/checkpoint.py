@@ -83,19 +83,21 @@ def set_rng_state(s: dict[str, Any]) -> None:
 
 
 def save_run(ckpt: Checkpointer, step: int, actor: Any, stream: Any, version: int, rank: int, sharded: bool,
-             barrier: Callable[[], None]) -> None:
+             barrier: Callable[[], None], rollout: dict[str, Any] | None = None) -> None:
     """A run's checkpoint: the data position and weight version, and the actor (rank 0's replica,
-    or every rank's own shard when `sharded`)."""
-    common = {"data": stream.state_dict(), "version": version}
+    or every rank's own shard when `sharded`); under asynchronous RL also the running rollout's
+    state (`rollout`, rank 0: buffered groups and rows in flight, with its own data position)."""
+    common = {"data": rollout["stream"] if rollout else stream.state_dict(), "version": version, "rollout": rollout}
     if sharded:
         ckpt.save(step, common if rank == 0 else None, shard=actor.state_dict(), rank=rank, barrier=barrier)
     elif rank == 0:
         ckpt.save(step, {**common, "actor": actor.state_dict()})
 
 
-def load_run(ckpt: Checkpointer, path: Path, actor: Any, stream: Any, rank: int, sharded: bool) -> tuple[int, int]:
-    """Restore what `save_run` wrote; (step, weight version)."""
+def load_run(ckpt: Checkpointer, path: Path, actor: Any, stream: Any, rank: int,
+             sharded: bool) -> tuple[int, int, dict[str, Any] | None]:
+    """Restore what `save_run` wrote; (step, weight version, the running rollout's state or None)."""
     state = ckpt.load(path, rank=rank if sharded else None)
     actor.load_state_dict(state["shard"] if sharded else state["actor"])
     stream.load_state_dict(state["data"])
-    return int(state["step"]), int(state["version"])
+    return int(state["step"]), int(state["version"]), state.get("rollout")

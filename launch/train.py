@@ -34,13 +34,14 @@ def train(cfg: Config) -> dict[str, Any]:
 
     run = setup(cfg)
     actor, plane, stream, rank, barrier = run.actor, run.plane, run.stream, run.rank, run.barrier
-    out, version, start = Path(cfg.trainer.output_dir), 0, 0
+    out, version, start, rollout_state = Path(cfg.trainer.output_dir), 0, 0, None
     sharded = cfg.actor.backend == "megatron" or cfg.actor.sharding == "fsdp"  # a checkpoint file per rank
     ckpt = Checkpointer(out)
     latest = ckpt.latest() if cfg.trainer.resume else None
     if latest is not None:
-        start, version = load_run(ckpt, latest, actor, stream, rank, sharded)
+        start, version, rollout_state = load_run(ckpt, latest, actor, stream, rank, sharded)
         print(f"resuming from {latest} (step {start}, data position {stream.position})", flush=True)
+    overlap = cfg.rollout.staleness > 0  # asynchronous RL: rollout runs on through updates
     logger = MetricsLogger(out, cfg.trainer.wandb_project, resume_step=start) if rank == 0 else None
     try:
         plane.start_engines(out)
@@ -55,22 +56,37 @@ def train(cfg: Config) -> dict[str, Any]:
         if latest is not None or cfg.sft.enabled:  # engines start from the base model; bring them to the actor
             version += 1
             plane.push_weights(actor.named_hf_weights(), version)
+        if overlap:
+            plane.start_async(stream, cfg.data.prompts_per_step, rollout_state)
         for step in range(start + 1, cfg.trainer.steps + 1):
             t0 = time.perf_counter()
-            batch, metrics = plane.generate(stream.next_batch(cfg.data.prompts_per_step), version)
+            if overlap:  # the first finished groups within the staleness bound
+                batch, metrics = plane.take_batch(version)
+            else:
+                batch, metrics = plane.generate(stream.next_batch(cfg.data.prompts_per_step), version)
             t_rollout = time.perf_counter() - t0
             metrics.update({**plane.engine_metrics(t_rollout), **plane.sleep()})
+            plane.training(True)
+            t_update, busy = time.time(), plane.engine_busy_s()
             metrics.update(learn(batch, actor, run.ref, cfg.algorithm, cfg.actor))
+            plane.training(False)
+            if rank == 0:  # how much the engines generated while the trainer updated (0: they idled)
+                metrics["time/engine_busy_in_update"] = (plane.engine_busy_s() - busy) / max(
+                    1e-9, (time.time() - t_update) * len(plane.engines))
             version += 1
             plane.wake()  # colocated engines come back; the push below is what they serve with
-            t_sync = plane.push_weights(actor.named_hf_weights(), version)
+            # asynchronous: running generations stop for the push and go on with the new weights
+            t_sync = plane.push_weights(actor.named_hf_weights(), version, preempt=overlap)
             metrics.update({"weight_version": version, "time/rollout_s": t_rollout, "time/sync_s": t_sync,
                             "time/step_s": time.perf_counter() - t0, "data/epoch": stream.position[0],
                             "data/index": stream.position[1]})
+            if overlap:
+                metrics.update({"time/update_start_t": t_update, "time/update_end_t": time.time()})
             if logger is not None:
                 logger.log(step, metrics, console=CONSOLE_KEYS)
             if step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
-                save_run(ckpt, step, actor, stream, version, rank, sharded, barrier)
+                save_run(ckpt, step, actor, stream, version, rank, sharded, barrier,
+                         rollout=plane.rollout_state() if rank == 0 else None)
             barrier()
         summary = summarize(logger, REWARD_KEY) if logger is not None else {}
         if cfg.trainer.export_hf:

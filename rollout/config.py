@@ -47,6 +47,9 @@ class RolloutConfig:
     interaction_config: str | None = None
     startup_timeout_s: float = 900.0
     weight_bucket_mb: int = 64
+    # asynchronous RL: 0 = rollout -> update -> sync, strictly in turn; k >= 1 = rollout runs on
+    # during updates, at most k batches ahead, and no trained token is older than version - k
+    staleness: int = 0
 
     def __post_init__(self) -> None:
         _choice("engine", self.engine, ENGINES)
@@ -59,5 +62,10 @@ class RolloutConfig:
             raise ValueError(f"rollout.num_workers={self.num_workers} must be >= 0 (0 = run in the trainer process)")
         if self.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.temperature} must be > 0 for RL (sampling, not greedy)")
+        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
+            raise ValueError(f"rollout.staleness={self.staleness!r} must be an integer >= 0 (0 = synchronous)")
+        if self.staleness and self.placement == "colocated":
+            raise ValueError(f"rollout.staleness={self.staleness} needs engines that generate during the update, but "
+                             "colocated engines sleep through it; set rollout.placement=split (or cpu), or staleness=0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")

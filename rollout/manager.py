@@ -24,21 +24,18 @@ import queue
 import signal
 import threading
 import time
-import traceback
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from tqdm import tqdm
 
-from agent.loop import DEFAULT_AGENT_NAME, AgentContext, AgentLoopOutput, AgentLoopRegistry
-from agent.traces import TraceConfig, TrajectoryTracer, prepare_experiment
+from agent.loop import DEFAULT_AGENT_NAME, AgentLoopOutput, AgentLoopRegistry
+from agent.traces import TraceConfig, prepare_experiment
 from engines.training.batch import Batch, pad_outputs
-from rollout.auth import ClientKeys
-from rollout.client import GenerateClient
 from rollout.router import POLICIES
+from rollout.worker import AgentWorker, worker_main
 
 log = logging.getLogger("switchyard.manager")
 START_METHODS = ("spawn", "forkserver")
@@ -89,157 +86,6 @@ class WorkerCrashed(RuntimeError):
     """An agent worker process died; its trajectories are lost and the manager must be restarted."""
 
 
-# ==================================================================== inside a worker
-class _VersionedClient(GenerateClient):
-    """Every request of a call asks for at least the call's weight version; servers hold it until
-    they have loaded that version, so no trajectory mixes in stale weights after a sync."""
-
-    min_weight_version = 0
-
-    async def generate(self, prompt_ids: Any, sampling: Any = None, session_id: str | None = None,
-                       group_id: str | None = None, min_weight_version: int = 0) -> Any:
-        return await super().generate(prompt_ids, sampling, session_id, group_id,
-                                      max(min_weight_version, self.min_weight_version))
-
-
-class _AgentWorker:
-    """What one worker builds once and shares across its trajectories."""
-
-    def __init__(self, cfg: ManagerConfig, index: int, experiment_id: str | None) -> None:
-        self.cfg, self.index, self.experiment_id = cfg, index, experiment_id
-        self.client: _VersionedClient | None = None
-        self.tools: dict[str, Any] = {}
-        self.interactions: dict[str, Any] = {}
-        self.tracer: TrajectoryTracer | None = None
-        self._trace_pool: ThreadPoolExecutor | None = None
-
-    async def start(self) -> None:
-        from agent.interactions.registry import load_interactions
-        from agent.tools.registry import load_tools
-        from engines.models import load_tokenizer
-
-        cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.tokenizer)
-        self.tools = load_tools(cfg.tools_config) if cfg.tools_config else {}
-        self.interactions = load_interactions(cfg.interaction_config) if cfg.interaction_config else {}
-        keys = ClientKeys(**cfg.bus_keys) if cfg.bus_keys else None
-        self.client = _VersionedClient(cfg.addresses, policy=cfg.policy, keys=keys)
-        await self.client.start()
-        self.registry = AgentLoopRegistry(cfg.agent_loops)
-        self.contexts = {name: AgentContext(self.client, self.tokenizer, self.tools, self.interactions,
-                                            dict(cfg.agent_configs.get(name) or {})) for name in self.registry.names}
-        # a bad loop config fails here, at start-up; built-ins nobody configured are imported on
-        # first use, so an optional package (langgraph) is only needed by datasets that use it
-        for name in sorted({*cfg.agent_configs, *cfg.agent_loops}):
-            self.registry.get(name)(self.contexts[name])
-        self.tracer = TrajectoryTracer(cfg.tracing, self.experiment_id)
-        self._trace_pool = ThreadPoolExecutor(1, thread_name_prefix="trace") if self.tracer.enabled else None
-        await self.client.wait_ready(timeout_s=cfg.ready_timeout_s)
-        self.sem = asyncio.Semaphore(cfg.max_concurrent)
-
-    async def run_items(self, items: list[dict[str, Any]], sampling: dict[str, Any], weight_version: int | None,
-                        emit: Callable[[dict[str, Any]], None]) -> None:
-        assert self.client is not None
-        self.client.min_weight_version = int(weight_version or 0)
-        await asyncio.gather(*(self._run_one(it, sampling, emit) for it in items))
-
-    async def _run_one(self, item: dict[str, Any], sampling: dict[str, Any],
-                       emit: Callable[[dict[str, Any]], None]) -> None:
-        row = item["row"]
-        name = row.get("agent_name") or DEFAULT_AGENT_NAME
-        async with self.sem:
-            t0 = time.time_ns()
-            try:
-                out = await self.registry.get(name)(self.contexts[name]).run(dict(sampling), **row)
-                out.check()
-            except Exception as e:  # one broken trajectory is flagged in the batch, not fatal to it
-                log.exception("worker %d: trajectory %s (%s) failed", self.index, row.get("session_id"), name)
-                out = self._error_output(row, e)
-            t1 = time.time_ns()
-        if self._trace_pool is not None and self.tracer is not None:
-            await asyncio.get_running_loop().run_in_executor(self._trace_pool, self.tracer.record_trajectory,
-                                                             out, row, t0, t1)
-        emit({"op": "result", "index": item["index"], "output": dataclasses.asdict(out)})
-
-    def _error_output(self, row: Mapping[str, Any], err: Exception) -> AgentLoopOutput:
-        from agent.chat import ChatEncoder
-
-        try:  # keep the prompt so the row still lines up with its group
-            prompt_ids = ChatEncoder(self.tokenizer).initial(list(row["prompt"]))
-        except Exception:
-            prompt_ids = []
-        return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=[], response_mask=[], response_logprobs=[],
-                               reward=0.0, num_turns=0, termination="error", session_id=str(row.get("session_id", "")),
-                               error=f"{type(err).__name__}: {err}")
-
-    async def close(self) -> None:
-        """Close the client, every tool and interaction that has a close(), and flush traces."""
-        for obj in [*self.tools.values(), *self.interactions.values()]:
-            close = getattr(obj, "close", None)
-            if callable(close):
-                try:
-                    res = close()
-                    if asyncio.iscoroutine(res):
-                        await res
-                except Exception:
-                    log.exception("worker %d: closing %r failed", self.index, obj)
-        if self.client is not None:
-            await self.client.close()
-        if self.tracer is not None:
-            self.tracer.flush()
-        if self._trace_pool is not None:
-            self._trace_pool.shutdown(wait=True)
-
-
-def _worker_main(index: int, cfg_dict: dict[str, Any], experiment_id: str | None, tasks: Connection,
-                 results: Connection) -> None:
-    """Entry point of a worker process: one event loop for the process's whole life."""
-    logging.basicConfig(level=logging.WARNING, format=f"[agent-worker {index}] %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve(index, ManagerConfig(**cfg_dict), experiment_id, tasks, results))
-
-
-async def _serve(index: int, cfg: ManagerConfig, experiment_id: str | None, tasks: Connection,
-                 results: Connection) -> None:
-    worker = _AgentWorker(cfg, index, experiment_id)
-    try:
-        await worker.start()
-    except Exception:
-        results.send({"op": "start_failed", "error": traceback.format_exc()})
-        await worker.close()
-        return
-    results.send({"op": "ready"})
-    reader = ThreadPoolExecutor(1, thread_name_prefix="tasks")  # the event loop keeps running while idle
-    loop = asyncio.get_running_loop()
-    running: set[asyncio.Task] = set()
-    try:
-        while True:  # keep reading while calls run, so `stop` is answered at once
-            try:
-                msg = await loop.run_in_executor(reader, tasks.recv)
-            except (EOFError, OSError):
-                break  # the parent is gone
-            if msg["op"] == "stop":
-                break
-            task = asyncio.create_task(_run_call(worker, msg, results))
-            running.add(task)
-            task.add_done_callback(running.discard)
-    finally:
-        pending = list(running)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        reader.shutdown(wait=False)
-        await worker.close()
-
-
-async def _run_call(worker: _AgentWorker, msg: dict[str, Any], results: Connection) -> None:
-    call = msg["call"]
-    try:
-        await worker.run_items(msg["items"], msg["sampling"], msg["weight_version"],
-                               lambda d: results.send({**d, "call": call}))
-    except Exception:
-        results.send({"op": "call_failed", "call": call, "error": traceback.format_exc()})
-
-
 # ==================================================================== the parent side
 def _describe_exit(code: int | None) -> str:
     if code is not None and code < 0:
@@ -269,8 +115,10 @@ class AgentLoopManager:
         self._procs: list[Any] = []
         self._tasks: list[Connection] = []
         self._results: list[Connection] = []
-        self._inproc: tuple[_AgentWorker, asyncio.AbstractEventLoop, threading.Thread] | None = None
+        self._inproc: tuple[AgentWorker, asyncio.AbstractEventLoop, threading.Thread] | None = None
         self._calls = itertools.count()
+        self._next_worker = itertools.count()
+        self._inbox: queue.Queue = queue.Queue()  # streaming results of the in-process worker
         self._broken: str | None = None
 
     @property
@@ -302,7 +150,7 @@ class AgentLoopManager:
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="agent-worker-0", daemon=True)
         thread.start()
-        worker = _AgentWorker(self.cfg, 0, experiment_id)
+        worker = AgentWorker(self.cfg, 0, experiment_id)
         self._inproc = (worker, loop, thread)
         asyncio.run_coroutine_threadsafe(worker.start(), loop).result(self.cfg.ready_timeout_s + 60)
 
@@ -314,7 +162,7 @@ class AgentLoopManager:
         for i in range(self.cfg.num_workers):
             task_r, task_w = ctx.Pipe(duplex=False)
             res_r, res_w = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_worker_main, args=(i, cfg_dict, experiment_id, task_r, res_w),
+            proc = ctx.Process(target=worker_main, args=(i, cfg_dict, experiment_id, task_r, res_w),
                                name=f"agent-worker-{i}", daemon=True)
             proc.start()
             task_r.close()
@@ -488,3 +336,59 @@ class AgentLoopManager:
         finally:
             if not fut.done():
                 fut.cancel()
+
+    # ---------------------------------------------------------------- streaming (asynchronous RL)
+    def submit(self, rows: Sequence[Mapping[str, Any]], weight_version: int | None = None,
+               sampling: Mapping[str, Any] | None = None, n: int | None = None) -> int:
+        """Start `n` samples of every row without waiting; returns the call id that `poll()`
+        tags their outputs with (row i's samples have indices i*n .. i*n+n-1). Calls overlap:
+        each worker runs the trajectories of every call it holds concurrently."""
+        if self._broken:
+            raise RuntimeError(f"this AgentLoopManager is unusable: {self._broken}. close() it and start a new one")
+        if self.pad_id is None:
+            raise RuntimeError("AgentLoopManager.submit() before start(); call start() or use `with manager:`")
+        n = int(n or self.cfg.n)
+        self._validate(rows)
+        sampling = dict(self.cfg.sampling if sampling is None else sampling)
+        call, tag = next(self._calls), uuid.uuid4().hex[:12]
+        num_workers = max(1, len(self._procs))
+        chunks: list[list[dict[str, Any]]] = [[] for _ in range(num_workers)]
+        for i, row in enumerate(rows):
+            gid = f"{tag}-g{i}"
+            w = next(self._next_worker) % num_workers  # calls of one group each spread over the workers
+            chunks[w] += [{"index": i * n + j, "row": {**row, "group_id": gid, "session_id": f"{gid}-s{j}"}}
+                          for j in range(n)]
+        if self._inproc is not None:
+            worker, loop, _ = self._inproc
+            asyncio.run_coroutine_threadsafe(
+                worker.run_items(chunks[0], sampling, weight_version,
+                                 lambda d: self._inbox.put({**d, "call": call})), loop)
+            return call
+        for w, items in enumerate(chunks):
+            if items:
+                self._tasks[w].send({"op": "run", "call": call, "items": items, "sampling": sampling,
+                                     "weight_version": weight_version})
+        return call
+
+    def poll(self, timeout_s: float = 1.0) -> list[tuple[int, int, AgentLoopOutput]]:
+        """(call, index, output) of the trajectories that finished since the last poll, waiting
+        up to `timeout_s` for the first; a failed call or a dead worker raises."""
+        if self._inproc is not None:
+            got = []
+            try:
+                got.append(self._inbox.get(timeout=timeout_s))
+                while True:
+                    got.append(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            msgs = [(0, m) for m in got]
+        else:
+            msgs = self._receive(set(range(len(self._procs))), time.monotonic() + max(timeout_s, 1e-3) + 3600,
+                                 "a streaming rollout")
+        out = []
+        for w, msg in msgs:
+            if msg["op"] == "call_failed":
+                raise RuntimeError(f"agent worker {w} failed running its trajectories:\n{msg['error']}")
+            if msg["op"] == "result":
+                out.append((int(msg["call"]), int(msg["index"]), AgentLoopOutput(**msg["output"])))
+        return out

@@ -121,6 +121,7 @@ class RolloutPlane:
         self.keys: Any = None
         self.manager: Any = None
         self.control: _Control | None = None
+        self.feeder: Any = None  # rank 0 under rollout.staleness >= 1: the AsyncRollout
         self._last: dict[str, dict[str, float]] = {}  # engine id -> counters at the last report
 
     # ------------------------------------------------------------------ start-up
@@ -233,7 +234,46 @@ class RolloutPlane:
         parallel replica's rows (`rollout.handoff`); the metrics of the whole batch and of the
         handoff come back on rank 0 ({} elsewhere)."""
         batch = self.manager.generate(rows, weight_version=weight_version) if self.rank == 0 else None
-        metrics = batch.metrics() if batch is not None else {}
+        return self._hand_out(batch, batch.metrics() if batch is not None else {})
+
+    # ------------------------------------------------------------------ asynchronous RL
+    def start_async(self, stream: Any, prompts_per_step: int, state: dict[str, Any] | None = None) -> None:
+        """Rank 0: keep rollout running from `stream` (`rollout.async_rollout`), continuing from a
+        checkpoint's `state`; other ranks have nothing to start."""
+        if self.sleeps:
+            raise ValueError(f"rollout.staleness={self.cfg.staleness} with placement {self.placement}: colocated engines "
+                             "sleep through the update, so rollout cannot run on; set rollout.placement=split or cpu")
+        if self.rank != 0:
+            return
+        from rollout.async_rollout import AsyncRollout
+
+        self.feeder = AsyncRollout(self.manager, stream, prompts_per_step, self.cfg.n, self.cfg.staleness)
+        if state is not None:
+            self.feeder.load_state_dict(state)
+        self.feeder.start()
+
+    def take_batch(self, weight_version: int) -> tuple[Batch, dict[str, Any]]:
+        """Asynchronous RL: the next batch from the running rollout, within the staleness bound
+        of `weight_version`, handed out like `generate`'s."""
+        batch, metrics = None, {}
+        if self.rank == 0:
+            from engines.training.batch import pad_outputs
+
+            taken = self.feeder.take(weight_version)
+            batch = pad_outputs(taken.outputs, self.manager.pad_id, taken.group_index)
+            metrics = {**batch.metrics(), **taken.metrics}
+        return self._hand_out(batch, metrics)
+
+    def training(self, on: bool) -> None:
+        """The trainer is (not) in its update: rollout counts the groups it finishes meanwhile."""
+        if self.feeder is not None:
+            self.feeder.training = on
+
+    def rollout_state(self) -> dict[str, Any] | None:
+        """Rank 0 under asynchronous RL: what a checkpoint must keep of the running rollout."""
+        return self.feeder.state_dict() if self.feeder is not None else None
+
+    def _hand_out(self, batch: Batch | None, metrics: dict[str, Any]) -> tuple[Batch, dict[str, Any]]:
         if self.world == 1:
             assert batch is not None
             return batch, metrics
@@ -264,6 +304,12 @@ class RolloutPlane:
                         p + "busy": min(1.0, (now["busy_s"] - last["busy_s"]) / max(seconds, 1e-9)),
                         p + "rss_mb": float(st.stats.get("rss_mb", 0.0))})
         return out
+
+    def engine_busy_s(self) -> float:
+        """Rank 0: the engines' summed seconds with a generation inside them so far (0 elsewhere)."""
+        if self.control is None:
+            return 0.0
+        return sum(float(st.stats.get("busy_s", 0.0)) for st in self._statuses() if st is not None)
 
     def sleep(self) -> dict[str, float]:
         """Colocated: every engine frees its memory for the update (level `sleep_level`). Returns
@@ -319,6 +365,8 @@ class RolloutPlane:
         t0 = time.perf_counter()
         self.control.run(push_weights(self.control.client, bar, version, bucket_bytes=self.cfg.weight_bucket_mb << 20,
                                       preempt=preempt))
+        if self.feeder is not None:
+            self.feeder.weights_pushed()
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ shutdown
@@ -329,6 +377,9 @@ class RolloutPlane:
                 print(f"--- {log.name} (last lines) ---\n{log.read_text()[-tail:]}", file=sys.stderr)
 
     def close(self) -> None:
+        if self.feeder is not None:
+            self.feeder.close()
+            self.feeder = None
         if self.manager is not None:
             self.manager.close()
             self.manager = None

@@ -10,7 +10,7 @@ widest prompt and response, the window every forward pass uses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 import torch
@@ -83,6 +83,16 @@ class Batch:
     errors: list[str]
     turns: list[list[dict[str, Any]]]
     global_size: int = 0  # > 0: this is one data-parallel rank's shard of a batch of that many rows
+    version_segments: list[list[list[int]]] = field(default_factory=list)  # per row: [version, tokens] runs
+
+    def oldest_versions(self) -> list[int | None]:
+        """Per row, the oldest weight version that produced any of its model tokens (None: unknown)."""
+        out: list[int | None] = []
+        for i in range(len(self.weight_versions)):
+            segs = self.version_segments[i] if i < len(self.version_segments) else []
+            versions = [v for v, n in segs if n] or list(self.weight_versions[i])
+            out.append(min(versions) if versions else None)
+        return out
 
     def __len__(self) -> int:
         return int(self.prompts.shape[0])
@@ -105,7 +115,8 @@ class Batch:
                      weight_versions=pick(self.weight_versions),
                      reward_extra={k: pick(v) for k, v in self.reward_extra.items()},
                      request_ids=pick(self.request_ids), session_ids=pick(self.session_ids), errors=pick(self.errors),
-                     turns=pick(self.turns), global_size=global_size or self.total_rows)
+                     turns=pick(self.turns), global_size=global_size or self.total_rows,
+                     version_segments=pick(self.version_segments) if self.version_segments else [])
 
     @property
     def prompt_width(self) -> int:
@@ -233,4 +244,5 @@ def pad_outputs(outputs: Sequence[Finished], pad_id: int, group_index: Sequence[
         weight_versions=[list(o.weight_versions) for o in outputs],
         reward_extra={k: [float(o.reward_extra.get(k, float("nan"))) for o in outputs] for k in keys},
         request_ids=[list(o.request_ids) for o in outputs], session_ids=[o.session_id for o in outputs],
-        errors=[o.error for o in outputs], turns=[list(o.turns) for o in outputs])
+        errors=[o.error for o in outputs], turns=[list(o.turns) for o in outputs],
+        version_segments=[[list(s) for s in getattr(o, "version_segments", [])] for o in outputs])

@@ -1,0 +1,197 @@
+"""The inside of an agent worker process (`rollout.manager` starts them): one event loop for the
+process's whole life, one GenerateClient, tokenizer, tools and interactions built once, the
+trajectories of every call running concurrently under asyncio.
+
+Each finished trajectory is sent back as a dict with the (weight version, tokens) segments of
+its generations attached (`AgentLoopOutput.version_segments`), recorded by the worker's client
+so agent loops need not know that a generation was preempted and continued on newer weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from agent.loop import DEFAULT_AGENT_NAME, AgentContext, AgentLoopOutput, AgentLoopRegistry
+from agent.traces import TrajectoryTracer
+from rollout.auth import ClientKeys
+from rollout.client import GenerateClient
+
+if TYPE_CHECKING:
+    from rollout.manager import ManagerConfig
+
+log = logging.getLogger("switchyard.manager")
+
+
+class VersionedClient(GenerateClient):
+    """Every request of a call asks for at least the call's weight version; servers hold it until
+    they have loaded that version, so no trajectory mixes in stale weights after a sync. It also
+    records, per session, which weight version produced which of its generated tokens."""
+
+    min_weight_version = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.segments: dict[str, list[list[int]]] = {}
+
+    async def generate(self, prompt_ids: Any, sampling: Any = None, session_id: str | None = None,
+                       group_id: str | None = None, min_weight_version: int = 0) -> Any:
+        result = await super().generate(prompt_ids, sampling, session_id, group_id,
+                                        max(min_weight_version, self.min_weight_version))
+        if session_id:
+            self.segments.setdefault(session_id, []).extend([v, n] for v, n in result.segments if n)
+        return result
+
+    def take_segments(self, session_id: str) -> list[list[int]]:
+        """The [version, tokens] segments of a finished session's generations, in order (forgotten here)."""
+        return self.segments.pop(session_id, [])
+
+
+class AgentWorker:
+    """What one worker builds once and shares across its trajectories."""
+
+    def __init__(self, cfg: "ManagerConfig", index: int, experiment_id: str | None) -> None:
+        self.cfg, self.index, self.experiment_id = cfg, index, experiment_id
+        self.client: VersionedClient | None = None
+        self.tools: dict[str, Any] = {}
+        self.interactions: dict[str, Any] = {}
+        self.tracer: TrajectoryTracer | None = None
+        self._trace_pool: ThreadPoolExecutor | None = None
+
+    async def start(self) -> None:
+        from agent.interactions.registry import load_interactions
+        from agent.tools.registry import load_tools
+        from engines.models import load_tokenizer
+
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.tools = load_tools(cfg.tools_config) if cfg.tools_config else {}
+        self.interactions = load_interactions(cfg.interaction_config) if cfg.interaction_config else {}
+        keys = ClientKeys(**cfg.bus_keys) if cfg.bus_keys else None
+        self.client = VersionedClient(cfg.addresses, policy=cfg.policy, keys=keys)
+        await self.client.start()
+        self.registry = AgentLoopRegistry(cfg.agent_loops)
+        self.contexts = {name: AgentContext(self.client, self.tokenizer, self.tools, self.interactions,
+                                            dict(cfg.agent_configs.get(name) or {})) for name in self.registry.names}
+        # a bad loop config fails here, at start-up; built-ins nobody configured are imported on
+        # first use, so an optional package (langgraph) is only needed by datasets that use it
+        for name in sorted({*cfg.agent_configs, *cfg.agent_loops}):
+            self.registry.get(name)(self.contexts[name])
+        self.tracer = TrajectoryTracer(cfg.tracing, self.experiment_id)
+        self._trace_pool = ThreadPoolExecutor(1, thread_name_prefix="trace") if self.tracer.enabled else None
+        await self.client.wait_ready(timeout_s=cfg.ready_timeout_s)
+        self.sem = asyncio.Semaphore(cfg.max_concurrent)
+
+    async def run_items(self, items: list[dict[str, Any]], sampling: dict[str, Any], weight_version: int | None,
+                        emit: Callable[[dict[str, Any]], None]) -> None:
+        assert self.client is not None
+        self.client.min_weight_version = int(weight_version or 0)
+        await asyncio.gather(*(self._run_one(it, sampling, emit) for it in items))
+
+    async def _run_one(self, item: dict[str, Any], sampling: dict[str, Any],
+                       emit: Callable[[dict[str, Any]], None]) -> None:
+        row = item["row"]
+        name = row.get("agent_name") or DEFAULT_AGENT_NAME
+        async with self.sem:
+            t0 = time.time_ns()
+            try:
+                out = await self.registry.get(name)(self.contexts[name]).run(dict(sampling), **row)
+                out.check()
+            except Exception as e:  # one broken trajectory is flagged in the batch, not fatal to it
+                log.exception("worker %d: trajectory %s (%s) failed", self.index, row.get("session_id"), name)
+                out = self._error_output(row, e)
+            t1 = time.time_ns()
+        assert self.client is not None
+        segments = self.client.take_segments(str(row.get("session_id", "")))
+        if not out.version_segments and sum(n for _, n in segments) == len(out.model_token_ids()):
+            out.version_segments = segments  # every model token accounted for, in order
+        if self._trace_pool is not None and self.tracer is not None:
+            await asyncio.get_running_loop().run_in_executor(self._trace_pool, self.tracer.record_trajectory,
+                                                             out, row, t0, t1)
+        emit({"op": "result", "index": item["index"], "output": dataclasses.asdict(out)})
+
+    def _error_output(self, row: Mapping[str, Any], err: Exception) -> AgentLoopOutput:
+        from agent.chat import ChatEncoder
+
+        try:  # keep the prompt so the row still lines up with its group
+            prompt_ids = ChatEncoder(self.tokenizer).initial(list(row["prompt"]))
+        except Exception:
+            prompt_ids = []
+        return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=[], response_mask=[], response_logprobs=[],
+                               reward=0.0, num_turns=0, termination="error", session_id=str(row.get("session_id", "")),
+                               error=f"{type(err).__name__}: {err}")
+
+    async def close(self) -> None:
+        """Close the client, every tool and interaction that has a close(), and flush traces."""
+        for obj in [*self.tools.values(), *self.interactions.values()]:
+            close = getattr(obj, "close", None)
+            if callable(close):
+                try:
+                    res = close()
+                    if asyncio.iscoroutine(res):
+                        await res
+                except Exception:
+                    log.exception("worker %d: closing %r failed", self.index, obj)
+        if self.client is not None:
+            await self.client.close()
+        if self.tracer is not None:
+            self.tracer.flush()
+        if self._trace_pool is not None:
+            self._trace_pool.shutdown(wait=True)
+
+
+def worker_main(index: int, cfg_dict: dict[str, Any], experiment_id: str | None, tasks: Connection,
+                 results: Connection) -> None:
+    """Entry point of a worker process: one event loop for the process's whole life."""
+    from rollout.manager import ManagerConfig
+
+    logging.basicConfig(level=logging.WARNING, format=f"[agent-worker {index}] %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve(index, ManagerConfig(**cfg_dict), experiment_id, tasks, results))
+
+
+async def _serve(index: int, cfg: "ManagerConfig", experiment_id: str | None, tasks: Connection,
+                 results: Connection) -> None:
+    worker = AgentWorker(cfg, index, experiment_id)
+    try:
+        await worker.start()
+    except Exception:
+        results.send({"op": "start_failed", "error": traceback.format_exc()})
+        await worker.close()
+        return
+    results.send({"op": "ready"})
+    reader = ThreadPoolExecutor(1, thread_name_prefix="tasks")  # the event loop keeps running while idle
+    loop = asyncio.get_running_loop()
+    running: set[asyncio.Task] = set()
+    try:
+        while True:  # keep reading while calls run, so `stop` is answered at once
+            try:
+                msg = await loop.run_in_executor(reader, tasks.recv)
+            except (EOFError, OSError):
+                break  # the parent is gone
+            if msg["op"] == "stop":
+                break
+            task = asyncio.create_task(_run_call(worker, msg, results))
+            running.add(task)
+            task.add_done_callback(running.discard)
+    finally:
+        pending = list(running)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        reader.shutdown(wait=False)
+        await worker.close()
+
+
+async def _run_call(worker: AgentWorker, msg: dict[str, Any], results: Connection) -> None:
+    call = msg["call"]
+    try:
+        await worker.run_items(msg["items"], msg["sampling"], msg["weight_version"],
+                               lambda d: results.send({**d, "call": call}))
+    except Exception:
+        results.send({"op": "call_failed", "call": call, "error": traceback.format_exc()})
