@@ -77,6 +77,14 @@ def tool_section(r: dict[str, Any]) -> list[str]:
                       "engine idle two thirds of the synchronous run, i.e. tool rounds taking twice the generation "
                       "time: longer tools, more tool rounds per trajectory, or a faster engine (a GPU engine finishes "
                       "a phase like this in a fraction of a second)."]
+    if r.get("longtail"):
+        a, s = r["longtail"]
+        lines += ["", "Long-tail workload (`benchmarks/async_workload.py`: 3 generations per trajectory, a tool call "
+                      "between each with log-normal latency, median 1 s, p99 10 s), same trajectories and concurrency: "
+                      f"async {a['tokens_per_s']:.1f} tok/s (busy {a['busy_fraction']:.2f}, {a['wall_s']:.0f} s) vs "
+                      f"sync {s['tokens_per_s']:.1f} tok/s (busy {s['busy_fraction']:.2f}, {s['wall_s']:.0f} s): "
+                      f"{a['tokens_per_s'] / s['tokens_per_s']:.2f}x. Each synchronous wave waits for its slowest tool "
+                      "chain, so the engine idles through the tail."]
     if r.get("plot") and Path(r["plot"]).exists():  # beside RESULTS.md, committed with it
         shutil.copy(r["plot"], ROOT / "benchmarks" / "tool_latency.png")
         lines += ["", "![tokens/s against tool latency](tool_latency.png)"]
@@ -121,6 +129,37 @@ def nodes_section(r: dict[str, Any]) -> list[str]:
         lines.append(f"| {x['nodes']} node(s){' (2x prompts)' if name.endswith('batch') else ''} | "
                      f"{x['prompts_per_step']} | {x['rollout_s']:.1f} | {x['tokens_per_s']:.0f} | "
                      f"{x['tokens_per_s'] / one:.2f} | {x['engine_busy_mean']:.2f} | {share} |")
+    return lines
+
+
+def async_rl_section(r: dict[str, Any]) -> list[str]:
+    lines = ["## Asynchronous RL: steps per hour, sync vs staleness 1 and 2", "",
+             f"`launch/train.py` on {r['model']} (hf engine), {r['prompts_per_step']} prompts x n = {r['n']} per step, "
+             f"{r['rounds']} generations of up to {r['max_tokens']} tokens per trajectory with a tool call between each "
+             f"(log-normal latency, median {r['tool_median_s']:g} s, p99 {r['tool_p99_s']:g} s), {r['steps']} steps "
+             "per mode, the first step (start-up) left out; engine and trainer on separate cores where the box "
+             "has two. Reward = share of even token ids (learnable from any start).", "",
+             "| staleness | steps/h | vs sync | rollout wait (s) | update (s) | sync (s) | engine busy in update | "
+             "mean staleness | stale groups redone | reward first 3 -> last 3 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    for x in r["runs"]:
+        lines.append(f"| {x['staleness']} | {x['steps_per_hour']:.0f} | {x['ratio_vs_sync']:.2f}x | {x['rollout_s']:.2f} | "
+                     f"{x['update_s']:.2f} | {x['sync_s']:.2f} | {x['engine_busy_in_update']:.2f} | "
+                     f"{x['staleness_mean']:.2f} | {x['dropped_stale_groups']:.0f} | {fmt(x['reward_first'])} -> "
+                     f"{fmt(x['reward_last'])} |")
+    lines += ["", f"Ideal for this box from the synchronous run's halves, (rollout + update + sync) / max(rollout, "
+                  f"update + sync): {r['ideal_ratio']:.2f}x. The anchors report 2.35-2.67x (verl fully async, "
+                  "Qwen2.5-Math-7B on 128 H20), 2.77x (AReaL) and up to 2.72x (ROLL, agentic) on GPU clusters, where "
+                  "rollout and training run on separate devices.", "",
+              "Why the asynchronous runs beat that ideal: it assumes each step still waits for its slowest trajectory. "
+              "A synchronous step does, and the long tail (p99 10 s per tool call, 2 calls per trajectory, 16 "
+              "trajectories per step) sets its rollout time; with staleness k the trainer takes the first finished "
+              "groups and a straggler is trained in a later step, or dropped and generated again once a token of it "
+              "is more than k versions old (the \"stale groups redone\" column: rollout work spent twice)."]
+    if r["model"] == "tiny-llama":
+        lines += ["", "The reward does not move in any mode here: tiny-llama is a random model whose next-token "
+                      "distribution is spread over 49k ids, and 10 steps do not shift it; whether learning survives "
+                      "staleness is shown by the CPU demo (README, \"Asynchronous RL\")."]
     return lines
 
 
@@ -169,7 +208,8 @@ def main() -> None:
                 ["benchmarks/routing.py", *quick, *gsm],
                 ["benchmarks/weight_sync.py", *quick],
                 ["benchmarks/nodes.py", *quick],
-                ["benchmarks/actor_memory.py", *quick]]
+                ["benchmarks/actor_memory.py", *quick],
+                ["benchmarks/async_rl.py", *quick]]
     t0 = time.perf_counter()
     seconds = [run(c) for c in commands]
     total = time.perf_counter() - t0
@@ -184,6 +224,7 @@ def main() -> None:
     lines += bus_section(load("bus_vs_ray")) + [""] + tool_section(load("tool_latency")) + [""]
     lines += routing_section(load("routing")) + [""] + weight_sync_section(load("weight_sync")) + [""]
     lines += nodes_section(load("nodes")) + [""] + actor_memory_section(load("actor_memory")) + [""]
+    lines += async_rl_section(load("async_rl")) + [""]
     Path(args.output).write_text("\n".join(lines))
     print(f"\nwrote {args.output} ({total / 60:.1f} min)")
 

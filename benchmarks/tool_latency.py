@@ -12,6 +12,8 @@ L in {0, 0.1, 0.5, 1, 2}. Per L and mode, N trajectories with at most C in fligh
   sync   waves of C: a turn's generations are sent together and answered together when the last
          finishes, then all tools run, then the next turn: every trajectory waits for the slowest
          generation and the slowest tool of its wave
+Then the long-tail workload of `benchmarks/async_rl.py` (3 generations per trajectory with a
+tool call between each, latency log-normal with median 1 s and p99 10 s), async vs sync alike.
 Measured: generated (mask-1) tokens per second of wall time, and the engine's busy fraction
 (seconds with at least one request inside the engine, as the server reports it, over the
 window). The two modes alternate per L, so they see the same machine state.
@@ -38,6 +40,7 @@ from agent.loop import AgentContext, AgentLoopOutput  # noqa: E402
 from agent.tool_agent import ToolAgentLoop  # noqa: E402
 from agent.tools.base import ToolResponse  # noqa: E402
 from agent.tools.calculator import CalculatorTool  # noqa: E402
+from async_workload import RoundsLoop  # noqa: E402
 from rollout.client import GenerateClient  # noqa: E402
 
 LATENCIES = (0.0, 0.1, 0.5, 1.0, 2.0)
@@ -93,7 +96,10 @@ class Lockstep:
 
 
 async def run_mode(mode: str, addresses: list[str], tokenizer: Any, rows: list[dict[str, Any]], latency: float,
-                   concurrency: int, agent_cfg: dict[str, Any], sampling: dict[str, Any], tag: str) -> dict[str, Any]:
+                   concurrency: int, agent_cfg: dict[str, Any], sampling: dict[str, Any], tag: str,
+                   longtail: bool = False) -> dict[str, Any]:
+    """`longtail`: `async_workload.RoundsLoop` (3 generations, log-normal tool delays, median 1 s,
+    p99 10 s) instead of the calculator agent; `latency` is then only a label."""
     tool = SlowCalculator({"latency_s": latency, "timeout_s": latency + 30}, _schema())
     async with GenerateClient(addresses) as client:
         await client.wait_ready(timeout_s=900)
@@ -101,7 +107,10 @@ async def run_mode(mode: str, addresses: list[str], tokenizer: Any, rows: list[d
         t0 = time.perf_counter()
 
         async def one(i: int, row: dict[str, Any], via: Any) -> AgentLoopOutput:
-            loop = ToolAgentLoop(AgentContext(via, tokenizer, {"calculator": tool}, agent_cfg))
+            if longtail:
+                loop: Any = RoundsLoop(AgentContext(via, tokenizer, {}, {"rounds": 3, "median_s": 1.0, "p99_s": 10.0}))
+            else:
+                loop = ToolAgentLoop(AgentContext(via, tokenizer, {"calculator": tool}, agent_cfg))
             return await loop.run(dict(sampling), **{**row, "session_id": f"{tag}-{i}", "group_id": f"{tag}-{i}"})
 
         outs: list[AgentLoopOutput] = []
@@ -214,6 +223,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     results.append(r)
                     print(f"L={lat:>4}s {mode:>5}: {r['tokens_per_s']:7.1f} tok/s  busy {r['busy_fraction']:.2f}  "
                           f"wall {r['wall_s']:6.1f}s  tool calls {r['tool_calls']}", flush=True)
+            longtail = []  # several tool rounds per trajectory, log-normal latency (median 1 s, p99 10 s)
+            for mode in MODES:
+                r = asyncio.run(run_mode(mode, addrs, tok, rows, -1.0, conc, agent_cfg, sampling, f"lt-{mode}",
+                                         longtail=True))
+                longtail.append(r)
+                print(f"long tail {mode:>5}: {r['tokens_per_s']:7.1f} tok/s  busy {r['busy_fraction']:.2f}  "
+                      f"wall {r['wall_s']:6.1f}s", flush=True)
 
     def get(mode: str, lat: float) -> dict[str, Any]:
         return next(r for r in results if r["mode"] == mode and r["latency_s"] == lat)
@@ -235,11 +251,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ratios["sync_gen_phase_s"] = get("sync", 1.0).get("gen_phase_s_mean", 0.0)
     for lat in latencies:
         ratios[f"async_vs_sync_{lat:g}s"] = get("async", lat)["tokens_per_s"] / get("sync", lat)["tokens_per_s"]
+    ratios["longtail_async_vs_sync"] = longtail[0]["tokens_per_s"] / longtail[1]["tokens_per_s"]
     out = Path(args.out) if args.out else RESULTS / "tool_latency.json"
     png = plot(results, out.with_suffix(".png"), info["device"])
     report = {"benchmark": "tool_latency", "machine": info, "backend": backend, "model": base,
               "sft_steps": steps, "trajectories": n, "concurrency": conc, "agent": agent_cfg,
-              "sampling": sampling, "results": results, "ratios": ratios,
+              "sampling": sampling, "results": results, "longtail": longtail, "ratios": ratios,
               "plot": str(png) if png else None, "command": " ".join(["python benchmarks/tool_latency.py",
                                                                     *(argv if argv is not None else sys.argv[1:])])}
     write_result("tool_latency", report, str(out))

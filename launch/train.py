@@ -54,7 +54,8 @@ def train(cfg: Config) -> dict[str, Any]:
         plane.start_workers()
         barrier()  # no node runs ahead (e.g. a resumed run with no steps left) while rank 0 connects
         if latest is not None or cfg.sft.enabled:  # engines start from the base model; bring them to the actor
-            version += 1
+            # a resumed run's weights are the checkpoint's version (fresh engines are at 0): no gap
+            version = max(version, 1) if latest is not None else version + 1
             plane.push_weights(actor.named_hf_weights(), version)
         if overlap:
             plane.start_async(stream, cfg.data.prompts_per_step, rollout_state)
@@ -63,7 +64,8 @@ def train(cfg: Config) -> dict[str, Any]:
             if overlap:  # the first finished groups within the staleness bound
                 batch, metrics = plane.take_batch(version)
             else:
-                batch, metrics = plane.generate(stream.next_batch(cfg.data.prompts_per_step), version)
+                batch, metrics = plane.generate(stream.next_batch(cfg.data.prompts_per_step), version,
+                                                more_rows=stream.next_batch)
             t_rollout = time.perf_counter() - t0
             metrics.update({**plane.engine_metrics(t_rollout), **plane.sleep()})
             plane.training(True)
@@ -130,10 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if "TORCHELASTIC_RUN_ID" in os.environ:
         _exit_with_launcher()
+    from engines.models import ModelUnavailableError
+
     try:
         summary = train(load_config(path, argv))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except ModelUnavailableError as e:  # a user error like a bad config value: one line, exit 2
+        print(f"config error: model.path: {e}", file=sys.stderr)
         return 2
     if summary:
         print("SUMMARY " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))

@@ -159,12 +159,17 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     return rank, world
 
 
-def cpu_slices(n: int) -> list[list[int]]:
-    """Split the cores this process may use into `n` disjoint, contiguous slices (one per CPU
-    engine on this box); with fewer cores than engines, engines share single cores."""
+def usable_cores() -> list[int]:
+    """The cores this process may run on."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def cpu_slices(n: int, cores: list[int] | None = None) -> list[list[int]]:
+    """Split `cores` (default: the cores this process may use) into `n` disjoint, contiguous
+    slices (one per CPU engine on this box); with fewer cores than engines, engines share cores."""
     if n < 1:
         raise ValueError(f"cpu_slices(n={n}): need at least one engine")
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = sorted(cores) if cores else usable_cores()
     if len(cores) < n:
         return [[cores[i % len(cores)]] for i in range(n)]
     per = len(cores) // n
@@ -172,9 +177,9 @@ def cpu_slices(n: int) -> list[list[int]]:
 
 
 def plan_placement(mode: str, nodes: int = 1, devices_per_node: int = 1, train_devices: int | None = None,
-                   rollout_tp: int = 1, num_engines: int | None = None) -> PlacementPlan:
+                   rollout_tp: int = 1, num_engines: int | None = None, cores: list[int] | None = None) -> PlacementPlan:
     """Where engines go. `train_devices` (split) is how many of all GPUs train; `num_engines`
-    (cpu) how many engine processes share the box's cores."""
+    (cpu) how many engine processes share the box's cores (`cores`, default all of them)."""
     if mode not in PLACEMENTS:
         raise ValueError(f"placement {mode!r}; choose one of {list(PLACEMENTS)}")
     if rollout_tp < 1 or nodes < 1 or devices_per_node < 1:
@@ -182,7 +187,7 @@ def plan_placement(mode: str, nodes: int = 1, devices_per_node: int = 1, train_d
     total = nodes * devices_per_node
     if mode == "cpu":
         n = num_engines or 1
-        slots = tuple(EngineSlot(f"engine{i}", 0, tuple(c)) for i, c in enumerate(cpu_slices(n)))
+        slots = tuple(EngineSlot(f"engine{i}", 0, tuple(c)) for i, c in enumerate(cpu_slices(n, cores)))
         return PlacementPlan(mode, 1, len({c for s in slots for c in s.devices}), 0, 1, slots)
     if devices_per_node % rollout_tp:
         raise ValueError(f"rollout_tp={rollout_tp} must divide the {devices_per_node} GPUs of a node (an engine "

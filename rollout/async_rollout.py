@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.loop import AgentLoopOutput
+from engines.training.batch import equal_rewards
 
 
 @dataclass
@@ -56,11 +57,13 @@ class Taken:
 
 
 class AsyncRollout:
-    def __init__(self, manager: Any, stream: Any, prompts_per_step: int, n: int, staleness: int) -> None:
+    def __init__(self, manager: Any, stream: Any, prompts_per_step: int, n: int, staleness: int,
+                 dynamic_sampling: bool = False) -> None:
         if staleness < 1:
             raise ValueError(f"AsyncRollout needs rollout.staleness >= 1 (got {staleness}); 0 is the synchronous loop")
         self.manager, self.stream = manager, stream
         self.per_step, self.n, self.k = int(prompts_per_step), int(n), int(staleness)
+        self.dynamic_sampling = dynamic_sampling  # groups with equal rewards are dropped, not trained
         self.cond = threading.Condition()
         self.ready: collections.deque[Group] = collections.deque()
         self.running: dict[int, Group] = {}  # manager call id -> group
@@ -155,6 +158,9 @@ class AsyncRollout:
                 if oldest is not None and oldest < version - self.k:
                     self.counts["dropped_stale_groups"] += 1
                     self.again.append((group.row_id, group.row))
+                    continue
+                if self.dynamic_sampling and equal_rewards([o for o in group.outputs if o is not None]):
+                    self.counts["filtered_groups"] += 1  # no signal: the row is used up, not generated again
                     continue
                 picked.append(group)
                 staleness.append(version - oldest if oldest is not None else 0)

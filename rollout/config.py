@@ -50,6 +50,13 @@ class RolloutConfig:
     # asynchronous RL: 0 = rollout -> update -> sync, strictly in turn; k >= 1 = rollout runs on
     # during updates, at most k batches ahead, and no trained token is older than version - k
     staleness: int = 0
+    # placement cpu: the cores of each node the engines run on (default: all, shared with the
+    # trainer); the trainer ranks then keep to the others, so rollout and updates do not compete
+    engine_cores: list[int] = field(default_factory=list)
+    # DAPO's filters: drop GRPO groups whose rewards are all equal (no signal) and keep generating
+    # until the batch is full; keep trajectories cut by a token limit out of the loss
+    dynamic_sampling: bool = False
+    overlong_filter: bool = False
 
     def __post_init__(self) -> None:
         _choice("engine", self.engine, ENGINES)
@@ -67,5 +74,7 @@ class RolloutConfig:
         if self.staleness and self.placement == "colocated":
             raise ValueError(f"rollout.staleness={self.staleness} needs engines that generate during the update, but "
                              "colocated engines sleep through it; set rollout.placement=split (or cpu), or staleness=0")
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.engine_cores):
+            raise ValueError(f"rollout.engine_cores={self.engine_cores!r} must list core numbers (integers >= 0)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ import torch
 from engines.training.batch import Batch
 from rollout.config import RolloutConfig
 
+MAX_SAMPLING_ROUNDS = 10  # dynamic sampling: rollout rounds a synchronous step may take to fill its batch
 ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {"vllm": {}, "hf": {"max_batch_size": 64}, "sglang": {}}
 
 
@@ -122,6 +123,7 @@ class RolloutPlane:
         self.manager: Any = None
         self.control: _Control | None = None
         self.feeder: Any = None  # rank 0 under rollout.staleness >= 1: the AsyncRollout
+        self.tmp_dirs: list[Path] = []  # this node's sockets, keys and engine logs
         self._last: dict[str, dict[str, float]] = {}  # engine id -> counters at the last report
 
     # ------------------------------------------------------------------ start-up
@@ -135,6 +137,7 @@ class RolloutPlane:
             torch.distributed.broadcast_object_list(box, src=0)  # never written to the run directory
             self.keys = box[0]
         local = self._start_local(run_dir, tcp=multi) if self.local_rank == 0 else []
+        self._keep_off_engine_cores()
         if self.world > 1:
             everyone: list[Any] = [None] * self.world
             torch.distributed.all_gather_object(everyone, (local, self.dp_rank))
@@ -163,8 +166,9 @@ class RolloutPlane:
                                   train_devices=local_ranks, rollout_tp=tp)
             slots = list(plan.engines)
         else:
-            slots = list(plan_placement("cpu", num_engines=cfg.num_engines).engines)
+            slots = list(plan_placement("cpu", num_engines=cfg.num_engines, cores=cfg.engine_cores or None).engines)
         tmp = Path(tempfile.mkdtemp(prefix="switchyard-"))  # mode 0700: the ipc sockets' trust boundary
+        self.tmp_dirs.append(tmp)  # removed by close()
         keys_file = self.keys.write(tmp / "bus_keys.json") if self.keys is not None else None
         options = {**ENGINE_DEFAULTS.get(cfg.engine, {}), "dtype": self.dtype, **cfg.engine_options}
         host = bind_host(cfg.bind_host) if tcp else None
@@ -191,12 +195,27 @@ class RolloutPlane:
             infos.append(EngineInfo(eid, self.node, tuple(slot.devices), bound[0], bound[1] if tcp else None, proc.pid))
         return infos
 
+    def _keep_off_engine_cores(self) -> None:
+        """`rollout.engine_cores` on CPU: this rank (and what it starts later: agent workers) runs on
+        the node's other cores, its torch threads spread over them with the node's other ranks."""
+        from parallel.mesh import usable_cores
+
+        if not self.cfg.engine_cores or self.placement != "cpu" or not hasattr(os, "sched_setaffinity"):
+            return
+        rest = [c for c in usable_cores() if c not in set(self.cfg.engine_cores)]
+        if not rest:
+            raise ValueError(f"rollout.engine_cores={self.cfg.engine_cores} leaves no core for the trainer (this node "
+                             f"has {usable_cores()}); list fewer cores")
+        os.sched_setaffinity(0, rest)
+        torch.set_num_threads(max(1, len(rest) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
     def describe(self) -> str:
         kind = "cores" if self.placement == "cpu" or not torch.cuda.is_available() else "GPUs"
         lines = [f"placement {self.placement}: {self.nodes} node(s), {len(self.engines)} engine(s); agent workers "
                  f"on node 0 route over all of them"]
         if self.placement == "cpu":
-            lines.append("  engines share each node's cores with its trainer ranks")
+            lines.append(f"  engines on cores {list(self.cfg.engine_cores)}, the trainer ranks on the others"
+                         if self.cfg.engine_cores else "  engines share each node's cores with its trainer ranks")
         if self.sleeps:
             lines.append(f"  engines sleep (level {self.cfg.sleep_level}) during each update and wake for the sync")
         for e in self.engines:
@@ -229,12 +248,40 @@ class RolloutPlane:
             policy=r.policy, ready_timeout_s=r.startup_timeout_s, bus_keys=worker_keys)).start()
 
     # ------------------------------------------------------------------ every step
-    def generate(self, rows: list[dict[str, Any]], weight_version: int) -> tuple[Batch, dict[str, float]]:
+    def generate(self, rows: list[dict[str, Any]], weight_version: int,
+                 more_rows: Callable[[int], list[dict[str, Any]]] | None = None) -> tuple[Batch, dict[str, float]]:
         """Roll out `rows` with weights no older than `weight_version`. Every rank gets its data-
         parallel replica's rows (`rollout.handoff`); the metrics of the whole batch and of the
-        handoff come back on rank 0 ({} elsewhere)."""
-        batch = self.manager.generate(rows, weight_version=weight_version) if self.rank == 0 else None
-        return self._hand_out(batch, batch.metrics() if batch is not None else {})
+        handoff come back on rank 0 ({} elsewhere). With `rollout.dynamic_sampling`, groups with
+        equal rewards are dropped and rank 0 asks `more_rows(k)` for rows to fill their places."""
+        batch, metrics = None, {}
+        if self.rank == 0:
+            from engines.training.batch import equal_rewards, filter_overlong, pad_outputs
+
+            n, want, kept, dropped = self.cfg.n, len(rows), [], 0
+            for attempt in range(MAX_SAMPLING_ROUNDS):
+                outs = self.manager.generate_outputs(rows, weight_version=weight_version)
+                for i in range(len(rows)):
+                    group = outs[i * n:(i + 1) * n]
+                    if self.cfg.dynamic_sampling and equal_rewards(group):
+                        dropped += 1
+                    else:
+                        kept.append(group)
+                if len(kept) >= want or more_rows is None or not self.cfg.dynamic_sampling:
+                    break
+                rows = more_rows(want - len(kept))
+            if not kept:
+                raise RuntimeError(f"every GRPO group of {MAX_SAMPLING_ROUNDS} rounds had equal rewards, so "
+                                   "rollout.dynamic_sampling left nothing to train on; the task is too easy or too hard "
+                                   "for the model, or the reward is constant: check it, or turn dynamic_sampling off")
+            batch = pad_outputs([o for g in kept for o in g], self.manager.pad_id,
+                                [i for i, g in enumerate(kept) for _ in g])
+            metrics = batch.metrics()
+            if self.cfg.dynamic_sampling:
+                metrics.update({"rollout/filtered_groups": float(dropped), "rollout/sampling_rounds": attempt + 1.0})
+            if self.cfg.overlong_filter:
+                metrics.update(filter_overlong(batch))
+        return self._hand_out(batch, metrics)
 
     # ------------------------------------------------------------------ asynchronous RL
     def start_async(self, stream: Any, prompts_per_step: int, state: dict[str, Any] | None = None) -> None:
@@ -247,7 +294,8 @@ class RolloutPlane:
             return
         from rollout.async_rollout import AsyncRollout
 
-        self.feeder = AsyncRollout(self.manager, stream, prompts_per_step, self.cfg.n, self.cfg.staleness)
+        self.feeder = AsyncRollout(self.manager, stream, prompts_per_step, self.cfg.n, self.cfg.staleness,
+                                   dynamic_sampling=self.cfg.dynamic_sampling)
         if state is not None:
             self.feeder.load_state_dict(state)
         self.feeder.start()
@@ -262,6 +310,10 @@ class RolloutPlane:
             taken = self.feeder.take(weight_version)
             batch = pad_outputs(taken.outputs, self.manager.pad_id, taken.group_index)
             metrics = {**batch.metrics(), **taken.metrics}
+            if self.cfg.overlong_filter:
+                from engines.training.batch import filter_overlong
+
+                metrics.update(filter_overlong(batch))
         return self._hand_out(batch, metrics)
 
     def training(self, on: bool) -> None:
@@ -394,3 +446,8 @@ class RolloutPlane:
             except Exception:
                 p.kill()
         self.procs = []
+        import shutil
+
+        for d in self.tmp_dirs:  # sockets, keys and engine logs (their tails were printed on failure)
+            shutil.rmtree(d, ignore_errors=True)
+        self.tmp_dirs = []

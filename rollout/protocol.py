@@ -179,7 +179,7 @@ class Status(Message):
 
     @property
     def load(self) -> int:
-        return int(self.stats.get("waiting", 0)) + int(self.stats.get("running", 0))
+        return int(self.stats.get("waiting", 0)) + int(self.stats.get("running", 0)) + int(self.stats.get("gated", 0))
 
 
 SLEEP_LEVELS = (1, 2)

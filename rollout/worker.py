@@ -149,8 +149,19 @@ class AgentWorker:
 def worker_main(index: int, cfg_dict: dict[str, Any], experiment_id: str | None, tasks: Connection,
                  results: Connection) -> None:
     """Entry point of a worker process: one event loop for the process's whole life."""
+    import os
+    import threading
+
     from rollout.manager import ManagerConfig
 
+    parent = os.getppid()
+
+    def watch() -> None:  # a trainer killed with -9 while this worker starts (or idles) takes it along
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
     logging.basicConfig(level=logging.WARNING, format=f"[agent-worker {index}] %(levelname)s %(name)s: %(message)s")
     asyncio.run(_serve(index, ManagerConfig(**cfg_dict), experiment_id, tasks, results))
 

@@ -35,7 +35,7 @@ class Servers:
         self.log_files: list[Path] = []
 
     def start(self, n: int, backend: str = "hf", model: str = "tiny-llama", options: dict[str, Any] | None = None,
-              env: dict[str, str] | None = None) -> "Servers":
+              env: dict[str, str] | None = None, gate_timeout_s: float | None = None) -> "Servers":
         from parallel.mesh import cpu_slices
         from rollout.server import start_server_process
 
@@ -45,7 +45,7 @@ class Servers:
             addr = f"ipc://{self.tmp}/e{i}.sock"
             req_log, out_log = self.tmp / f"e{i}.requests.jsonl", self.tmp / f"e{i}.log"
             self.procs.append(start_server_process(backend, model, addr, f"e{i}", options, req_log, env, out_log,
-                                                   cpu_cores=cores[k]))
+                                                   cpu_cores=cores[k], gate_timeout_s=gate_timeout_s))
             self.addresses.append(addr)
             self.request_logs.append(req_log)
             self.log_files.append(out_log)

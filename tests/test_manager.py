@@ -244,3 +244,40 @@ def test_in_process_workers_pad_and_flag_failed_trajectories(servers):
         with pytest.raises(TimeoutError, match="did not finish in time"):
             mgr.generate(rows[:1], weight_version=1, timeout_s=3)
         assert len(server_log(srv.request_logs)) == 6
+
+
+def test_workers_exit_when_their_trainer_is_killed_while_they_start(tmp_path):
+    """The trainer is killed with -9 while its agent workers wait for engines that never answer:
+    the workers notice their parent is gone and exit (they would otherwise wait ready_timeout_s)."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "from rollout.manager import AgentLoopManager, ManagerConfig\n"
+        "if __name__ == '__main__':\n"
+        f"    cfg = ManagerConfig(addresses=['ipc://{tmp_path}/nobody.sock'], tokenizer='tiny-llama', num_workers=2,\n"
+        "                        ready_timeout_s=900, progress=False)\n"
+        "    AgentLoopManager(cfg).start()\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, start_new_session=True)
+    workers: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers) < 2:  # both workers spawned (they then wait for the engine)
+            assert time.monotonic() < deadline and proc.poll() is None
+            workers = psutil.Process(proc.pid).children()
+            time.sleep(0.2)
+        time.sleep(3)  # into start(): imports done, waiting for the engine
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        gone, alive = psutil.wait_procs(workers, timeout=15)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for w in workers:
+            if w.is_running():
+                w.kill()

@@ -146,3 +146,52 @@ def test_weight_update_bumps_version_and_changes_the_model(servers):
     assert torch.allclose(expected, torch.tensor(after.logprobs), atol=1e-4)
     assert after.token_ids == logp.argmax(-1).tolist()  # greedy under the new weights
     assert before.logprobs != after.logprobs
+
+
+def test_requests_waiting_for_a_weight_version_count_as_load_time_out_and_are_capped(servers):
+    """A generate asking for a version the engine never loads waits at most --gate-timeout-s, is
+    visible in the load reports while it waits, and one peer cannot park unbounded numbers."""
+    srv = servers(1, backend="echo", gate_timeout_s=1.5)
+
+    async def main():
+        async with GenerateClient(srv.addresses) as client:
+            await client.wait_ready(timeout_s=120)
+            parked = [asyncio.ensure_future(client.generate([1, 2, 3], {"max_tokens": 2}, min_weight_version=99))
+                      for _ in range(5)]
+            await asyncio.sleep(0.5)
+            status = await client.status(0)
+            done = await asyncio.gather(*parked, return_exceptions=True)
+            after = await client.status(0)
+            fine = await client.generate([1, 2, 3], {"max_tokens": 2})  # the engine itself is fine
+            return status, done, after, fine
+
+    status, done, after, fine = asyncio.run(main())
+    assert status.stats["gated"] == 5 and status.load >= 5
+    assert all(isinstance(d, RequestFailed) and d.code == "gate_timeout" and "version 99" in str(d) for d in done)
+    assert after.stats["gated"] == 0 and fine.finish_reason in ("length", "stop")
+
+
+def test_one_peer_cannot_park_more_than_the_cap():
+    from engines.inference.echo import EchoEngine
+    from rollout.server import EngineServer
+
+    async def main(tmp: str):
+        server = EngineServer(EchoEngine(), f"ipc://{tmp}/cap.sock", "e0", gate_timeout_s=30, max_gated_per_peer=3)
+        running = asyncio.create_task(server.run())
+        await server.wait_bound()
+        async with GenerateClient([f"ipc://{tmp}/cap.sock"]) as client:
+            await client.wait_ready(timeout_s=30)
+            parked = [asyncio.ensure_future(client.generate([1, 2], {"max_tokens": 2}, min_weight_version=9))
+                      for _ in range(3)]
+            await asyncio.sleep(0.3)
+            with pytest.raises(RequestFailed, match="too_many_waiting"):
+                await client.generate([1, 2], {"max_tokens": 2}, min_weight_version=9)
+            for p in parked:
+                p.cancel()
+        server.stop()
+        await running
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(main(tmp))

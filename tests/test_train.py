@@ -52,6 +52,10 @@ def metrics(out: Path) -> list[dict]:
     (["actor.lr=nan"], "actor.lr=nan must be a finite number"),
     (["algorithm.loss.kl_coef=inf"], "kl_coef=inf"),
     (["actor.grad_clip=nan"], "actor.grad_clip=nan"),
+    (["rollout.staleness=-1"], "rollout.staleness=-1"),
+    (["rollout.staleness=1", "rollout.placement=colocated"], "rollout.staleness=1 needs engines"),
+    (["rollout.engine_cores=[x]"], "rollout.engine_cores"),
+    (["algorithm.loss.off_policy=importance"], "off_policy='importance'"),
 ])
 def test_bad_config_values_fail_before_any_model_loads(tmp_path: Path, override: list[str], key: str):
     cache = tmp_path / "cache"
@@ -62,6 +66,13 @@ def test_bad_config_values_fail_before_any_model_loads(tmp_path: Path, override:
     assert "Traceback" not in proc.stderr
     assert not cache.exists()  # no model was fetched or built
     assert time.monotonic() - t0 < 60
+
+
+def test_a_model_path_that_does_not_exist_is_a_config_error(tmp_path: Path):
+    proc = train(["model.path=/nonexistent/model", f"trainer.output_dir={tmp_path / 'run'}"], timeout=120,
+                 cache=tmp_path / "cache")
+    assert proc.returncode == 2 and "config error: model.path" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
 
 
 def test_missing_tool_class_is_named(tmp_path: Path):
@@ -133,8 +144,8 @@ def test_kill_9_mid_step_resumes_exactly(tmp_path: Path):
     rows = metrics(out)
     assert [m["step"] for m in rows] == [1, 2, 3, 4]  # one line per step, none repeated or missing
     assert [m["data/index"] for m in rows] == [2, 4, 6, 8]  # 2 rows per step, continuing from the checkpoint
-    # v1 after SFT, one per step; the resumed run loads the checkpoint into fresh engines as v4
-    assert [m["weight_version"] for m in rows] == [2, 3, 5, 6]
+    # v1 after SFT, one per step; the resumed run loads the checkpoint (v3) into fresh engines as v3
+    assert [m["weight_version"] for m in rows] == [2, 3, 4, 5]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000003", "step_000004"]
 
 

@@ -187,6 +187,22 @@ class Batch:
         return m
 
 
+TRUNCATED = ("length", "token_budget")  # terminations where a token limit cut the response
+
+
+def filter_overlong(batch: Batch) -> dict[str, float]:
+    """Over-long filtering (DAPO): trajectories cut by a token limit leave the loss and their
+    group's baseline (like invalid rows), instead of being trained as if they had ended."""
+    cut = torch.tensor([t in TRUNCATED for t in batch.termination], dtype=torch.bool)
+    batch.valid &= ~cut
+    return {"rollout/overlong_filtered": float(cut.sum())}
+
+
+def equal_rewards(outputs: Sequence[Finished]) -> bool:
+    """Whether a GRPO group carries no signal: every sample has the same reward."""
+    return len({float(o.reward) for o in outputs}) <= 1
+
+
 TENSOR_FIELDS = ("prompts", "responses", "response_mask", "rollout_logprobs", "attention_mask", "position_ids",
                  "prompt_lengths", "response_lengths", "rewards", "group_index", "valid")
 

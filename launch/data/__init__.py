@@ -46,8 +46,11 @@ def training_rows(data: Any, agent_names: Sequence[str], tools: Sequence[str], i
         rows = arithmetic_rows(4096, "train", data.seed, acfg)
     else:
         rows = rows_from_source(str(data.train_path), "train")
-    for r in rows:
-        r.setdefault("agent_name", data.agent_name)
+    for r in rows:  # generated rows take data.agent_name; a rows file's own agent_name wins
+        if data.task == "rows":
+            r.setdefault("agent_name", data.agent_name)
+        else:
+            r["agent_name"] = data.agent_name
     validate_rows(rows, list(agent_names), set(tools), set(interactions))
     return rows
 

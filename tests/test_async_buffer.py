@@ -1,0 +1,155 @@
+"""The asynchronous rollout buffer's rules, driven by a scripted stand-in for the agent-worker
+manager (the buffer is under test, not the workers; those run for real in test_async_rl.py):
+the outstanding-work bound, stale groups generated again, groups without signal filtered,
+and a state that round-trips through a checkpoint. Also the over-long filter on a real batch."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from agent.loop import AgentLoopOutput
+from engines.training.batch import equal_rewards, filter_overlong, pad_outputs
+from launch.data.rows import RowStream
+from rollout.async_rollout import AsyncRollout
+
+
+def _out(version: int, reward: float, termination: str = "stop") -> AgentLoopOutput:
+    return AgentLoopOutput(prompt_ids=[1, 2], response_ids=[5, 6, 7], response_mask=[1, 1, 1],
+                           response_logprobs=[-0.1] * 3, reward=reward, num_turns=1, termination=termination,
+                           weight_versions=[version], version_segments=[[version, 3]])
+
+
+class ScriptedManager:
+    """submit() records the row; poll() finishes what `release` allows, with the engine version
+    `version` and the rewards `rewards(row)` gives."""
+
+    def __init__(self, rewards: Any = lambda row, j: float(j)) -> None:
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.finished: set[int] = set()
+        self.version = 0
+        self.rewards = rewards
+        self.release: set[str] = set()  # row texts allowed to finish; "*" = all
+        self.lock = threading.Lock()
+
+    def submit(self, rows: list[dict[str, Any]], weight_version: Any = None, n: int = 2) -> int:
+        with self.lock:
+            call = len(self.calls)
+            self.calls[call] = {"row": rows[0], "n": n, "version": self.version}
+            return call
+
+    def poll(self, timeout_s: float = 1.0) -> list[tuple[int, int, AgentLoopOutput]]:
+        time.sleep(0.01)
+        out = []
+        with self.lock:
+            for call, c in self.calls.items():
+                text = c["row"]["prompt"][0]["content"]
+                if call not in self.finished and ("*" in self.release or text in self.release):
+                    self.finished.add(call)
+                    out += [(call, j, _out(c["version"], self.rewards(c["row"], j))) for j in range(c["n"])]
+        return out
+
+
+def _rows(k: int) -> list[dict[str, Any]]:
+    return [{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(k)]
+
+
+def _wait(pred: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_outstanding_groups_are_bounded_by_staleness_and_pushes():
+    mgr = ScriptedManager()
+    buf = AsyncRollout(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1)
+    buf.start()
+    try:
+        _wait(lambda: len(mgr.calls) == 4)  # (k + 1) batches of 2 groups, nothing finished yet
+        time.sleep(0.1)
+        assert len(mgr.calls) == 4
+        mgr.release.add("*")
+        taken = buf.take(version=0)
+        assert taken.row_ids == ["0:0", "0:1"] and taken.group_index == [0, 0, 1, 1]
+        time.sleep(0.1)  # a taken batch not yet pushed: one batch of room fewer
+        assert len(mgr.calls) == 4 + 0 and len(buf.ready) == 2
+        buf.weights_pushed()
+        _wait(lambda: len(mgr.calls) == 6)
+    finally:
+        buf.close()
+
+
+def test_stale_groups_are_generated_again_and_every_row_is_trained_once():
+    mgr = ScriptedManager()
+    buf = AsyncRollout(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1)
+    mgr.release.update({"q1", "q2", "q3"})  # q0 straggles on version 0
+    buf.start()
+    try:
+        first = buf.take(version=0)
+        assert first.row_ids == ["0:1", "0:2"]
+        mgr.version = 3  # the trainer moved on three versions; q0 was produced by version 0
+        buf.weights_pushed()
+        mgr.release.add("*")
+        second = buf.take(version=3)
+        assert "0:0" not in second.row_ids and second.metrics["async/dropped_stale_groups"] >= 1
+        assert second.metrics["async/staleness_max"] <= 1  # only groups within version - k
+        _wait(lambda: any(c["row"]["prompt"][0]["content"] == "q0" and c["version"] == 3 for c in mgr.calls.values()))
+        seen = first.row_ids + second.row_ids
+        for _ in range(3):
+            buf.weights_pushed()
+            seen += buf.take(version=3).row_ids
+        assert "0:0" in seen and len(seen) == len(set(seen))  # regenerated, trained once
+    finally:
+        buf.close()
+
+
+def test_dynamic_sampling_drops_groups_without_signal_and_keeps_filling():
+    mgr = ScriptedManager(rewards=lambda row, j: 1.0 if row["prompt"][0]["content"] in ("q0", "q2") else float(j))
+    mgr.release.add("*")
+    buf = AsyncRollout(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1,
+                       dynamic_sampling=True)
+    buf.start()
+    try:
+        got = buf.take(version=0)
+        assert got.row_ids == ["0:1", "0:3"] and got.metrics["async/filtered_groups"] == 2
+        assert not equal_rewards(got.outputs[:2]) and equal_rewards([_out(0, 1.0), _out(1, 1.0)])
+    finally:
+        buf.close()
+
+
+def test_state_round_trips_ready_and_running_rows():
+    mgr = ScriptedManager()
+    mgr.release.add("q0")
+    buf = AsyncRollout(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1)
+    buf.start()
+    _wait(lambda: len(buf.ready) == 1 and len(mgr.calls) == 4)
+    state = buf.state_dict()
+    buf.close()
+    assert [r for r, *_ in state["ready"]] == ["0:0"] and sorted(r for r, _ in state["pending"]) == ["0:1", "0:2", "0:3"]
+    assert state["stream"]["index"] == 4
+
+    again = ScriptedManager()
+    again.release.add("*")
+    resumed = AsyncRollout(again, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1)
+    resumed.load_state_dict(state)
+    resumed.start()
+    try:
+        rows = resumed.take(version=0).row_ids
+        resumed.weights_pushed()
+        rows += resumed.take(version=0).row_ids
+        assert rows[0] == "0:0" and sorted(rows) == ["0:0", "0:1", "0:2", "0:3"]  # pending first, none lost
+        resumed.weights_pushed()
+        assert resumed.take(version=0).row_ids == ["0:4", "0:5"]  # then the stream where it was
+    finally:
+        resumed.close()
+
+
+def test_overlong_trajectories_leave_the_loss():
+    outs = [_out(0, 1.0), _out(0, 0.0, "length"), _out(0, 1.0, "token_budget"), _out(0, 0.0, "max_assistant_turns")]
+    batch = pad_outputs(outs, 0, [0, 0, 1, 1])
+    got = filter_overlong(batch)
+    assert got == {"rollout/overlong_filtered": 2.0}
+    assert batch.valid.tolist() == [True, False, False, True]
+    assert batch.loss_mask[1].sum() == 0 and batch.loss_mask[3].sum() == 3
