@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -91,3 +92,33 @@ def test_kill_9_under_staleness_1_loses_and_repeats_no_row(tmp_path: Path):
     assert not set(held) & set(trained)
     handed_out = {f"0:{i}" for i in range(final["stream"]["index"])}
     assert set(trained) | set(held) == handed_out, sorted(handed_out - set(trained) - set(held))
+
+
+def _rounds_config(tmp_path: Path, staleness: int) -> Path:
+    """One 1-token generation per trajectory, reward = its token id is even: half the groups of
+    n = 2 have equal rewards, so dynamic sampling has work to do."""
+    import yaml
+
+    cfg = {"model": {"path": "tiny-llama"},
+           "data": {"task": "arithmetic", "agent_name": "rounds", "prompts_per_step": 2},
+           "rollout": {"engine": "hf", "n": 2, "max_tokens": 1, "staleness": staleness, "dynamic_sampling": True,
+                       "agent_loops": {"rounds": "async_workload.RoundsLoop"},
+                       "agent": {"rounds": {"rounds": 1, "median_s": 0.0, "p99_s": 0.0}}},
+           "sft": {"enabled": False}, "trainer": {"steps": 3, "output_dir": str(tmp_path / "run"), "export_hf": False}}
+    path = tmp_path / "rounds.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_dynamic_sampling_keeps_filling_batches_with_groups_that_carry_signal(tmp_path: Path, staleness: int):
+    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "benchmarks")])}
+    proc = subprocess.run([sys.executable, "launch/train.py", str(_rounds_config(tmp_path, staleness))], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = metrics(tmp_path / "run")
+    key = "async/filtered_groups" if staleness else "rollout/filtered_groups"
+    assert sum(r.get(key, 0) for r in rows) > 0  # some groups had equal rewards and were dropped
+    for r in rows:  # every batch is still full, and only of groups whose two rewards differ
+        assert r["rollout/trajectories"] == 4 and r["rollout/reward_std"] > 0, r
+    assert rows[-1]["data/index"] > 6 or staleness  # the synchronous loop drew extra rows to fill in
