@@ -21,9 +21,16 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from agent.chat import ChatEncoder
-from agent.loop import AgentContext, AgentLoopBase, AgentLoopOutput, Trajectory, new_session_id
+from agent.loop import (
+    AgentContext,
+    AgentLoopBase,
+    AgentLoopOutput,
+    Trajectory,
+    new_session_id,
+)
 from agent.parsers import ToolCall, get_tool_parser
 from agent.tools.base import BaseTool, ToolResponse
+from agent.tools.guard import call_tool
 
 log = logging.getLogger("switchyard.tool_agent")
 
@@ -262,11 +269,8 @@ class ToolAgentLoop(AgentLoopBase):
             return ToolResponse(f"Error: unknown tool {call.name!r}; available tools: {sorted(tools)}", False,
                                 {"invalid": True})
         timeout = float(tool.config.get("timeout_s", self.cfg.tool_timeout_s))
-        try:
-            resp = await asyncio.wait_for(tool.execute(instances[call.name], call.arguments), timeout)
-        except asyncio.TimeoutError:
-            return ToolResponse(f"Error: tool {call.name!r} did not answer within {timeout:g} s", False,
-                                {"timeout": True})
+        try:  # hard deadline; a tool seen blocking the loop moves to a thread (agent/tools/guard.py)
+            resp = await call_tool(tool, instances[call.name], call.arguments, timeout)
         except Exception as e:
             return ToolResponse(f"Error: tool {call.name!r} failed: {type(e).__name__}: {e}", False)
         return resp if isinstance(resp, ToolResponse) else ToolResponse(str(resp))

@@ -163,7 +163,11 @@ def worker_main(index: int, cfg_dict: dict[str, Any], experiment_id: str | None,
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
     logging.basicConfig(level=logging.WARNING, format=f"[agent-worker {index}] %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve(index, ManagerConfig(**cfg_dict), experiment_id, tasks, results))
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(_serve(index, ManagerConfig(**cfg_dict), experiment_id, tasks, results))
+    finally:  # not asyncio.run: it would wait for abandoned tool calls that ignore cancellation
+        loop.close()
 
 
 async def _serve(index: int, cfg: "ManagerConfig", experiment_id: str | None, tasks: Connection,
