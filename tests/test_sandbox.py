@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -30,6 +31,21 @@ def run(tool: PythonTool, code: str) -> ToolResponse:
         finally:
             await tool.release(iid)
     return asyncio.run(go())
+
+
+STRONG = ("bwrap", "namespaces")
+
+
+def sandbox_processes() -> list[int]:
+    """Host pids of sandboxed programs still running (their command line holds the bootstrap)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "def _install()" in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(p.pid)
+    return found
 
 
 def alive(pid: int) -> bool:
@@ -70,7 +86,7 @@ os.system('echo x > {target}.sh 2>/dev/null')  # a non-Python writer: no audit h
     assert "WROTE" not in r.text and r.text.count("refused") == 3, r.text
     assert "inside ok" in r.text
     assert not target.exists() and not Path("/tmp/switchyard-escape.txt").exists()
-    if tool.isolation == "namespaces":  # the shell escape is stopped by the read-only mounts
+    if tool.isolation in STRONG:  # the shell escape is stopped by the read-only mounts
         assert not Path(f"{target}.sh").exists()
 
 
@@ -88,7 +104,7 @@ try:
 except OSError as e:
     print('refused', type(e).__name__)
 """
-    if tool.isolation == "namespaces":  # also from a child Python without the audit hook
+    if tool.isolation in STRONG:  # also from a child Python without the audit hook
         code += f"""
 r = subprocess.run([sys.executable, '-I', '-c', "import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)"],
                    capture_output=True, text=True)
@@ -101,8 +117,8 @@ print('child rc', r.returncode, r.stderr.strip().splitlines()[-1])
     finally:
         listener.close()
     assert "CONNECTED" not in r.text and "refused" in r.text, r.text
-    if tool.isolation == "namespaces":
-        assert "child rc 1" in r.text and "unreachable" in r.text, r.text
+    if tool.isolation in STRONG:  # no route out (namespaces) or only the sandbox's own loopback (bwrap)
+        assert "child rc 1" in r.text and ("unreachable" in r.text or "refused" in r.text.split("child rc")[1]), r.text
 
 
 def test_fork_bomb_bounded_and_cleaned_up() -> None:
@@ -127,7 +143,9 @@ print('PIDS', *pids, flush=True)
     pids = [int(p) for p in r.text.split("PIDS", 1)[1].split()]
     assert 0 < len(pids) < 12
     time.sleep(0.2)
-    assert not [p for p in pids if alive(p)], "children outlived the call"
+    if tool.isolation != "bwrap":  # bwrap's pids are its own namespace's
+        assert not [p for p in pids if alive(p)], "children outlived the call"
+    assert not sandbox_processes(), "children outlived the call"
 
 
 def test_recursive_fork_bomb_ends_at_deadline() -> None:
@@ -164,8 +182,8 @@ def test_file_size_limit() -> None:
 
 def test_isolation_reported() -> None:
     tool = make()
-    expected = "namespaces" if os.geteuid() == 0 and os.uname().sysname == "Linux" else "rlimits"
-    assert tool.isolation == expected  # as root on Linux the strong layer must be on
+    expected = "bwrap" if shutil.which("bwrap") else "namespaces"
+    assert tool.isolation == expected  # the strongest layer this box offers is on
     with pytest.raises(ValueError, match="isolation='bogus'"):
         make(isolation="bogus")
 
@@ -188,3 +206,70 @@ def test_rlimits_fallback_still_guards_python_code() -> None:
                   "x = bytearray(800 * 2**20)")
     assert "w sandbox: writing outside" in r.text and "n sandbox: network" in r.text and "MemoryError" in r.text
     assert not Path("/tmp/switchyard-rl.txt").exists()
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_bwrap_hides_the_host_and_caps_the_whole_tree(tmp_path: Path) -> None:
+    """Attacks on isolation: bwrap: read secrets, the checkout and the trainer's environment, reach
+    a host unix socket, signal the trainer, fill the disk, and out-allocate the memory cap with
+    several processes that each stay under the per-process limit."""
+    os.environ["SWITCHYARD_SECRET_PROBE"] = "hunter2"
+    sock_path = tmp_path / "host.sock"
+    os.chmod(tmp_path, 0o777)
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(sock_path))
+    os.chmod(sock_path, 0o777)
+    server.listen(1)
+    server.setblocking(False)
+    tool = make(isolation="bwrap", memory_mb=400, disk_mb=8, max_procs=16)
+    repo = Path(__file__).resolve().parents[1]
+    code = f"""
+import os, socket, subprocess, sys
+for p in ['/etc/shadow', '/etc/passwd', {str(repo / "README.md")!r}, '/proc/{os.getpid()}/environ']:
+    try:
+        open(p).read(1); print('OPENED', p)
+    except OSError as e:
+        print('hidden', p)
+print('SECRET' if 'hunter2' in str(os.environ) else 'no secret')
+r = subprocess.run([sys.executable, '-I', '-c', "import socket; s = socket.socket(socket.AF_UNIX); s.connect({str(sock_path)!r})"],
+                   capture_output=True, text=True)
+print('unix rc', r.returncode)
+try:
+    os.kill({os.getpid()}, 9); print('KILLED')
+except OSError as e:
+    print('no kill', type(e).__name__)
+try:
+    with open('fill', 'wb') as f:
+        for _ in range(64):
+            f.write(b'x' * (1 << 20))
+    print('FILLED')
+except OSError as e:
+    print('disk full', e.errno)
+os.remove('fill')
+kids = [subprocess.Popen([sys.executable, '-c', 'import time; x = bytearray(150 * 2**20); x[::4096] = b"y" * len(x[::4096]); time.sleep(3); print("KEPT")'])
+        for _ in range(4)]
+print('kids', [k.wait() for k in kids], flush=True)
+"""
+    try:
+        r = run(tool, code)
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nothing reached the host's unix socket
+    finally:
+        server.close()
+        del os.environ["SWITCHYARD_SECRET_PROBE"]
+    assert "OPENED" not in r.text and r.text.count("hidden") == 4 and "no secret" in r.text, r.text
+    assert "unix rc 1" in r.text and "KILLED" not in r.text and "disk full 28" in r.text and "FILLED" not in r.text
+    kids = r.text.split("kids", 1)[1]
+    assert "-9" in kids and r.text.count("KEPT") < 4, r.text  # 600 MB across the tree > 400 MB: some were killed
+    assert not sandbox_processes()
+
+
+def test_auto_refuses_without_isolation_unless_unsafe_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import agent.tools.python_sandbox as sandbox
+
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)  # no bubblewrap ...
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)  # ... and not root: no namespaces
+    with pytest.raises(RuntimeError, match="apt install bubblewrap"):
+        make()
+    assert make(allow_unsafe=True).isolation == "rlimits"
+    assert make(isolation="rlimits").isolation == "rlimits"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import os
 import random
 import resource
@@ -38,6 +39,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from agent.tools.base import BaseTool, ToolResponse
+from agent.tools.bwrap import TreeCaps, bwrap_argv
+
+log = logging.getLogger("switchyard.tools")
+ISOLATIONS = ("auto", "bwrap", "namespaces", "rlimits")
 
 _CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT = 1, 2, 4, 32
@@ -138,8 +143,10 @@ class PythonTool(BaseTool):
     Each call gets a fresh working dir (deleted after the call), so calls share nothing.
     Config: timeout_s (wall clock, default 10), memory_mb (address space, 1024),
     max_output_bytes (8192), max_file_bytes (16 MiB), max_procs (32, counts threads too),
-    isolation ("auto" | "namespaces" | "rlimits"), python (interpreter, default this one),
-    uid_base/uid_count (the range of throw-away uids used under "namespaces").
+    isolation ("auto" = bwrap, else namespaces, else refuse | "bwrap" | "namespaces" | "rlimits",
+    which runs the code with the trainer's rights), allow_unsafe (auto may fall back to rlimits),
+    disk_mb (bwrap: the working dir's tmpfs size, 64), python (interpreter, default this one),
+    uid_base/uid_count (the range of throw-away uids used under "namespaces" and "bwrap" as root).
     """
 
     def __init__(self, config: dict[str, Any], tool_schema: dict[str, Any]) -> None:
@@ -155,17 +162,56 @@ class PythonTool(BaseTool):
         self._uids_in_use: set[int] = set()
         self._expose = _blocked_ancestor(self.python)
         self._libc = _libc()  # loaded here: no dlopen between fork and exec
+        self.disk_mb = int(c.get("disk_mb", 64))
         wanted = c.get("isolation", "auto")
-        if wanted not in ("auto", "namespaces", "rlimits"):
-            raise ValueError(f"PythonTool isolation={wanted!r}; use 'auto', 'namespaces' or 'rlimits'")
+        if wanted not in ISOLATIONS:
+            raise ValueError(f"PythonTool isolation={wanted!r}; use one of {list(ISOLATIONS)}")
+        problems: dict[str, str] = {}
+        for mode, probe in (("bwrap", self._probe_bwrap), ("namespaces", self._probe_namespaces)):
+            if wanted in (mode, "auto"):
+                problem = probe()
+                if problem is None:
+                    self.isolation = mode
+                    return
+                problems[mode] = problem
+        if wanted != "rlimits" and not c.get("allow_unsafe", False):
+            raise RuntimeError(
+                f"PythonTool cannot isolate model code here ({'; '.join(f'{k}: {v}' for k, v in problems.items())}). "
+                "Install bubblewrap (apt install bubblewrap), or run as root for isolation: namespaces; only if "
+                "the model's code may act with the trainer's rights, set isolation: rlimits (or allow_unsafe: true)")
         self.isolation = "rlimits"
-        if wanted != "rlimits":
-            problem = self._probe_namespaces()
-            if problem is None:
-                self.isolation = "namespaces"
-            elif wanted == "namespaces":
-                raise RuntimeError(f"PythonTool isolation='namespaces' is unavailable here: {problem}; "
-                                   "run as root on Linux or set isolation: rlimits")
+        log.warning("PythonTool runs model-written code with the trainer's rights (isolation: rlimits): it can read "
+                    "and write what the trainer can and reach the network; use it only for code you trust")
+
+    def _probe_bwrap(self) -> str | None:
+        """None if bubblewrap can start this interpreter as a throw-away uid here; else why not."""
+        if sys.platform != "linux" or shutil.which("bwrap") is None:
+            return "bwrap is not installed (apt install bubblewrap)"
+        base, work, stash = self._make_dirs(None)
+        try:
+            main = os.path.join(work, "main.py")
+            Path(main).write_text("pass\n")
+            argv = bwrap_argv(self.python, main, 1 << 20, self._env("/work")) + ["-I", "-c", "pass"]
+            r = subprocess.run(argv, cwd=work, capture_output=True, timeout=30, preexec_fn=self._preexec_bwrap(None))
+            return None if r.returncode == 0 else r.stderr.decode(errors="replace")[-500:]
+        except (subprocess.SubprocessError, OSError) as e:
+            return str(e)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+    def _preexec_bwrap(self, tree: TreeCaps | None) -> Callable[[], None]:
+        """In the child before exec: join the tree's cgroups, set the per-process limits."""
+        limits = [(resource.RLIMIT_AS, self.memory_mb << 20), (resource.RLIMIT_CPU, int(self.timeout_s) + 1),
+                  (resource.RLIMIT_FSIZE, self.max_file_bytes), (resource.RLIMIT_NPROC, self.max_procs),
+                  (resource.RLIMIT_NOFILE, 256), (resource.RLIMIT_CORE, 0)]
+
+        def run() -> None:
+            if tree is not None:
+                tree.join()
+            for res, value in limits:
+                resource.setrlimit(res, (value, value))
+
+        return run
 
     def _probe_namespaces(self) -> str | None:
         """None if a namespaced, uid-dropped child can start Python here; else why not."""
@@ -242,19 +288,27 @@ class PythonTool(BaseTool):
 
     async def run_code(self, code: str) -> ToolResponse:
         """Run one program; never raises for anything the program does."""
-        namespaces = self.isolation == "namespaces"
-        uid = self._take_uid() if namespaces else os.getuid()
-        base, work, stash = self._make_dirs(uid if namespaces else None)
+        namespaces, boxed = self.isolation == "namespaces", self.isolation == "bwrap"
+        dropped = namespaces  # runs as a throw-away uid of the host (bwrap: uid 65534 in its own namespace)
+        uid = self._take_uid() if dropped else os.getuid()
+        base, work, stash = self._make_dirs(uid if dropped else None)
         start = time.monotonic()
         proc: asyncio.subprocess.Process | None = None
+        tree = TreeCaps(self.memory_mb << 20, self.max_procs) if boxed else None
         try:
-            Path(work, "main.py").write_text(code)
-            if namespaces:
-                os.chown(os.path.join(work, "main.py"), uid, uid)
+            main = os.path.join(work, "main.py")
+            Path(main).write_text(code)
+            if dropped:
+                os.chown(main, uid, uid)
+            if boxed:
+                argv = bwrap_argv(self.python, main, self.disk_mb << 20, self._env("/work"))
+                preexec = self._preexec_bwrap(tree)
+            else:
+                argv, preexec = [self.python], self._preexec(work, stash, uid, namespaces)
             proc = await asyncio.create_subprocess_exec(
-                self.python, "-I", "-B", "-c", _BOOTSTRAP, cwd=work, env=self._env(work),
+                *argv, "-I", "-B", "-c", _BOOTSTRAP, cwd=work, env=self._env(work),
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True, preexec_fn=self._preexec(work, stash, uid, namespaces))
+                start_new_session=True, preexec_fn=preexec)
             buf, total = bytearray(), [0]
             reader = asyncio.create_task(self._read(proc, buf, total))
             timed_out = False
@@ -262,7 +316,9 @@ class PythonTool(BaseTool):
                 await asyncio.wait_for(_wait_exit(proc.pid), self.timeout_s)
             except asyncio.TimeoutError:
                 timed_out = True
-            await self._kill_all(proc, uid if namespaces else None)
+            await self._kill_all(proc, uid if dropped else None)
+            if tree is not None:
+                tree.kill_and_remove()
             for waitable in (reader, proc.wait()):  # writers are dead now: EOF and exit come promptly
                 try:
                     await asyncio.wait_for(waitable, 2.0)
@@ -275,7 +331,9 @@ class PythonTool(BaseTool):
                                 metrics={"wall_s": time.monotonic() - start})
         finally:
             if proc is not None and proc.returncode is None:
-                await self._kill_all(proc, uid if namespaces else None)
+                await self._kill_all(proc, uid if dropped else None)
+            if tree is not None:
+                tree.kill_and_remove()
             shutil.rmtree(base, ignore_errors=True)
             self._uids_in_use.discard(uid)
 
