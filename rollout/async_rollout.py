@@ -168,7 +168,8 @@ class AsyncRollout:
             counts, self.counts = self.counts, collections.Counter()
             buffered, running = len(self.ready), len(self.running)
         outputs = [o for g in picked for o in g.outputs if o is not None]
-        preempted = sum(1 for o in outputs if len([s for s in o.version_segments if s[1]]) > 1)
+        # by a preempted generation or by turns on either side of a weight push
+        mixed = sum(1 for o in outputs if len({v for v, n in o.version_segments if n}) > 1)
         tokens: collections.Counter = collections.Counter()  # model tokens per producing weight version
         for o in outputs:
             for v, n in o.version_segments:
@@ -176,7 +177,7 @@ class AsyncRollout:
         metrics: dict[str, Any] = {
             "async/staleness_mean": sum(staleness) / len(staleness), "async/staleness_max": float(max(staleness)),
             "async/wait_s": time.perf_counter() - t0, "async/buffered_groups": float(buffered),
-            "async/running_groups": float(running), "async/preempted_trajectories": float(preempted),
+            "async/running_groups": float(running), "async/mixed_version_trajectories": float(mixed),
             "async/first_submit_t": min(g.submitted_t for g in picked),
             "async/last_finish_t": max(g.finished_t for g in picked),
             **{f"async/{k}": float(v) for k, v in sorted(counts.items())},

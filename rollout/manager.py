@@ -229,7 +229,8 @@ class AgentLoopManager:
         if self._inproc is not None:
             worker, loop, thread = self._inproc
             self._inproc = None
-            try:
+            try:  # trajectories still running (streaming rollout) end first, then the worker's parts
+                asyncio.run_coroutine_threadsafe(_cancel_others(), loop).result(30)
                 asyncio.run_coroutine_threadsafe(worker.close(), loop).result(60)
             finally:
                 loop.call_soon_threadsafe(loop.stop)
@@ -392,3 +393,13 @@ class AgentLoopManager:
             if msg["op"] == "result":
                 out.append((int(msg["call"]), int(msg["index"]), AgentLoopOutput(**msg["output"])))
         return out
+
+
+async def _cancel_others(wait_s: float = 10.0) -> None:
+    """Cancel every other task of this loop and give them `wait_s` to finish."""
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=wait_s)

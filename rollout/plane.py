@@ -346,13 +346,14 @@ class RolloutPlane:
                 out[f"engine/{e.engine_id}/alive"] = 0.0
                 continue
             now = {"requests": float(st.stats.get("requests", 0)), "tokens": float(st.stats.get("generated_tokens", 0)),
-                   "busy_s": float(st.stats.get("busy_s", 0.0))}
-            last = self._last.get(e.engine_id, {"requests": 0.0, "tokens": 0.0, "busy_s": 0.0})
+                   "busy_s": float(st.stats.get("busy_s", 0.0)), "preemptions": float(st.stats.get("preemptions", 0))}
+            last = self._last.get(e.engine_id, {"requests": 0.0, "tokens": 0.0, "busy_s": 0.0, "preemptions": 0.0})
             self._last[e.engine_id] = now
             p = f"engine/{e.engine_id}/"
             out.update({p + "alive": 1.0, p + "node": float(e.node), p + "weight_version": float(st.weight_version),
                         p + "requests": now["requests"] - last["requests"],
                         p + "tokens": now["tokens"] - last["tokens"],
+                        p + "preemptions": now["preemptions"] - last["preemptions"],
                         p + "busy": min(1.0, (now["busy_s"] - last["busy_s"]) / max(seconds, 1e-9)),
                         p + "rss_mb": float(st.stats.get("rss_mb", 0.0))})
         return out
