@@ -64,10 +64,11 @@ def tool_section(r: dict[str, Any]) -> list[str]:
         a0, a1, s1 = cells[("async", 0.0)], cells[("async", 1.0)], cells[("sync", 1.0)]
         lines += ["", f"At 1 s: the async loop keeps {rat['async_keep_1s']:.0%} of its 0 s throughput and runs "
                       f"{rat['async_vs_sync_1s']:.2f}x the synchronous rollout.",
-                  "", f"What the async loop loses at 1 s is batch size, not busy time: busy {a1['busy_fraction']:.2f}, "
-                      f"tokens per busy second {a0['tokens_per_busy_s']:.0f} -> {a1['tokens_per_busy_s']:.0f}, because "
-                      f"trajectories waiting on a tool are not generating and concurrency is held at {r['concurrency']} "
-                      "for both modes; more trajectories in flight lift it.",
+                  *(["", f"What the async loop loses at 1 s is batch size, not busy time: busy {a1['busy_fraction']:.2f}, "
+                          f"tokens per busy second {a0['tokens_per_busy_s']:.0f} -> {a1['tokens_per_busy_s']:.0f}, "
+                          "because trajectories waiting on a tool are not generating and concurrency is held at "
+                          f"{r['concurrency']} for both modes; more trajectories in flight lift it."]
+                    if rat["async_keep_1s"] < 1 else []),
                   "", "What bounds the gain: a rollout beats the synchronous one only by filling the time the engine "
                       "sits idle in it, so at equal tokens per busy second the gain is at most 1 / (sync busy "
                       f"fraction) = {rat['sync_idle_ceiling_1s']:.2f}x at 1 s. The synchronous rollout at 1 s spent "
@@ -83,8 +84,11 @@ def tool_section(r: dict[str, Any]) -> list[str]:
                       "between each with log-normal latency, median 1 s, p99 10 s), same trajectories and concurrency: "
                       f"async {a['tokens_per_s']:.1f} tok/s (busy {a['busy_fraction']:.2f}, {a['wall_s']:.0f} s) vs "
                       f"sync {s['tokens_per_s']:.1f} tok/s (busy {s['busy_fraction']:.2f}, {s['wall_s']:.0f} s): "
-                      f"{a['tokens_per_s'] / s['tokens_per_s']:.2f}x. Each synchronous wave waits for its slowest tool "
-                      "chain, so the engine idles through the tail."]
+                      f"{a['tokens_per_s'] / s['tokens_per_s']:.2f}x (ceiling 1 / sync busy = "
+                      f"{1 / max(s['busy_fraction'], 1e-9):.2f}x). Each synchronous wave waits for its slowest tool "
+                      "chain, so the engine idles through the tail; the async loop is held back by concurrency "
+                      f"instead (busy {a['busy_fraction']:.2f}: with {r['concurrency']} trajectories in flight, most "
+                      "of them wait on a tool at any moment)."]
     if r.get("plot") and Path(r["plot"]).exists():  # beside RESULTS.md, committed with it
         shutil.copy(r["plot"], ROOT / "benchmarks" / "tool_latency.png")
         lines += ["", "![tokens/s against tool latency](tool_latency.png)"]

@@ -12,6 +12,7 @@ which reshards a Megatron model on the fly, `parallel/reshard.py`):
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
@@ -115,22 +116,34 @@ class SyncReport:
 
 
 async def push_weights(client: "GenerateClient", named: Iterable[tuple[str, "torch.Tensor"]], version: int,
-                       bucket_bytes: int = 256 << 20, timeout_s: float = 600.0, preempt: bool = False) -> SyncReport:
+                       bucket_bytes: int = 256 << 20, timeout_s: float = 600.0, preempt: bool = False,
+                       inflight: int = 2) -> SyncReport:
     """Load weight version `version` into every live engine behind `client`, bucket by bucket.
 
     Each engine pauses admission at `weights_begin` (running requests finish first, or with
     `preempt` stop at once and are continued by their clients on the new weights), checks every
     bucket's CRC32 as it arrives, and switches at `weights_commit`; the call returns only after
     every engine acknowledged the commit with `version`, so the next rollout is on-policy. Buckets
-    are produced lazily, so the trainer never holds more than one extra bucket of bytes.
+    are produced lazily and up to `inflight` of them are on their way at once: the next bucket is
+    gathered and serialised while the engines load the previous ones (they apply them in arrival
+    order), and the trainer never holds more than `inflight` buckets of bytes.
     """
     t0 = time.perf_counter()
     begun = await client.broadcast(WeightsBegin(version=version, preempt=preempt), timeout_s)
     buckets = nbytes = 0
-    for bucket in iter_buckets(named, version, bucket_bytes):
-        await client.broadcast(bucket, timeout_s)
-        buckets += 1
-        nbytes += sum(len(f) for f in bucket.frames)
+    window: list[asyncio.Future] = []
+    try:
+        for bucket in iter_buckets(named, version, bucket_bytes):
+            window.append(asyncio.ensure_future(client.broadcast(bucket, timeout_s)))
+            buckets += 1
+            nbytes += sum(len(f) for f in bucket.frames)
+            while len(window) >= max(1, inflight):
+                await window.pop(0)
+        while window:
+            await window.pop(0)
+    finally:
+        for task in window:  # a failed bucket: the others are not waited for
+            task.cancel()
     acks = await client.broadcast(WeightsCommit(version=version, num_buckets=buckets), timeout_s)
     wrong = [a for a in acks if not isinstance(a, Ack) or a.weight_version != version]
     if wrong or len(acks) != len(begun):

@@ -65,8 +65,24 @@ def test_a_tool_that_swallows_cancellation_still_times_out():
     assert resp.metrics.get("timeout") and not resp.success and took < 1.5
 
 
-def test_a_blocking_tool_is_caught_once_then_runs_off_the_loop():
-    tool = Blocking({}, SCHEMA)
+def test_by_default_a_blocking_tool_never_stalls_the_loop():
+    tool = Blocking({}, SCHEMA)  # default isolation: every call in a thread of its own
+
+    async def main() -> Any:
+        return await _ticks_during(asyncio.gather(*(call_tool(tool, "i", {"s": 0.5}, 5.0) for _ in range(4)),
+                                                  call_tool(tool, "i", {"s": 3.0}, 0.5)))
+
+    results, ticks, gap = asyncio.run(main())
+    assert [r.text for r in results[:4]] == ["slept 0.5"] * 4 and results[4].metrics.get("timeout")
+    assert gap < 0.25 and ticks >= 20  # from the very first call, the other trajectories kept their pace
+
+
+class LoopBound(Blocking):
+    loop_bound = True  # like the MCP tool: watched on the loop, moved to threads once caught blocking
+
+
+def test_a_loop_bound_tool_caught_blocking_is_timed_out_then_runs_off_the_loop():
+    tool = LoopBound({}, SCHEMA)
 
     async def main() -> Any:
         # first call: blocks the loop 0.6 s, past its 0.4 s deadline: caught, answered as a timeout

@@ -7,10 +7,12 @@ both:
 
 - the deadline is hard: when it passes the call is abandoned (cancelled, never awaited), so a
   tool that ignores cancellation still returns a timeout to its trajectory at the deadline;
-- each synchronous step of `execute` on the loop is timed; a step longer than `BLOCKING_STEP_S`
-  marks the tool as blocking (logged once) and its later calls run in a thread of their own with
-  their own event loop (`isolation: auto`, the default). `isolation: thread` starts there;
-  `isolation: loop` keeps every call on the worker's loop (tools whose state is bound to it).
+- by default (`isolation: thread`) every call runs in a thread of its own with its own event
+  loop, so a blocking `execute` stalls nothing but itself. A tool whose state is bound to the
+  worker's loop (a class with `loop_bound = True`, like the MCP tool, or `isolation: auto`) runs
+  on the loop with each synchronous step of `execute` timed: a step longer than `BLOCKING_STEP_S`
+  marks it as blocking (logged once), that call is answered as a timeout if it overran, and its
+  later calls run in threads. `isolation: loop` keeps every call on the loop, unwatched.
   Abandoned threads are daemons: a stuck tool never holds up shutdown.
 """
 
@@ -81,7 +83,7 @@ def _abandon(task: asyncio.Future) -> None:
 async def call_tool(tool: BaseTool, instance_id: str, arguments: dict[str, Any], timeout_s: float) -> ToolResponse:
     """`tool.execute(...)` under a hard deadline and the tool's isolation; raises what the tool
     raises, returns a timeout ToolResponse at the deadline."""
-    mode = tool.config.get("isolation", "auto")
+    mode = tool.config.get("isolation", "auto" if getattr(tool, "loop_bound", False) else "thread")
     if mode not in ISOLATION:
         raise ValueError(f"tool {tool.name!r}: isolation={mode!r}; choose one of {list(ISOLATION)}")
     threaded = mode == "thread" or (mode == "auto" and getattr(tool, "_blocks_loop", False))
@@ -101,7 +103,8 @@ async def call_tool(tool: BaseTool, instance_id: str, arguments: dict[str, Any],
     except asyncio.CancelledError:
         _abandon(task)
         raise
-    if timed is not None and mode == "auto" and timed.longest > BLOCKING_STEP_S and not getattr(tool, "_blocks_loop", False):
+    if timed is not None and mode == "auto" and timed.longest > BLOCKING_STEP_S and not getattr(tool, "_blocks_loop",
+                                                                                                 False):
         tool._blocks_loop = True  # type: ignore[attr-defined]
         log.warning("tool %r blocked the agent worker's event loop for %.2f s in one step (every trajectory of the "
                     "worker waited); its calls now run in a thread of their own. Make execute() await its I/O, or "

@@ -236,6 +236,8 @@ class McpTool(BaseTool):
     max_output_chars (8192). Pass `session=` to share one server between tools.
     """
 
+    loop_bound = True  # the MCP session lives on the worker's event loop (agent/tools/guard.py)
+
     def __init__(self, config: dict[str, Any], tool_schema: dict[str, Any], session: McpSession | None = None) -> None:
         super().__init__(config, tool_schema)
         c = self.config
