@@ -12,7 +12,9 @@ Timed, per repetition, in alternation:
                split, vocabulary padding removed), streamed one tensor at a time
   in-process   reshard + `load_into_engine` into an hf engine in this process (colocated case)
   bus          reshard + `push_weights` over the ZMQ bus into an hf EngineServer process
-               (CRC32 per 64 MiB bucket, engine-side check, versioned commit)
+               (CRC32 per 64 MiB bucket, engine-side check, versioned commit), two buckets in
+               flight (the next gathered while the engine loads the last)
+  bus_serial   the same, one bucket at a time (each waits for the engine's ack)
 GB/s counts the HF bytes moved (fp32 here). With CUDA the shards and the memcpy live on the GPU.
 
     python benchmarks/weight_sync.py                   # SmolLM2-135M, TP 3
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             torch.cuda.synchronize()
 
     engine = HFEngine(str(path))
-    times: dict[str, list[float]] = {"memcpy": [], "reshard": [], "in_process": [], "bus": []}
+    times: dict[str, list[float]] = {"memcpy": [], "reshard": [], "in_process": [], "bus": [], "bus_serial": []}
     with tempfile.TemporaryDirectory(prefix="sy-wsync-") as tmp, servers("hf", str(path), 1, Path(tmp)) as addrs:
         async def run_all() -> None:
             await engine.start()
@@ -92,8 +94,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 await client.wait_ready(timeout_s=600)
                 version = 0
                 for rep in range(reps + 1):  # the first round warms up and is not counted
-                    for kind in (["memcpy", "reshard", "in_process", "bus"] if rep % 2 else
-                                 ["bus", "in_process", "reshard", "memcpy"]):
+                    for kind in (["memcpy", "reshard", "in_process", "bus", "bus_serial"] if rep % 2 else
+                                 ["bus_serial", "bus", "in_process", "reshard", "memcpy"]):
                         t0 = time.perf_counter()
                         if kind == "memcpy":
                             memcpy()
@@ -102,9 +104,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         elif kind == "in_process":
                             await load_into_engine(engine, ((n, t.cpu()) for n, t in
                                                             iter_megatron_to_hf(shards, lay, tp, args.pp)), bucket)
-                        else:
+                        else:  # bus: two buckets in flight (the default); bus_serial: one at a time
                             version += 1
-                            await push_weights(client, iter_megatron_to_hf(shards, lay, tp, args.pp), version, bucket)
+                            await push_weights(client, iter_megatron_to_hf(shards, lay, tp, args.pp), version, bucket,
+                                               inflight=1 if kind == "bus_serial" else 2)
                         if rep:
                             times[kind].append(time.perf_counter() - t0)
             # the engines hold exactly the resharded weights
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
     ratios = {"reshard_vs_memcpy": gbps["reshard"] / gbps["memcpy"],
               "in_process_vs_memcpy": gbps["in_process"] / gbps["memcpy"],
-              "bus_vs_memcpy": gbps["bus"] / gbps["memcpy"]}
+              "bus_vs_memcpy": gbps["bus"] / gbps["memcpy"], "bus_pipelined_vs_serial": gbps["bus"] / gbps["bus_serial"]}
     info = machine()
     print(f"\n{'path':>11} | {'median s':>8} | {'GB/s':>7} | vs memcpy   ({info['device']})")
     for k in times:

@@ -156,3 +156,21 @@ def test_killing_node_1_engine_mid_rollout_loses_no_trajectory(tmp_path: Path):
     for e in eng[2:]:  # after the kill node 0's engine serves alone and the run goes on syncing it
         assert e["node1-engine0"]["alive"] == 0.0 and e["node0-engine0"]["requests"] > 0
     assert [e["node0-engine0"]["weight_version"] for e in eng] == [r["weight_version"] - 1 for r in rows]
+
+
+def test_two_nodes_train_asynchronously_within_the_staleness_bound(tmp_path: Path):
+    """rollout.staleness=1 across two nodes: rank 0's rollout keeps both nodes' engines busy through
+    the updates, each node trains its shard of every batch, no token is older than version - 1."""
+    out = tmp_path / "run"
+    _run_two_nodes([*TINY, "rollout.max_tokens=48", "rollout.staleness=1", "trainer.steps=4",
+                    f"trainer.output_dir={out}"], tmp_path, "async")
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    trained = [row for r in rows for row in r["data/rows"]]
+    assert len(trained) == len(set(trained)) == 16
+    for r in rows:
+        produced = [int(v) for v in r["async/token_versions"]]
+        assert min(produced) >= r["weight_version"] - 2, r  # trained on version - 1, tokens at most 1 older
+        assert r["handoff/rows_sent"] > 0 and r["rollout/trajectories"] == 8  # node 1 got its shard
+    for e in ("node0-engine0", "node1-engine0"):  # both nodes' engines generated for the run
+        assert sum(_engines(r)[e]["requests"] for r in rows) > 0, e
