@@ -34,6 +34,7 @@ from rollout.auth import CONTROL_ROLES, AuthError, BusKeys, needs_auth, role_of,
 log = logging.getLogger("switchyard.server")
 GATE_TIMEOUT_S = 1800.0  # longest a generate waits for the engine to wake, finish an update or load its version
 MAX_GATED_PER_PEER = 4096
+PEER_TIMEOUT_S = 30.0  # a heartbeating peer silent this long is gone
 CONTROL = (P.Sleep, P.Wake, P.WeightsBegin, P.WeightsBucket, P.WeightsCommit)  # the trainer's messages only
 
 
@@ -45,7 +46,7 @@ class EngineServer:
 
     def __init__(self, engine: Engine, address: str | Sequence[str], engine_id: str, request_log: str | None = None,
                  keys: BusKeys | None = None, gate_timeout_s: float = GATE_TIMEOUT_S,
-                 max_gated_per_peer: int = MAX_GATED_PER_PEER) -> None:
+                 max_gated_per_peer: int = MAX_GATED_PER_PEER, peer_timeout_s: float = PEER_TIMEOUT_S) -> None:
         self.engine = engine
         self.addresses = [address] if isinstance(address, str) else list(address)
         if keys is None and any(needs_auth(a) for a in self.addresses):
@@ -69,6 +70,11 @@ class EngineServer:
         # park more than max_gated_per_peer (no memory grows without bound behind the gate)
         self._gated: collections.Counter[bytes] = collections.Counter()
         self.gate_timeout_s, self.max_gated_per_peer = float(gate_timeout_s), int(max_gated_per_peer)
+        # peers that heartbeat (GenerateClient does, every 0.5 s): one silent for peer_timeout_s is
+        # gone (libzmq's disconnect notice is a draft API the wheel lacks); its held requests go
+        self._heartbeats: dict[bytes, float] = {}
+        self.peer_timeout_s = float(peer_timeout_s)
+        self.dropped_for_silence = 0
         self.preemptions = 0
         self._weight_jobs: asyncio.Queue[tuple[bytes, P.Message]] = asyncio.Queue()
         self._gate = asyncio.Condition()  # guards sleeping / updating / weight_version
@@ -165,6 +171,10 @@ class EngineServer:
                 self._reply(identity, P.Error(rid="", code="internal", message=f"{type(e).__name__}: {e}"))
 
     def _dispatch(self, identity: bytes, msg: P.Message) -> None:
+        if isinstance(msg, P.LoadRequest):  # GenerateClients send these as heartbeats
+            self._heartbeats[identity] = time.monotonic()
+        elif identity in self._heartbeats:
+            self._heartbeats[identity] = time.monotonic()
         if isinstance(msg, P.Generate):
             key = (identity, msg.rid)
             if key in self._inflight:
@@ -196,6 +206,7 @@ class EngineServer:
         stats["requests"] = self.requests
         stats["preemptions"] = self.preemptions
         stats["gated"] = sum(self._gated.values())
+        stats["dropped_for_silence"] = self.dropped_for_silence
         stats["rss_mb"] = _rss_mb()
         now = time.monotonic()
         stats["busy_s"] = self._busy_s + (now - self._busy_since if self._generating else 0.0)
@@ -224,15 +235,25 @@ class EngineServer:
             return
         async with self._gate:  # held while sleeping, mid weight update, or behind the wanted version
             self._gated[identity] += 1
+            open_ = lambda: (not self._sleeping and not self._updating and not self._weights_freed  # noqa: E731
+                             and self.weight_version >= msg.min_weight_version)
+            deadline = time.monotonic() + self.gate_timeout_s
             try:
-                await asyncio.wait_for(self._gate.wait_for(
-                    lambda: not self._sleeping and not self._updating and not self._weights_freed
-                    and self.weight_version >= msg.min_weight_version), self.gate_timeout_s)
-            except asyncio.TimeoutError:
-                self._reply(identity, P.Error(rid=msg.rid, code="gate_timeout", message=(
-                    f"waited {self.gate_timeout_s:g} s for the engine (weight version {msg.min_weight_version} asked, "
-                    f"{self.weight_version} loaded, sleeping={self._sleeping}, updating={self._updating})")))
-                return
+                while not open_():
+                    if identity in self._heartbeats and \
+                            time.monotonic() - self._heartbeats[identity] > self.peer_timeout_s:
+                        self.dropped_for_silence += 1  # the peer is gone: nobody to answer
+                        return
+                    if time.monotonic() > deadline:
+                        self._reply(identity, P.Error(rid=msg.rid, code="gate_timeout", message=(
+                            f"waited {self.gate_timeout_s:g} s for the engine (weight version "
+                            f"{msg.min_weight_version} asked, {self.weight_version} loaded, sleeping={self._sleeping}, "
+                            f"updating={self._updating})")))
+                        return
+                    try:
+                        await asyncio.wait_for(self._gate.wait_for(open_), min(1.0, self.peer_timeout_s / 2))
+                    except asyncio.TimeoutError:
+                        pass
             finally:
                 self._gated[identity] -= 1
                 if self._gated[identity] <= 0:
@@ -447,6 +468,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--request-log", default=None, help="append one JSON line per reply sent (audits, tests)")
     ap.add_argument("--gate-timeout-s", type=float, default=GATE_TIMEOUT_S,
                     help="longest a generate waits for the engine to wake, update or load the version it asks for")
+    ap.add_argument("--peer-timeout-s", type=float, default=PEER_TIMEOUT_S,
+                    help="a heartbeating peer silent this long is gone: its held requests are dropped")
     ap.add_argument("--watch-parent", type=int, default=None,
                     help="stop (closing the engine) when this process is gone, e.g. a trainer killed with -9")
     args = ap.parse_args(argv)
@@ -458,7 +481,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = make_engine(args.backend, args.model, **_parse_options(args.option))
     keys = BusKeys.read(args.keys) if args.keys else None
     server = EngineServer(engine, args.address, args.engine_id or args.address[0], args.request_log, keys,
-                          gate_timeout_s=args.gate_timeout_s)
+                          gate_timeout_s=args.gate_timeout_s, peer_timeout_s=args.peer_timeout_s)
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()

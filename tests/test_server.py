@@ -195,3 +195,40 @@ def test_one_peer_cannot_park_more_than_the_cap():
 
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(main(tmp))
+
+
+def test_requests_of_a_peer_that_went_away_are_dropped():
+    """A heartbeating peer parks a request behind a weight version and disappears: once it has
+    been silent for peer_timeout_s its request is dropped (not held until the gate timeout)."""
+    import numpy as np
+
+    from engines.inference.echo import EchoEngine
+    from rollout.server import EngineServer
+
+    async def main(tmp: str):
+        addr = f"ipc://{tmp}/gone.sock"
+        server = EngineServer(EchoEngine(), addr, "e0", gate_timeout_s=600, peer_timeout_s=1.0)
+        running = asyncio.create_task(server.run())
+        await server.wait_bound()
+        ctx = zmq.asyncio.Context()
+        peer = ctx.socket(zmq.DEALER)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(addr)
+        await peer.send_multipart(P.LoadRequest(rid="hb").encode())
+        await peer.send_multipart(P.Generate(rid="g", prompt_ids=np.array([1, 2], np.int32), sampling={"max_tokens": 2},
+                                             min_weight_version=5).encode())
+        await asyncio.sleep(0.3)
+        held = server._status("s").stats["gated"]
+        peer.close(0)  # gone without a word
+        await asyncio.sleep(2.5)
+        after = server._status("s").stats
+        ctx.term()
+        server.stop()
+        await running
+        return held, after
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        held, after = asyncio.run(main(tmp))
+    assert held == 1 and after["gated"] == 0 and after["dropped_for_silence"] == 1
