@@ -36,7 +36,8 @@ from common import ROOT, machine, result_line, write_result  # noqa: E402
 MODES = (0, 1, 2)
 
 
-def config(model: str, staleness: int, steps: int, out: Path, prompts: int, max_tokens: int) -> dict[str, Any]:
+def config(model: str, staleness: int, steps: int, out: Path, prompts: int, max_tokens: int, median_s: float = 1.0,
+           p99_s: float = 10.0) -> dict[str, Any]:
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     return {
         "model": {"path": model},
@@ -44,17 +45,18 @@ def config(model: str, staleness: int, steps: int, out: Path, prompts: int, max_
         "rollout": {"engine": "hf", "n": 4, "max_tokens": max_tokens, "staleness": staleness,
                     "engine_cores": cores[-1:] if len(cores) >= 2 else [],
                     "agent_loops": {"rounds": "async_workload.RoundsLoop"},
-                    "agent": {"rounds": {"rounds": 3, "median_s": 1.0, "p99_s": 10.0}}},
+                    "agent": {"rounds": {"rounds": 3, "median_s": median_s, "p99_s": p99_s}}},
         "actor": {"lr": 1e-4, "micro_batch_size": 8},
         "sft": {"enabled": False},
         "trainer": {"steps": steps, "output_dir": str(out), "export_hf": False},
     }
 
 
-def run_mode(model: str, staleness: int, steps: int, prompts: int, max_tokens: int, tmp: Path) -> dict[str, Any]:
+def run_mode(model: str, staleness: int, steps: int, prompts: int, max_tokens: int, tmp: Path,
+             median_s: float, p99_s: float) -> dict[str, Any]:
     out = tmp / f"k{staleness}"
     cfg_path = tmp / f"k{staleness}.yaml"
-    cfg_path.write_text(yaml.safe_dump(config(model, staleness, steps, out, prompts, max_tokens)))
+    cfg_path.write_text(yaml.safe_dump(config(model, staleness, steps, out, prompts, max_tokens, median_s, p99_s)))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")])}
     proc = subprocess.run([sys.executable, "launch/train.py", str(cfg_path)], cwd=ROOT, env=env,
@@ -81,17 +83,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--median-s", type=float, default=1.0, help="tool latency median")
+    ap.add_argument("--p99-s", type=float, default=10.0, help="tool latency 99th percentile")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = "tiny-llama" if args.quick else "smollm2-135m-instruct"
     steps = args.steps or (10 if args.quick else 12)
     prompts, max_tokens = (4, 32) if args.quick else (4, 48)
     report: dict[str, Any] = {"machine": machine(), "model": model, "steps": steps, "prompts_per_step": prompts,
-                              "n": 4, "max_tokens": max_tokens, "rounds": 3, "tool_median_s": 1.0, "tool_p99_s": 10.0,
+                              "n": 4, "max_tokens": max_tokens, "rounds": 3, "tool_median_s": args.median_s, "tool_p99_s": args.p99_s,
                               "runs": []}
     with tempfile.TemporaryDirectory(prefix="async-rl-") as tmp:
         for k in MODES:
-            r = run_mode(model, k, steps, prompts, max_tokens, Path(tmp))
+            r = run_mode(model, k, steps, prompts, max_tokens, Path(tmp), args.median_s, args.p99_s)
             report["runs"].append(r)
             print(f"staleness {k}: {r['steps_per_hour']:.0f} steps/h, rollout wait {r['rollout_s']:.2f} s, update "
                   f"{r['update_s']:.2f} s, engine busy in update {r['engine_busy_in_update']:.2f}, reward "

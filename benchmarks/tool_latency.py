@@ -97,9 +97,9 @@ class Lockstep:
 
 async def run_mode(mode: str, addresses: list[str], tokenizer: Any, rows: list[dict[str, Any]], latency: float,
                    concurrency: int, agent_cfg: dict[str, Any], sampling: dict[str, Any], tag: str,
-                   longtail: bool = False) -> dict[str, Any]:
-    """`longtail`: `async_workload.RoundsLoop` (3 generations, log-normal tool delays, median 1 s,
-    p99 10 s) instead of the calculator agent; `latency` is then only a label."""
+                   longtail: float = 0.0) -> dict[str, Any]:
+    """`longtail` > 0: `async_workload.RoundsLoop` (3 generations, log-normal tool delays with that
+    median and a p99 10x it) instead of the calculator agent; `latency` is then only a label."""
     tool = SlowCalculator({"latency_s": latency, "timeout_s": latency + 30}, _schema())
     async with GenerateClient(addresses) as client:
         await client.wait_ready(timeout_s=900)
@@ -108,7 +108,8 @@ async def run_mode(mode: str, addresses: list[str], tokenizer: Any, rows: list[d
 
         async def one(i: int, row: dict[str, Any], via: Any) -> AgentLoopOutput:
             if longtail:
-                loop: Any = RoundsLoop(AgentContext(via, tokenizer, {}, {"rounds": 3, "median_s": 1.0, "p99_s": 10.0}))
+                loop: Any = RoundsLoop(AgentContext(via, tokenizer, {}, {"rounds": 3, "median_s": longtail,
+                                                                          "p99_s": 10 * longtail}))
             else:
                 loop = ToolAgentLoop(AgentContext(via, tokenizer, {"calculator": tool}, agent_cfg))
             return await loop.run(dict(sampling), **{**row, "session_id": f"{tag}-{i}", "group_id": f"{tag}-{i}"})
@@ -199,6 +200,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--latencies", default=",".join(str(x) for x in LATENCIES))
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
     ap.add_argument("--gsm8k-dir", default=None, help="directory with GSM8K train.jsonl and test.jsonl")
+    ap.add_argument("--longtail-median-s", type=float, default=1.0,
+                    help="median tool latency of the long-tail workload (p99 10x it); 0 skips it")
     ap.add_argument("--out", default=None, help=f"JSON path (default {RESULTS}/tool_latency.json)")
     args = ap.parse_args(argv)
     quick = args.quick
@@ -224,9 +227,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     print(f"L={lat:>4}s {mode:>5}: {r['tokens_per_s']:7.1f} tok/s  busy {r['busy_fraction']:.2f}  "
                           f"wall {r['wall_s']:6.1f}s  tool calls {r['tool_calls']}", flush=True)
             longtail = []  # several tool rounds per trajectory, log-normal latency (median 1 s, p99 10 s)
-            for mode in MODES:
+            for mode in MODES if args.longtail_median_s > 0 else ():
                 r = asyncio.run(run_mode(mode, addrs, tok, rows, -1.0, conc, agent_cfg, sampling, f"lt-{mode}",
-                                         longtail=True))
+                                         longtail=args.longtail_median_s))
                 longtail.append(r)
                 print(f"long tail {mode:>5}: {r['tokens_per_s']:7.1f} tok/s  busy {r['busy_fraction']:.2f}  "
                       f"wall {r['wall_s']:6.1f}s", flush=True)
@@ -251,7 +254,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ratios["sync_gen_phase_s"] = get("sync", 1.0).get("gen_phase_s_mean", 0.0)
     for lat in latencies:
         ratios[f"async_vs_sync_{lat:g}s"] = get("async", lat)["tokens_per_s"] / get("sync", lat)["tokens_per_s"]
-    ratios["longtail_async_vs_sync"] = longtail[0]["tokens_per_s"] / longtail[1]["tokens_per_s"]
+    if longtail:
+        ratios["longtail_async_vs_sync"] = longtail[0]["tokens_per_s"] / longtail[1]["tokens_per_s"]
     out = Path(args.out) if args.out else RESULTS / "tool_latency.json"
     png = plot(results, out.with_suffix(".png"), info["device"])
     report = {"benchmark": "tool_latency", "machine": info, "backend": backend, "model": base,

@@ -162,9 +162,11 @@ class GenerateClient:
         budget = sp.get("max_tokens")
         preempted = 0
         while True:
+            # the first request goes as the caller sent it (the engine validates it); a continuation
+            # asks for what is left of the budget
             part = await self._generate_once(np.concatenate([prompt, np.asarray(ids, np.int32)]) if ids else prompt,
-                                             sp if budget is None else {**sp, "max_tokens": budget - len(ids)},
-                                             session_id, group_id, min_weight_version)
+                                             {**sp, "max_tokens": int(budget) - len(ids)} if ids and budget is not None
+                                             else sp, session_id, group_id, min_weight_version)
             ids += part.token_ids
             lps += part.logprobs
             if part.token_ids or not segments:

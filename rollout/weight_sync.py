@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from rollout.protocol import Ack, ProtocolError, WeightsBegin, WeightsBucket, WeightsCommit, checksum
+from rollout.protocol import DEFAULT_CHECKSUM, Ack, ProtocolError, WeightsBegin, WeightsBucket, WeightsCommit, checksum
 
 if TYPE_CHECKING:
     import torch
@@ -86,15 +86,16 @@ def bucket_from_tensors(tensors: list[tuple[str, "torch.Tensor"]], version: int,
         dtypes.append(dtype)
         shapes.append(shape)
     return WeightsBucket(rid=rid, version=version, index=index, names=[n for n, _ in tensors],
-                         dtypes=dtypes, shapes=shapes, crc=checksum(frames), frames=frames)
+                         dtypes=dtypes, shapes=shapes, crc=checksum(frames, DEFAULT_CHECKSUM), frames=frames,
+                         alg=DEFAULT_CHECKSUM)
 
 
 def tensors_from_bucket(bucket: WeightsBucket) -> list[tuple[str, "torch.Tensor"]]:
-    """Verify the bucket's CRC32 and rebuild its tensors (copies, safe after the frames go)."""
-    got = checksum(bucket.frames)
+    """Verify the bucket's checksum and rebuild its tensors (copies, safe after the frames go)."""
+    got = checksum(bucket.frames, bucket.alg)
     if got != bucket.crc:
         raise ProtocolError(f"weights bucket {bucket.index} of version {bucket.version} failed its "
-                            f"checksum (crc32 {got:#x} != {bucket.crc:#x}); resend the bucket")
+                            f"checksum ({bucket.alg} {got:#x} != {bucket.crc:#x}); resend the bucket")
     return [(name, tensor_from_raw(frame, dtype, shape, name))
             for name, dtype, shape, frame in zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.frames)]
 
@@ -196,7 +197,7 @@ def broadcast_buckets(named: Iterable[tuple[str, "torch.Tensor"]] | None, src: i
                 flat = torch.cat([raw for raw, _, _ in parts])
                 header[0] = {"names": [n for n, _ in bucket], "dtypes": [dtype for _, dtype, _ in parts],
                              "shapes": [shape for _, _, shape in parts], "sizes": [raw.numel() for raw, _, _ in parts],
-                             "crc": checksum([memoryview(flat.numpy())])}
+                             "crc": checksum([memoryview(flat.numpy())], DEFAULT_CHECKSUM), "alg": DEFAULT_CHECKSUM}
         dist.broadcast_object_list(header, src=src, group=group)
         head = header[0]
         if head is None:  # the source has nothing more
@@ -209,9 +210,9 @@ def broadcast_buckets(named: Iterable[tuple[str, "torch.Tensor"]] | None, src: i
         dist.broadcast(buf, src=src, group=group)
         if rank != src:
             flat = buf.cpu()
-            got = checksum([memoryview(flat.numpy())])
+            got = checksum([memoryview(flat.numpy())], head["alg"])
             if got != head["crc"] and failure is None:
-                failure = (f"broadcast weight bucket with {head['names'][:2]}... failed its checksum (crc32 "
+                failure = (f"broadcast weight bucket with {head['names'][:2]}... failed its checksum ({head['alg']} "
                            f"{got:#x} != {head['crc']:#x}); nothing after it was loaded, do not commit this version")
             if failure:
                 continue  # drain the stream in step with the other ranks, yielding nothing

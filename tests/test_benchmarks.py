@@ -33,12 +33,13 @@ def _run(script: str, args: list[str], tmp_path: Path) -> tuple[str, dict]:
 
 def test_tool_latency_small_run(tmp_path):
     last, report = _run("benchmarks/tool_latency.py", ["--quick", "--trajectories", "8", "--concurrency", "4",
-                                                        "--latencies", "0,0.5"], tmp_path)
+                                                        "--latencies", "0,0.5", "--longtail-median-s", "0.05"], tmp_path)
     assert last.startswith("RESULT async_vs_sync_0s=")
     cells = {(r["mode"], r["latency_s"]): r for r in report["results"]}
     assert set(cells) == {("async", 0.0), ("sync", 0.0), ("async", 0.5), ("sync", 0.5)}
-    for r in cells.values():
+    for r in [*cells.values(), *report["longtail"]]:
         assert r["trajectories"] == 8 and r["tokens"] > 0 and 0 < r["busy_fraction"] <= 1.0
+    assert [r["mode"] for r in report["longtail"]] == ["async", "sync"] and "longtail_async_vs_sync" in report["ratios"]
     assert all(r["tool_calls"] > 0 for r in cells.values())  # the SFT'd model really calls the tool
     # a sync wave waits for its slowest tool each tool round: 2 waves, at least one 0.5 s round each
     assert cells[("sync", 0.5)]["wall_s"] >= 2 * 0.5
@@ -67,7 +68,7 @@ def test_routing_small_run(tmp_path):
 def test_weight_sync_small_run(tmp_path):
     last, report = _run("benchmarks/weight_sync.py", ["--quick", "--reps", "1"], tmp_path)
     assert last.startswith("RESULT reshard_vs_memcpy=")
-    assert set(report["gb_per_s"]) == {"memcpy", "reshard", "in_process", "bus"}
+    assert set(report["gb_per_s"]) == {"memcpy", "reshard", "in_process", "bus", "bus_serial"}
     assert all(v > 0 for v in report["gb_per_s"].values()) and report["tp"] == 2
 
 
@@ -79,6 +80,17 @@ def test_nodes_small_run(tmp_path):
     assert set(report["nodes2"]["token_share"]) == {"node0-engine0", "node1-engine0"}
     assert all(v > 0 for v in report["nodes2"]["token_share"].values())  # both nodes' engines served
     assert report["speedup"] > 0 and report["nodes2_same_engine_batch"]["prompts_per_step"] == 4
+
+
+@pytest.mark.slow
+def test_async_rl_small_run(tmp_path):
+    last, report = _run("benchmarks/async_rl.py", ["--quick", "--steps", "3", "--median-s", "0.05", "--p99-s", "0.2"],
+                        tmp_path)
+    assert last.startswith("RESULT k1_vs_sync=")
+    runs = {r["staleness"]: r for r in report["runs"]}
+    assert set(runs) == {0, 1, 2} and all(r["steps"] == 3 and r["steps_per_hour"] > 0 for r in runs.values())
+    assert runs[0]["engine_busy_in_update"] < 0.05 and runs[0]["staleness_mean"] == 0  # synchronous
+    assert report["ideal_ratio"] >= 1
 
 
 @pytest.mark.slow

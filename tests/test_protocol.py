@@ -94,3 +94,22 @@ def test_decode_never_raises_anything_but_protocol_error():
 def test_unknown_version_names_both_versions():
     with pytest.raises(P.ProtocolError, match="unsupported protocol version 2; this peer speaks 1"):
         P.decode([msgpack.packb({"v": 2, "t": "health", "rid": "x"})])
+
+
+@pytest.mark.parametrize("alg", ["xxh3", "crc32"])
+def test_both_checksums_catch_a_flipped_byte_and_say_which_they_are(alg: str):
+    import torch
+
+    from rollout.weight_sync import bucket_from_tensors, tensors_from_bucket
+
+    b = bucket_from_tensors([("w", torch.randn(256))], version=1, index=0)
+    b.alg, b.crc = alg, P.checksum(b.frames, alg)
+    back = P.decode([bytes(f) for f in b.encode()])
+    assert back.alg == alg and torch.equal(tensors_from_bucket(back)[0][1], tensors_from_bucket(b)[0][1])
+    raw = bytearray(bytes(back.frames[0]))
+    raw[100] ^= 0x01
+    back.frames[0] = bytes(raw)
+    with pytest.raises(P.ProtocolError, match=f"checksum \\({alg}"):
+        tensors_from_bucket(back)
+    with pytest.raises(P.ProtocolError, match="unknown checksum 'md5'"):
+        P.checksum(b.frames, "md5")
