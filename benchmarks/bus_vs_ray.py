@@ -158,7 +158,7 @@ def main() -> None:
     signal.alarm(int(args.timeout))
     t_start = time.perf_counter()
 
-    from rollout.server import start_server_process
+    from rollout.launcher import start_server_process
 
     tmp = Path(tempfile.mkdtemp(prefix="switchyard-bus-vs-ray-"))
     address, server_log = f"ipc://{tmp}/echo0.sock", tmp / "server.log"

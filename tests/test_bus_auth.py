@@ -13,7 +13,7 @@ import zmq.asyncio
 from rollout import protocol as P
 from rollout.auth import TRAINER, WORKER, AuthError, BusKeys, ClientKeys
 from rollout.client import GenerateClient, RequestFailed
-from rollout.server import read_endpoints, start_server_process
+from rollout.launcher import read_endpoints, start_server_process
 
 SP = {"max_tokens": 4, "ignore_eos": True}
 
