@@ -12,6 +12,7 @@ in their own process, both callers in one asyncio loop in this one, and the two 
 per concurrency level, so they see the same machine state:
   bus  EngineServer subprocess (ipc://) <- GenerateClient
   ray  @ray.remote async actor (max_concurrency=1000) <- `await actor.generate.remote(...)`
+  bare the floor: bare pyzmq, same bytes and process layout, no protocol (benchmarks/bare_zmq.py)
 The Ray side is what a careful Ray user writes: prompts go as numpy int32 arrays (pickle-5
 out-of-band buffers; Python lists would be pickled int by int and be slower), replies come back
 as numpy arrays, the same bytes the bus moves. Both callers end with Python lists of ids and
@@ -43,6 +44,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 PROMPT_TOKENS, REPLY_TOKENS = 8192, 512
 SAMPLING: dict[str, Any] = {"max_tokens": REPLY_TOKENS, "ignore_eos": True}
@@ -109,10 +111,13 @@ def start_ray_actor() -> Any:
 
 
 async def run_levels(address: str, actor: Any, levels: list[tuple[int, int]], warmup: int,
-                     prompts: list[np.ndarray]) -> dict[str, dict[str, dict[str, float]]]:
-    """Validate both sides, then per level: warm up and time the bus, then the same for Ray."""
+                     prompts: list[np.ndarray], bare_address: str) -> dict[str, dict[str, dict[str, float]]]:
+    """Validate every side, then per level: warm up and time the bus, Ray, then bare pyzmq."""
+    from bare_zmq import BareClient
+
     from rollout.client import GenerateClient
 
+    bare = BareClient(bare_address)
     async with GenerateClient([address]) as client:
         await client.wait_ready(timeout_s=60)
 
@@ -124,7 +129,7 @@ async def run_levels(address: str, actor: Any, levels: list[tuple[int, int]], wa
             ids, logprobs, finish = await actor.generate.remote(prompt, SAMPLING)
             return ids.tolist(), logprobs.tolist(), finish
 
-        sides: dict[str, Call] = {"bus": bus_call, "ray": ray_call}
+        sides: dict[str, Call] = {"bus": bus_call, "ray": ray_call, "bare": bare.generate}
         for name, call in sides.items():
             check_reply(name, prompts[1], await call(prompts[1]))
         out: dict[str, dict[str, dict[str, float]]] = {name: {} for name in sides}
@@ -135,7 +140,8 @@ async def run_levels(address: str, actor: Any, levels: list[tuple[int, int]], wa
                 s = out[name][str(c)]
                 print(f"  c={c:<3} {name}: p50 {s['p50_ms']:.2f} ms  p99 {s['p99_ms']:.2f} ms  "
                       f"{s['rps']:.0f} req/s", flush=True)
-        return out
+    bare.close()
+    return out
 
 
 def _timeout(signum: int, frame: Any) -> None:
@@ -163,17 +169,20 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="switchyard-bus-vs-ray-"))
     address, server_log = f"ipc://{tmp}/echo0.sock", tmp / "server.log"
     server: subprocess.Popen | None = None
+    bare_address = f"ipc://{tmp}/bare.sock"
+    bare = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "bare_zmq.py"), bare_address, str(REPLY_TOKENS)])
     try:
         server = start_server_process("echo", "echo", address, "echo0", log_file=server_log, cpu_threads=1)
         t0 = time.perf_counter()
         actor = start_ray_actor()
         print(f"ray up in {time.perf_counter() - t0:.1f}s; measuring", flush=True)
-        res = asyncio.run(run_levels(address, actor, levels, args.warmup, prompts))
+        res = asyncio.run(run_levels(address, actor, levels, args.warmup, prompts, bare_address))
     except Exception:
         if server_log.exists():
             print(f"server log {server_log}:\n{server_log.read_text()[-2000:]}", file=sys.stderr)
         raise
     finally:
+        bare.kill()
         if server is not None:
             server.terminate()
             try:
@@ -186,7 +195,7 @@ def main() -> None:
         signal.alarm(0)
     elapsed = time.perf_counter() - t_start
 
-    bus, ray_res = res["bus"], res["ray"]
+    bus, ray_res, bare_res = res["bus"], res["ray"], res["bare"]
     print(f"\n{PROMPT_TOKENS}-token prompts, {REPLY_TOKENS}-token replies, echo engine; "
           f"{platform.machine()}, {os.cpu_count()} cores; latencies in ms; run {elapsed:.0f}s")
     head = ["conc", "bus p50", "bus p99", "bus req/s", "ray p50", "ray p99", "ray req/s", "p50 ray/bus",
@@ -196,17 +205,20 @@ def main() -> None:
     for c, _ in levels:
         b, r = bus[str(c)], ray_res[str(c)]
         ratios[f"p50_ratio_c{c}"], ratios[f"rps_ratio_c{c}"] = r["p50_ms"] / b["p50_ms"], b["rps"] / r["rps"]
+        z = bare_res[str(c)]  # the bus against its floor: p50 over bare's, req/s as a share of bare's
+        ratios[f"p50_bus_over_bare_c{c}"], ratios[f"rps_bus_of_bare_c{c}"] = b["p50_ms"] / z["p50_ms"], b["rps"] / z["rps"]
         cells = [f"{c}", f"{b['p50_ms']:.2f}", f"{b['p99_ms']:.2f}", f"{b['rps']:.0f}", f"{r['p50_ms']:.2f}",
                  f"{r['p99_ms']:.2f}", f"{r['rps']:.0f}", f"{ratios[f'p50_ratio_c{c}']:.2f}",
                  f"{ratios[f'rps_ratio_c{c}']:.2f}"]
         print(" | ".join(f"{v:>{max(len(h), 8)}}" for v, h in zip(cells, head)))
     order = [f"p50_ratio_c{c}" for c in LEVELS] + [f"rps_ratio_c{c}" for c in LEVELS]
+    order += [f"p50_bus_over_bare_c{c}" for c in LEVELS] + [f"rps_bus_of_bare_c{c}" for c in LEVELS]
     report = {"benchmark": "bus_vs_ray", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(),
                           "python": platform.python_version()},
               "params": {"prompt_tokens": PROMPT_TOKENS, "reply_tokens": REPLY_TOKENS, "levels": levels,
                          "warmup": args.warmup, "ray_prompt_type": "np.int32"},
-              "ratios": {k: ratios[k] for k in order}, "bus": bus, "ray": ray_res, "run_s": elapsed}
+              "ratios": {k: ratios[k] for k in order}, "bus": bus, "ray": ray_res, "bare": bare_res, "run_s": elapsed}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print("RESULT " + " ".join(f"{k}={ratios[k]:.2f}" for k in order))

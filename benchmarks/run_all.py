@@ -42,6 +42,14 @@ def bus_section(r: dict[str, Any]) -> list[str]:
         b, y = r["bus"][c], r["ray"][c]
         lines.append(f"| {c} | {b['p50_ms']:.2f} | {b['p99_ms']:.2f} | {b['rps']:.0f} | {y['p50_ms']:.2f} | "
                      f"{y['p99_ms']:.2f} | {y['rps']:.0f} | {y['p50_ms'] / b['p50_ms']:.2f} | {b['rps'] / y['rps']:.2f} |")
+    if r.get("bare"):
+        lines += ["", "Against the floor: bare pyzmq with the same bytes and process layout and no protocol "
+                      "(`benchmarks/bare_zmq.py`).", "",
+                  "| concurrency | bare p50 | bare req/s | bus p50 / bare p50 | bus req/s / bare req/s |", "|---|---|---|---|---|"]
+        for c in sorted(r["bare"], key=int):
+            b, z = r["bus"][c], r["bare"][c]
+            lines.append(f"| {c} | {z['p50_ms']:.2f} | {z['rps']:.0f} | {b['p50_ms'] / z['p50_ms']:.2f} | "
+                         f"{b['rps'] / z['rps']:.2f} |")
     return lines
 
 

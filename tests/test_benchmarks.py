@@ -19,7 +19,7 @@ def test_bus_vs_ray_small_run(tmp_path):
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("RESULT p50_ratio_c1=")
     report = json.loads(out.read_text())
-    assert set(report["bus"]) == set(report["ray"]) == {"1", "16", "256"}
+    assert set(report["bus"]) == set(report["ray"]) == set(report["bare"]) == {"1", "16", "256"}
     assert all(v > 0 for v in report["ratios"].values())
 
 
