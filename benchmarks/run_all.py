@@ -117,9 +117,10 @@ def routing_section(r: dict[str, Any]) -> list[str]:
 
 
 def weight_sync_section(r: dict[str, Any]) -> list[str]:
-    lines = ["## Weight sync: reshard + load vs memcpy", "",
-             f"{r['model']} ({r['bytes'] / 1e9:.3f} GB of HF tensors) from Megatron TP {r['tp']} x PP {r['pp']} "
-             f"shards on {r['device']}; median of {r['reps']} repetitions; {r['bucket_mb']} MiB buckets.", "",
+    lines = ["## Weight sync: every path vs memcpy", "",
+             f"{r['model']} ({r['bytes'] / 1e9:.3f} GB of HF tensors; reshard from Megatron TP {r['tp']} x PP {r['pp']} "
+             f"shards) on {r['device']}; median of {r['reps']} repetitions; {r['bucket_mb']} MiB buckets; _1/_2: "
+             "into one or two engine processes.", "",
              "| path | GB/s | vs memcpy |", "|---|---|---|"]
     for k, v in r["gb_per_s"].items():
         lines.append(f"| {k} | {v:.2f} | {v / r['gb_per_s']['memcpy']:.3f} |")

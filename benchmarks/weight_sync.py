@@ -1,25 +1,28 @@
-"""Weight sync throughput: resharding Megatron shards to the HF layout and loading them into an
-engine, next to a plain memcpy of the same bytes, measured side by side in one run.
+"""Weight sync throughput: every path from trainer tensors into engines, next to a plain memcpy
+of the same bytes, measured side by side in one run.
 
-Why: after every RL step the whole policy moves from the trainer's layout into the engines. If
-that is much slower than copying the bytes, it is a cost worth removing.
+Why: after every RL step the whole policy moves from the trainer into the engines; each path's
+distance from memcpy is what it costs over copying the bytes once.
 
-Setup (not timed): the model's HF tensors are cut into Megatron TP shards (`parallel/reshard.py`,
-SmolLM2-135M at TP 3 by default: its 3 key/value groups allow 1 or 3) and an hf engine is started.
-Timed, per repetition, in alternation:
-  memcpy       copy every HF tensor's bytes into preallocated tensors of the same sizes
-  reshard      Megatron shards -> HF tensors (TP gather by concatenation, fused QKV and gate/up
-               split, vocabulary padding removed), streamed one tensor at a time
-  in-process   reshard + `load_into_engine` into an hf engine in this process (colocated case)
-  bus          reshard + `push_weights` over the ZMQ bus into an hf EngineServer process
-               (CRC32 per 64 MiB bucket, engine-side check, versioned commit), two buckets in
-               flight (the next gathered while the engine loads the last)
-  bus_serial   the same, one bucket at a time (each waits for the engine's ack)
-GB/s counts the HF bytes moved (fp32 here). With CUDA the shards and the memcpy live on the GPU.
+Setup (not timed): the model's HF tensors in this process, its Megatron TP shards
+(`parallel/reshard.py`), one in-process hf engine and two hf EngineServer processes. Timed, per
+repetition, in alternating order (HF tensors in, engines' parameters out):
+  memcpy         copy every HF tensor's bytes into preallocated tensors of the same sizes
+  reshard        Megatron shards -> HF tensors (TP gather, fused QKV and gate/up split), streamed
+  in_process     `load_into_engine` into the hf engine in this process (no bytes, no checksum)
+  shm_1, shm_2   `push_weights` with shared-memory slots (`rollout/shm.py`) into 1 or 2 engine
+                 processes: the bucket is packed once into a slot, each engine maps it, checks its
+                 xxh3 and copies it into its parameters; only the header crosses the socket
+  bus_1, bus_2   `push_weights` with frames over the ZMQ bus (two buckets in flight)
+  collective_1/2 `relay_buckets` under torch.distributed (gloo): rank 0 holds the tensors and
+                 broadcasts each bucket to 1 or 2 receiving ranks ("node leaders"), each receiving
+                 into its slot and feeding its own engine process through shared memory
+GB/s counts the HF bytes moved. On this box every process shares 2 cores: two engines load in
+parallel only as far as the cores allow.
 
     python benchmarks/weight_sync.py                   # SmolLM2-135M, TP 3
+    python benchmarks/weight_sync.py --synthetic-gb 1  # a random llama of ~1 GB (fp32)
     python benchmarks/weight_sync.py --quick           # tiny llama, TP 2
-    python benchmarks/weight_sync.py --model /path/to/hf-dir --tp 4
 """
 
 from __future__ import annotations
@@ -37,10 +40,121 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, machine, result_line, servers, write_result  # noqa: E402
 
 
+PATHS = ["memcpy", "reshard", "in_process", "shm_1", "shm_2", "bus_1", "bus_2"]
+
+
+def synthetic_model(gb: float, out: Path) -> Path:
+    """A random fp32 llama of about `gb` GB (hidden 1024, untied embeddings), saved with the tiny
+    llama's tokenizer: real shapes for every path to move, built in seconds."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engines.models import load_tokenizer, resolve_model
+
+    tok = load_tokenizer("tiny-llama")
+    hidden, inter = 1024, 4096
+    per_layer = 4 * hidden * hidden + 3 * hidden * inter
+    layers = max(1, round((gb * 1e9 / 4 - 2 * len(tok) * hidden) / per_layer))
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048,
+                         tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    src = Path(resolve_model("tiny-llama"))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / f).exists():
+            shutil.copy(src / f, out / f)
+    return out
+
+
+def _collective_rank(rank: int, world: int, init: str, model: str, addrs: list[str], bucket: int, reps: int,
+                     first_version: int, out: str) -> None:
+    """One rank of the collective measurement: rank 0 the source, ranks 1.. one engine each."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from rollout import protocol as P
+    from rollout.client import GenerateClient
+    from rollout.shm import ShmSlots
+    from rollout.weight_sync import commit, relay_buckets
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    slots = ShmSlots()
+    named = None
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        named = list(load_file(f"{model}/model.safetensors").items())
+    times = []
+
+    async def one(client: GenerateClient, version: int) -> None:
+        begun = await client.broadcast(P.WeightsBegin(version=version))
+        pending: list[Any] = [None] * slots.count
+        stream, n = relay_buckets(None, 0, None, slots, version, bucket), 0
+        while True:
+            i = n % slots.count
+            if pending[i] is not None:  # the slot is refilled only once its engine acked it
+                await pending[i]
+            msg = next(stream, None)  # blocks in the broadcast while the engine loads the last bucket
+            if msg is None:
+                break
+            pending[i] = asyncio.ensure_future(client.broadcast(msg))
+            await asyncio.sleep(0)  # send it now
+            n += 1
+        for f in pending:
+            if f is not None:
+                await f
+        await commit(client, version, n, len(begun))
+
+    async def run() -> None:
+        client = GenerateClient([addrs[rank - 1]]) if rank else None
+        if client is not None:
+            await client.start()
+            await client.wait_ready(timeout_s=600)
+        for rep in range(reps + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                for _ in relay_buckets(named, 0, None, slots, first_version + rep, bucket):
+                    pass
+            else:
+                await one(client, first_version + rep)
+            dist.barrier()  # every engine committed
+            if rep:
+                times.append(time.perf_counter() - t0)
+        if client is not None:
+            await client.close()
+
+    asyncio.run(run())
+    slots.close()
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def collective(model: str, addrs: list[str], bucket: int, reps: int, first_version: int, tmp: Path) -> list[float]:
+    import torch.multiprocessing as mp
+
+    out = tmp / f"collective{len(addrs)}.json"
+    world = 1 + len(addrs)
+    mp.spawn(_collective_rank, args=(world, f"file://{tmp}/pg{len(addrs)}", model, addrs, bucket, reps,
+                                     first_version, str(out)), nprocs=world, join=True)
+    import json
+
+    return json.loads(out.read_text())
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny llama at TP 2, fewer repetitions")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--synthetic-gb", type=float, default=None, help="a random llama of about this many GB (fp32)")
     ap.add_argument("--tp", type=int, default=None)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--reps", type=int, default=None)
@@ -55,75 +169,87 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from engines.models import resolve_model
     from parallel.reshard import DecoderLayout, hf_to_megatron, iter_megatron_to_hf
     from rollout.client import GenerateClient
+    from rollout.shm import ShmSlots
     from rollout.weight_sync import load_into_engine, push_weights
 
-    name = args.model or ("tiny-llama" if args.quick else "smollm2-135m-instruct")
-    tp = args.tp or (2 if args.quick else 3)
     reps = args.reps or (3 if args.quick else 5)
-    path = Path(resolve_model(name))
-    lay = DecoderLayout.from_hf_config(AutoConfig.from_pretrained(path))
-    lay.check(tp, args.pp)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    state = load_file(str(path / "model.safetensors"))
-    shards = {(r, s): {k: v.to(device) for k, v in hf_to_megatron(state.__getitem__, lay, r, tp, s, args.pp).items()}
-              for r in range(tp) for s in range(args.pp)}
-    sources = [v.to(device) for v in state.values()]
-    targets = [torch.empty_like(v) for v in sources]
-    nbytes = sum(v.numel() * v.element_size() for v in sources)
     bucket = args.bucket_mb << 20
-    print(f"{name}: {nbytes / 1e9:.3f} GB of HF tensors, TP {tp} x PP {args.pp} shards, device {device}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="sy-wsync-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        if args.synthetic_gb:
+            name, path = f"synthetic-llama-{args.synthetic_gb:g}gb", synthetic_model(args.synthetic_gb, tmp / "model")
+        else:
+            name = args.model or ("tiny-llama" if args.quick else "smollm2-135m-instruct")
+            path = Path(resolve_model(name))
+        lay = DecoderLayout.from_hf_config(AutoConfig.from_pretrained(path))
+        tp = args.tp or (2 if args.quick or args.synthetic_gb else 3)
+        lay.check(tp, args.pp)
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        state = load_file(str(path / "model.safetensors"))
+        shards = {(r, s): {k: v.to(device) for k, v in hf_to_megatron(state.__getitem__, lay, r, tp, s, args.pp).items()}
+                  for r in range(tp) for s in range(args.pp)}
+        sources = [v.to(device) for v in state.values()]
+        targets = [torch.empty_like(v) for v in sources]
+        nbytes = sum(v.numel() * v.element_size() for v in sources)
+        print(f"{name}: {nbytes / 1e9:.3f} GB of HF tensors, TP {tp} x PP {args.pp} shards, device {device}", flush=True)
 
-    def memcpy() -> None:
-        for s, t in zip(sources, targets):
-            t.copy_(s)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        def memcpy() -> None:
+            for s, t in zip(sources, targets):
+                t.copy_(s)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
 
-    def reshard() -> None:
-        for _, t in iter_megatron_to_hf(shards, lay, tp, args.pp):
-            pass
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        def reshard() -> None:
+            for _ in iter_megatron_to_hf(shards, lay, tp, args.pp):
+                pass
+            if device.type == "cuda":
+                torch.cuda.synchronize()
 
-    engine = HFEngine(str(path))
-    times: dict[str, list[float]] = {"memcpy": [], "reshard": [], "in_process": [], "bus": [], "bus_serial": []}
-    with tempfile.TemporaryDirectory(prefix="sy-wsync-") as tmp, servers("hf", str(path), 1, Path(tmp)) as addrs:
-        async def run_all() -> None:
-            await engine.start()
-            async with GenerateClient(addrs) as client:
-                await client.wait_ready(timeout_s=600)
+        engine = HFEngine(str(path))
+        slots = ShmSlots()
+        times: dict[str, list[float]] = {k: [] for k in PATHS}
+        version = 0
+        with servers("hf", str(path), 2, tmp) as addrs:
+            async def run_all() -> int:
+                await engine.start()
                 version = 0
-                for rep in range(reps + 1):  # the first round warms up and is not counted
-                    for kind in (["memcpy", "reshard", "in_process", "bus", "bus_serial"] if rep % 2 else
-                                 ["bus_serial", "bus", "in_process", "reshard", "memcpy"]):
-                        t0 = time.perf_counter()
-                        if kind == "memcpy":
-                            memcpy()
-                        elif kind == "reshard":
-                            reshard()
-                        elif kind == "in_process":
-                            await load_into_engine(engine, ((n, t.cpu()) for n, t in
-                                                            iter_megatron_to_hf(shards, lay, tp, args.pp)), bucket)
-                        else:  # bus: two buckets in flight (the default); bus_serial: one at a time
-                            version += 1
-                            await push_weights(client, iter_megatron_to_hf(shards, lay, tp, args.pp), version, bucket,
-                                               inflight=1 if kind == "bus_serial" else 2)
-                        if rep:
-                            times[kind].append(time.perf_counter() - t0)
-            # the engines hold exactly the resharded weights
-            loaded = engine.model.state_dict()
-            assert all(torch.equal(loaded[k].cpu(), state[k]) for k in state), "in-process engine weights differ"
-            await engine.close()
+                async with GenerateClient(addrs) as client:
+                    await client.wait_ready(timeout_s=900)
+                    for rep in range(reps + 1):  # the first round warms up and is not counted
+                        for kind in (PATHS if rep % 2 else PATHS[::-1]):
+                            t0 = time.perf_counter()
+                            if kind == "memcpy":
+                                memcpy()
+                            elif kind == "reshard":
+                                reshard()
+                            elif kind == "in_process":
+                                await load_into_engine(engine, zip(state, sources), bucket)
+                            else:
+                                version += 1
+                                path_kind, n = kind.split("_")
+                                await push_weights(client, zip(state, sources), version, bucket,
+                                                   slots=slots if path_kind == "shm" else None,
+                                                   engines=list(range(int(n))))
+                            if rep:
+                                times[kind].append(time.perf_counter() - t0)
+                    loaded = engine.model.state_dict()
+                    assert all(torch.equal(loaded[k].cpu(), state[k]) for k in state), "engine weights differ"
+                await engine.close()
+                return version
 
-        asyncio.run(run_all())
+            version = asyncio.run(run_all())
+            slots.close()
+            del engine
+            for n in (1, 2):
+                times[f"collective_{n}"] = collective(str(path), addrs[:n], bucket, reps, version + 1, tmp)
+                version += reps + 1
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
-    ratios = {"reshard_vs_memcpy": gbps["reshard"] / gbps["memcpy"],
-              "in_process_vs_memcpy": gbps["in_process"] / gbps["memcpy"],
-              "bus_vs_memcpy": gbps["bus"] / gbps["memcpy"], "bus_pipelined_vs_serial": gbps["bus"] / gbps["bus_serial"]}
+    ratios = {f"{k}_vs_memcpy": gbps[k] / gbps["memcpy"] for k in gbps if k != "memcpy"}
+    ratios.update({f"{p}_2_vs_1_time": gbps[f"{p}_1"] / gbps[f"{p}_2"] for p in ("shm", "bus", "collective")})
     info = machine()
-    print(f"\n{'path':>11} | {'median s':>8} | {'GB/s':>7} | vs memcpy   ({info['device']})")
+    print(f"\n{'path':>13} | {'median s':>8} | {'GB/s':>7} | vs memcpy   ({info['device']})")
     for k in times:
-        print(f"{k:>11} | {statistics.median(times[k]):>8.3f} | {gbps[k]:>7.2f} | {gbps[k] / gbps['memcpy']:.3f}")
+        print(f"{k:>13} | {statistics.median(times[k]):>8.3f} | {gbps[k]:>7.2f} | {gbps[k] / gbps['memcpy']:.3f}")
     report = {"benchmark": "weight_sync", "machine": info, "model": name, "tp": tp, "pp": args.pp,
               "bytes": nbytes, "bucket_mb": args.bucket_mb, "reps": reps, "device": str(device),
               "seconds": times, "gb_per_s": gbps, "ratios": ratios,

@@ -81,7 +81,7 @@ def train(cfg: Config) -> dict[str, Any]:
             t_sync = plane.push_weights(actor.named_hf_weights(), version, preempt=overlap)
             metrics.update({"weight_version": version, "time/rollout_s": t_rollout, "time/sync_s": t_sync,
                             "time/step_s": time.perf_counter() - t0, "data/epoch": stream.position[0],
-                            "data/index": stream.position[1]})
+                            "data/index": stream.position[1], **plane.last_sync})
             if overlap:
                 metrics.update({"time/update_start_t": t_update, "time/update_end_t": time.time()})
             if logger is not None:

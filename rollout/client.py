@@ -256,9 +256,9 @@ class GenerateClient:
             raise RequestFailed(reply.code, reply.message)
         return reply
 
-    async def broadcast(self, msg: P.Message, timeout_s: float = 600.0) -> list[P.Message]:
-        """Send a control message to every live engine and wait for all acks."""
-        live = [i for i in range(len(self.addresses)) if self.router.alive[i]]
+    async def broadcast(self, msg: P.Message, timeout_s: float = 600.0, only: list[int] | None = None) -> list[P.Message]:
+        """Send a control message to every live engine (of `only`, engine indices) and wait for all acks."""
+        live = [i for i in (range(len(self.addresses)) if only is None else only) if self.router.alive[i]]
         msgs = [dataclasses.replace(msg) for _ in live]
         return list(await asyncio.gather(*(self.call(i, m, timeout_s) for i, m in zip(live, msgs))))
 

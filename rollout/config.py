@@ -10,6 +10,7 @@ from typing import Any
 from rollout.router import POLICIES  # the router owns the policy names
 
 ENGINES = ("vllm", "hf", "sglang")
+WEIGHT_PATHS = ("auto", "bus")
 PLACEMENTS = ("auto", "cpu", "colocated", "split")  # see parallel/mesh.py; auto = colocated on GPUs, else cpu
 
 
@@ -47,6 +48,9 @@ class RolloutConfig:
     interaction_config: str | None = None
     startup_timeout_s: float = 900.0
     weight_bucket_mb: int = 64
+    # how weights reach the engines: auto = through shared memory on the sender's node, by collective
+    # broadcast to the other nodes' leaders (rollout.plane.route); bus = as frames over the sockets
+    weight_path: str = "auto"
     # asynchronous RL: 0 = rollout -> update -> sync, strictly in turn; k >= 1 = rollout runs on
     # during updates, at most k batches ahead, and no trained token is older than version - k
     staleness: int = 0
@@ -62,6 +66,7 @@ class RolloutConfig:
         _choice("engine", self.engine, ENGINES)
         _choice("policy", self.policy, POLICIES)
         _choice("placement", self.placement, PLACEMENTS)
+        _choice("weight_path", self.weight_path, WEIGHT_PATHS)
         if self.sleep_level not in (1, 2):
             raise ValueError(f"rollout.sleep_level={self.sleep_level!r} must be 1 (keep weights) or 2 (free them)")
         _positive(self, "num_engines", "n", "max_tokens", "weight_bucket_mb")

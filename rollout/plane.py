@@ -125,6 +125,11 @@ class RolloutPlane:
         self.feeder: Any = None  # rank 0 under rollout.staleness >= 1: the AsyncRollout
         self.tmp_dirs: list[Path] = []  # this node's sockets, keys and engine logs
         self._last: dict[str, dict[str, float]] = {}  # engine id -> counters at the last report
+        self.leaders: list[int] = [0]  # the global rank that started each node's engines (its local rank 0)
+        self.weight_group: Any = None  # the leaders' process group, for the collective weight path
+        self.local_control: _Control | None = None  # a node leader's client to its own engines
+        self.slots: Any = None  # shared-memory weight slots (rollout.shm), made at the first push
+        self.last_sync: dict[str, float] = {}
 
     # ------------------------------------------------------------------ start-up
     def start_engines(self, run_dir: Path) -> None:
@@ -140,11 +145,14 @@ class RolloutPlane:
         self._keep_off_engine_cores()
         if self.world > 1:
             everyone: list[Any] = [None] * self.world
-            torch.distributed.all_gather_object(everyone, (local, self.dp_rank))
-            self.engines = [e for part, _ in everyone for e in part]
-            self.replica_of = [dp for _, dp in everyone]
+            torch.distributed.all_gather_object(everyone, (local, self.dp_rank, self.local_rank))
+            self.engines = [e for part, _, _ in everyone for e in part]
+            self.replica_of = [dp for _, dp, _ in everyone]
+            self.leaders = [r for r, (_, _, lr) in enumerate(everyone) if lr == 0]
         else:
             self.engines = local
+        if self.route() == "collective":  # every rank creates the group, as torch.distributed asks
+            self.weight_group = torch.distributed.new_group(self.leaders)
         if self.rank == 0:
             text = self.describe()
             print(text, flush=True)
@@ -227,11 +235,26 @@ class RolloutPlane:
         """How this rank reaches every engine: ipc on its own node, tcp elsewhere."""
         return [e.ipc if e.node == self.node else str(e.tcp) for e in self.engines]
 
+    def route(self) -> str:
+        """How weights reach the engines: `shm` (one node: rank 0 packs buckets into shared memory that
+        the node's engines map), `collective` (several nodes: rank 0 broadcasts buckets to each node's
+        leader, which feeds its engines through shared memory), or `bus` (frames over the sockets;
+        rollout.weight_path=bus)."""
+        if self.cfg.weight_path == "bus":
+            return "bus"
+        return "collective" if self.nodes > 1 else "shm"
+
     def start_workers(self) -> None:
-        """Rank 0: the agent workers and the trainer's control client, connected to every engine."""
-        if self.rank != 0:
-            return
+        """Rank 0: the agent workers and the trainer's control client, connected to every engine.
+        Other nodes' leaders, on the collective weight path: a control client to their own engines."""
         from rollout.auth import TRAINER, WORKER
+
+        if self.rank != 0:
+            if self.route() == "collective" and self.local_rank == 0:
+                mine = [e.ipc for e in self.engines if e.node == self.node]
+                self.local_control = _Control(mine, self.keys.for_role(TRAINER) if self.keys is not None else None,
+                                              self.cfg.startup_timeout_s)
+            return
         from rollout.manager import AgentLoopManager, ManagerConfig
 
         r = self.cfg
@@ -403,24 +426,106 @@ class RolloutPlane:
             self.control.run(self.control.client.broadcast(P.Wake()))
 
     def push_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int, preempt: bool = False) -> float:
-        """Load `named` into every engine as `version`; seconds taken. Every rank iterates
-        `named` (a sharded actor gathers while it yields); rank 0 sends. `preempt`: running
-        generations stop and continue on the new weights instead of finishing first."""
-        if self.rank != 0 or self.control is None:
+        """Load `named` into every engine as `version` by the route `route()` names; seconds taken.
+        Every rank iterates `named` (a sharded actor gathers while it yields); rank 0 is the source.
+        `preempt`: running generations stop and continue on the new weights instead of finishing
+        first. `last_sync` holds the step's figures (engines per path, GB, GB/s)."""
+        route = self.route()
+        t0 = time.perf_counter()
+        if route == "collective":
+            sent = self._push_collective(named, version, preempt)
+        elif self.rank != 0 or self.control is None:
             for _ in named:
                 pass
             return 0.0
-        from tqdm import tqdm
+        else:
+            from tqdm import tqdm
 
-        from rollout.weight_sync import push_weights
+            from rollout.weight_sync import push_weights
 
-        bar = tqdm(named, desc="weight sync", unit="tensor", leave=False)
-        t0 = time.perf_counter()
-        self.control.run(push_weights(self.control.client, bar, version, bucket_bytes=self.cfg.weight_bucket_mb << 20,
-                                      preempt=preempt))
+            if route == "shm" and self.slots is None:
+                from rollout.shm import ShmSlots
+
+                self.slots = ShmSlots()
+            bar = tqdm(named, desc="weight sync", unit="tensor", leave=False)
+            report = self.control.run(push_weights(
+                self.control.client, bar, version, bucket_bytes=self.cfg.weight_bucket_mb << 20, preempt=preempt,
+                slots=self.slots if route == "shm" else None, dtype=self.engine_dtype()))
+            sent = report.bytes
+        seconds = time.perf_counter() - t0
+        if self.rank == 0:
+            here = sum(e.node == self.node for e in self.engines)
+            self.last_sync = {f"sync/engines_{route}": float(len(self.engines) - here if route == "collective" else
+                                                              len(self.engines)),
+                              "sync/gb": sent / 1e9, "sync/gb_per_s": sent / 1e9 / max(seconds, 1e-9)}
+            if route == "collective":
+                self.last_sync["sync/engines_shm"] = float(here)
         if self.feeder is not None:
             self.feeder.weights_pushed()
-        return time.perf_counter() - t0
+        return seconds
+
+    def engine_dtype(self) -> torch.dtype | None:
+        """The engines' dtype, which buckets are cast to before they travel (None: as the actor has them)."""
+        dtype = getattr(torch, str(self.dtype), None)
+        return dtype if isinstance(dtype, torch.dtype) else None
+
+    def _push_collective(self, named: Iterable[tuple[str, torch.Tensor]], version: int, preempt: bool) -> int:
+        """Rank 0 broadcasts each bucket to every node's leader (gloo here, NCCL between GPU nodes),
+        which receives it into a shared-memory slot and hands it to its engines; a version is
+        committed on every node or on none. Bytes per node."""
+        import concurrent.futures
+        import threading
+
+        from rollout import protocol as P
+        from rollout.shm import ShmSlots
+        from rollout.weight_sync import commit, commit_everywhere, relay_buckets
+
+        if self.local_rank != 0:  # not a leader: only take part in the actor's gathers
+            for _ in named:
+                pass
+            return 0
+        control = self.control if self.rank == 0 else self.local_control
+        assert control is not None, "start_workers() makes every node leader's control client"
+        client = control.client
+        mine = [i for i, a in enumerate(client.addresses) if a.startswith("ipc://")]  # this node's engines
+        drain = None
+        if self.rank != 0:  # the actor's gathers run on the default group while this rank receives buckets
+            drain = threading.Thread(target=lambda: [None for _ in named], name="weights-gather", daemon=True)
+            drain.start()
+        if self.slots is None:
+            self.slots = ShmSlots()
+        timeout = self.cfg.startup_timeout_s
+        begun = control.run(client.broadcast(P.WeightsBegin(version=version, preempt=preempt), timeout, only=mine))
+        inflight: list[concurrent.futures.Future | None] = [None] * self.slots.count
+        failure: list[BaseException] = []
+
+        def wait_free(i: int) -> None:
+            fut, inflight[i] = inflight[i], None
+            if fut is not None:
+                try:
+                    fut.result()
+                except BaseException as e:  # noqa: BLE001 - kept until the stream ends: leaving early hangs the others
+                    failure.append(e)
+
+        buckets = sent = 0
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend(
+            self.weight_group) == "nccl" else None  # written for GPU nodes, not run here
+        for msg in relay_buckets(named if self.rank == 0 else None, 0, self.weight_group, self.slots, version,
+                                 self.cfg.weight_bucket_mb << 20, self.engine_dtype(), wait_free, device):
+            slot = buckets % self.slots.count
+            if not failure:
+                inflight[slot] = asyncio.run_coroutine_threadsafe(client.broadcast(msg, timeout, only=mine), control.loop)
+            buckets += 1
+            sent += msg.shm["total"]
+        for i in range(self.slots.count):
+            wait_free(i)
+        if drain is not None:
+            drain.join()
+        if not commit_everywhere(not failure, self.weight_group):
+            raise RuntimeError(f"weight version {version} was not committed on any node: "
+                               + (f"{type(failure[0]).__name__}: {failure[0]}" if failure else "another node failed; see its log"))
+        control.run(commit(client, version, buckets, len(begun), timeout, mine))
+        return sent
 
     # ------------------------------------------------------------------ shutdown
     def print_engine_logs(self, tail: int = 3000) -> None:
@@ -436,9 +541,13 @@ class RolloutPlane:
         if self.manager is not None:
             self.manager.close()
             self.manager = None
-        if self.control is not None:
-            self.control.close()
-            self.control = None
+        for c in (self.control, self.local_control):
+            if c is not None:
+                c.close()
+        self.control = self.local_control = None
+        if self.slots is not None:
+            self.slots.close()
+            self.slots = None
         for p in self.procs:
             p.terminate()
         for p in self.procs:

@@ -285,7 +285,11 @@ class WeightsBegin(Message):
 
 @dataclass
 class WeightsBucket(Message):
-    """A size-bounded group of HF-named tensors, one raw frame each, with a CRC32 over them."""
+    """A size-bounded group of HF-named tensors, one raw frame each, with a checksum over them.
+
+    With `shm` set the bytes are not in the message: they lie in a shared-memory slot on the
+    engine's node (`rollout.shm`: path, byte offsets and sizes of each tensor, total bytes), the
+    checksum covers the slot's `total` bytes, and `frames` is empty."""
 
     TYPE: ClassVar[str] = "weights_bucket"
     NUM_FRAMES: ClassVar[int] = -1
@@ -297,10 +301,14 @@ class WeightsBucket(Message):
     crc: int = 0
     frames: list[bytes | memoryview] = field(default_factory=list)
     alg: str = "crc32"  # which CHECKSUMS entry `crc` is
+    shm: dict[str, Any] | None = None  # {"path", "offsets", "sizes", "total"}: the bytes are in shared memory
 
     def header(self) -> dict[str, Any]:
-        return {"rid": self.rid, "ver": self.version, "idx": self.index, "names": self.names,
+        head = {"rid": self.rid, "ver": self.version, "idx": self.index, "names": self.names,
                 "dtypes": self.dtypes, "shapes": self.shapes, "crc": self.crc, "alg": self.alg}
+        if self.shm is not None:
+            head["shm"] = self.shm
+        return head
 
     def payload(self) -> list[bytes | memoryview]:
         return list(self.frames)
@@ -308,13 +316,18 @@ class WeightsBucket(Message):
     @classmethod
     def from_parts(cls, head: dict[str, Any], frames: list[bytes | memoryview]) -> "WeightsBucket":
         names, dtypes, shapes = list(head["names"]), list(head["dtypes"]), list(head["shapes"])
-        if not len(names) == len(dtypes) == len(shapes) == len(frames):
+        shm = head.get("shm")
+        if shm is not None:
+            if frames or not isinstance(shm, dict) or not {"path", "offsets", "sizes", "total"} <= shm.keys() \
+                    or not len(names) == len(dtypes) == len(shapes) == len(shm["offsets"]) == len(shm["sizes"]):
+                raise ProtocolError(f"weights bucket in shared memory must carry no frames and one offset and size "
+                                    f"per name ({len(names)} names, {len(frames)} frames, shm {shm!r:.200})")
+        elif not len(names) == len(dtypes) == len(shapes) == len(frames):
             raise ProtocolError(f"weights bucket lists {len(names)} names, {len(dtypes)} dtypes, "
                                 f"{len(shapes)} shapes and carries {len(frames)} tensor frames")
         return cls(rid=head["rid"], version=int(head["ver"]), index=int(head["idx"]), names=names,
                    dtypes=dtypes, shapes=[list(map(int, s)) for s in shapes], crc=int(head["crc"]),
-                   alg=str(head.get("alg", "crc32")),
-                   frames=list(frames))
+                   alg=str(head.get("alg", "crc32")), frames=list(frames), shm=shm)
 
 
 @dataclass

@@ -160,6 +160,12 @@ class EngineServer:
                     self._reply(identity, P.Error(rid=msg.rid, code="forbidden", message=(
                         f"{msg.TYPE} is only accepted from the trainer; this peer may generate, abort and read load")))
                     continue
+                if isinstance(msg, P.WeightsBucket) and msg.shm is not None and not self.addresses[index].startswith("ipc://"):
+                    self.refused += 1
+                    self._reply(identity, P.Error(rid=msg.rid, code="forbidden", message=(
+                        "a weights bucket in shared memory is only taken on the ipc socket (same node); send frames "
+                        "over tcp")))
+                    continue
                 self._dispatch(identity, msg)
             except P.ProtocolError as e:
                 self.bad_frames += 1
@@ -313,8 +319,10 @@ class EngineServer:
             self._gate.notify_all()
 
     async def _weights_loop(self) -> None:
+        from rollout.shm import ShmReader
         from rollout.weight_sync import tensors_from_bucket
 
+        slots = ShmReader()
         pending_version: int | None = None
         loaded = 0
         while True:
@@ -344,7 +352,7 @@ class EngineServer:
                     if msg.version != pending_version:
                         raise ValueError(f"bucket for version {msg.version} but the update in progress is "
                                          f"{pending_version}; send weights_begin first")
-                    await self.engine.update_weights(tensors_from_bucket(msg))
+                    await self.engine.update_weights(tensors_from_bucket(msg, slots))
                     loaded += 1
                 elif isinstance(msg, P.WeightsCommit):
                     if msg.version != pending_version or msg.num_buckets != loaded:

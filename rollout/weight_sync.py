@@ -18,9 +18,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from rollout.protocol import DEFAULT_CHECKSUM, Ack, ProtocolError, WeightsBegin, WeightsBucket, WeightsCommit, checksum
+from rollout.shm import views
 
 if TYPE_CHECKING:
     import torch
+
+    from rollout.shm import ShmReader, ShmSlots
 
     from rollout.client import GenerateClient
 
@@ -90,8 +93,19 @@ def bucket_from_tensors(tensors: list[tuple[str, "torch.Tensor"]], version: int,
                          alg=DEFAULT_CHECKSUM)
 
 
-def tensors_from_bucket(bucket: WeightsBucket) -> list[tuple[str, "torch.Tensor"]]:
-    """Verify the bucket's checksum and rebuild its tensors (copies, safe after the frames go)."""
+def tensors_from_bucket(bucket: WeightsBucket, slots: "ShmReader | None" = None) -> list[tuple[str, "torch.Tensor"]]:
+    """Verify the bucket's checksum and rebuild its tensors: copies of frames (safe after the frames
+    go), or views of a shared-memory slot mapped by `slots` (valid until the bucket is acked)."""
+    if bucket.shm is not None:
+        if slots is None:
+            raise ProtocolError("this receiver does not map shared memory; send the bucket's frames")
+        flat = slots.flat(bucket.shm)
+        got = checksum([memoryview(flat.numpy())], bucket.alg)
+        if got != bucket.crc:
+            raise ProtocolError(f"weights bucket {bucket.index} of version {bucket.version} in {bucket.shm['path']} "
+                                f"failed its checksum ({bucket.alg} {got:#x} != {bucket.crc:#x}); resend the bucket")
+        return list(zip(bucket.names, views(flat, bucket.dtypes, bucket.shapes, bucket.shm["offsets"],
+                                            bucket.shm["sizes"], bucket.names)))
     got = checksum(bucket.frames, bucket.alg)
     if got != bucket.crc:
         raise ProtocolError(f"weights bucket {bucket.index} of version {bucket.version} failed its "
@@ -107,6 +121,20 @@ def iter_buckets(named: Iterable[tuple[str, "torch.Tensor"]], version: int,
         yield bucket_from_tensors(tensors, version, index)
 
 
+def shm_bucket(slots: "ShmSlots", i: int, tensors: list[tuple[str, "torch.Tensor"]], version: int, index: int,
+               dtype: "torch.dtype | None" = None) -> WeightsBucket:
+    """Pack `tensors` into shared-memory slot `i` (cast to `dtype`) and checksum it: a bucket message
+    that carries only the slot's name, for engines on this node (`rollout.shm`)."""
+    ref = slots.pack(i, tensors, dtype)
+    dtypes, shapes = ref.pop("dtypes"), ref.pop("shapes")
+    return WeightsBucket(version=version, index=index, names=[n for n, _ in tensors], dtypes=dtypes, shapes=shapes,
+                         crc=slot_checksum(slots, i, ref["total"]), alg=DEFAULT_CHECKSUM, shm=ref)
+
+
+def slot_checksum(slots: "ShmSlots", i: int, total: int) -> int:
+    return checksum([memoryview(slots.buffer(i, total).numpy())], DEFAULT_CHECKSUM)
+
+
 @dataclass
 class SyncReport:
     version: int
@@ -114,30 +142,43 @@ class SyncReport:
     buckets: int
     bytes: int
     seconds: float
+    path: str = "bus"
 
 
 async def push_weights(client: "GenerateClient", named: Iterable[tuple[str, "torch.Tensor"]], version: int,
                        bucket_bytes: int = 256 << 20, timeout_s: float = 600.0, preempt: bool = False,
-                       inflight: int = 2) -> SyncReport:
-    """Load weight version `version` into every live engine behind `client`, bucket by bucket.
+                       inflight: int = 2, slots: "ShmSlots | None" = None, engines: list[int] | None = None,
+                       dtype: "torch.dtype | None" = None) -> SyncReport:
+    """Load weight version `version` into every live engine behind `client` (of `engines`, indices
+    into its addresses, if given), bucket by bucket.
 
     Each engine pauses admission at `weights_begin` (running requests finish first, or with
     `preempt` stop at once and are continued by their clients on the new weights), checks every
-    bucket's CRC32 as it arrives, and switches at `weights_commit`; the call returns only after
+    bucket's checksum as it arrives, and switches at `weights_commit`; the call returns only after
     every engine acknowledged the commit with `version`, so the next rollout is on-policy. Buckets
     are produced lazily and up to `inflight` of them are on their way at once: the next bucket is
     gathered and serialised while the engines load the previous ones (they apply them in arrival
     order), and the trainer never holds more than `inflight` buckets of bytes.
+
+    With `slots` (engines on this node) each bucket is packed into a shared-memory slot, cast to
+    `dtype`, and only its name crosses the socket; a slot is refilled once every engine acked it.
     """
     t0 = time.perf_counter()
-    begun = await client.broadcast(WeightsBegin(version=version, preempt=preempt), timeout_s)
+    begun = await client.broadcast(WeightsBegin(version=version, preempt=preempt), timeout_s, only=engines)
     buckets = nbytes = 0
     window: list[asyncio.Future] = []
     try:
-        for bucket in iter_buckets(named, version, bucket_bytes):
-            window.append(asyncio.ensure_future(client.broadcast(bucket, timeout_s)))
+        for index, tensors in enumerate(bucket_by_size(named, bucket_bytes)):
+            if slots is not None:
+                while len(window) >= slots.count:  # the slot this bucket goes into is free once its last user acked
+                    await window.pop(0)
+                bucket = shm_bucket(slots, index % slots.count, tensors, version, index, dtype)
+                nbytes += bucket.shm["total"]
+            else:
+                bucket = bucket_from_tensors(tensors, version, index)
+                nbytes += sum(len(f) for f in bucket.frames)
+            window.append(asyncio.ensure_future(client.broadcast(bucket, timeout_s, only=engines)))
             buckets += 1
-            nbytes += sum(len(f) for f in bucket.frames)
             while len(window) >= max(1, inflight):
                 await window.pop(0)
         while window:
@@ -145,12 +186,19 @@ async def push_weights(client: "GenerateClient", named: Iterable[tuple[str, "tor
     finally:
         for task in window:  # a failed bucket: the others are not waited for
             task.cancel()
-    acks = await client.broadcast(WeightsCommit(version=version, num_buckets=buckets), timeout_s)
+    acks = await commit(client, version, buckets, len(begun), timeout_s, engines)
+    return SyncReport(version, len(acks), buckets, nbytes, time.perf_counter() - t0, "shm" if slots else "bus")
+
+
+async def commit(client: "GenerateClient", version: int, buckets: int, begun: int, timeout_s: float = 600.0,
+                 engines: list[int] | None = None) -> list[Any]:
+    """Switch the engines to `version` once all `buckets` arrived; raises unless all `begun` acked it."""
+    acks = await client.broadcast(WeightsCommit(version=version, num_buckets=buckets), timeout_s, only=engines)
     wrong = [a for a in acks if not isinstance(a, Ack) or a.weight_version != version]
-    if wrong or len(acks) != len(begun):
+    if wrong or len(acks) != begun:
         raise RuntimeError(f"weight version {version} was not committed by every engine ({len(acks)} acks for "
-                           f"{len(begun)} engines, unexpected: {wrong[:3]}); check the engine server logs")
-    return SyncReport(version, len(acks), buckets, nbytes, time.perf_counter() - t0)
+                           f"{begun} engines, unexpected: {wrong[:3]}); check the engine server logs")
+    return acks
 
 
 # ---------------------------------------------------------------------- without the bus
@@ -231,3 +279,46 @@ def commit_everywhere(ok: bool, group: Any = None) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def relay_buckets(named: Iterable[tuple[str, "torch.Tensor"]] | None, src: int, group: Any, slots: "ShmSlots",
+                  version: int, bucket_bytes: int = 256 << 20, dtype: "torch.dtype | None" = None,
+                  wait_free: Any = None, device: Any = None) -> Iterator[WeightsBucket]:
+    """The collective path: one weight source, one receiving rank per node, engines fed through
+    shared memory on every node. Every rank of `group` calls it and iterates to the end; `src`
+    passes `named`. `src` packs each bucket into a slot (cast to `dtype`) and broadcasts its header
+    and then its bytes; each other rank receives the bytes straight into the same slot of its own
+    `slots`. Yields, on every rank, the bucket message naming the local slot, for this node's
+    engines (which verify the checksum before loading; a corrupt broadcast is refused there).
+    `wait_free(i)` is called before slot i is refilled: block until its last bucket was acked.
+    `device`: where the group's backend wants the bytes (a CUDA device under NCCL; None on gloo)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    source = bucket_by_size(named, bucket_bytes) if rank == src and named is not None else iter(())
+    index = 0
+    while True:
+        i = index % slots.count
+        if wait_free is not None:
+            wait_free(i)
+        header: list[Any] = [None]
+        msg = None
+        if rank == src:
+            tensors = next(source, [])
+            if tensors:
+                msg = shm_bucket(slots, i, tensors, version, index, dtype)
+                header[0] = msg.header()
+        dist.broadcast_object_list(header, src=src, group=group)
+        head = header[0]
+        if head is None:
+            return
+        ref = head["shm"]
+        flat = slots.buffer(i, ref["total"])
+        buf = flat if device is None else flat.to(device)
+        dist.broadcast(buf, src=src, group=group)
+        if msg is None:
+            if device is not None:
+                flat.copy_(buf)
+            msg = WeightsBucket.from_parts({**head, "shm": slots.ref(i, ref["offsets"], ref["sizes"], ref["total"])}, [])
+        yield msg
+        index += 1

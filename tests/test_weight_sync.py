@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from engines.models import load_tokenizer, tiny_llama
 from rollout.client import GenerateClient
-from rollout.weight_sync import bucket_by_size, push_weights, tensor_from_raw, tensor_to_raw
+from rollout.weight_sync import bucket_by_size, push_weights, shm_bucket, tensor_from_raw, tensor_to_raw
 
 
 def test_buckets_flush_before_the_tensor_that_would_overflow():
@@ -52,6 +52,63 @@ def test_push_weights_reaches_every_engine(servers):
     for r in replies:
         assert r.weight_version == 1 and r.token_ids == logp.argmax(-1).tolist()
         assert torch.allclose(torch.tensor(r.logprobs), logp.max(-1).values, atol=1e-4)
+
+
+def test_shared_memory_path_loads_every_engine_and_refuses_a_flipped_byte(servers):
+    """Buckets in shared-memory slots: only their names cross the socket; both engines load the
+    same slot, serve the new weights exactly; a slot with one flipped byte is refused by every
+    engine and the version is not committed; a slot outside the shared-memory prefix is refused."""
+    import pytest
+
+    from rollout import protocol as P
+    from rollout.client import RequestFailed
+    from rollout.shm import ShmSlots, shm_dir
+
+    srv = servers(2, backend="hf", model="tiny-llama")
+    new = tiny_llama(load_tokenizer("tiny-llama"), seed=11)
+    prompt = list(range(60, 90))
+    slots = ShmSlots()
+
+    async def greedy(client):
+        return [await client.generate(prompt, {"max_tokens": 6, "temperature": 0, "ignore_eos": True},
+                                      session_id=f"g{i}") for i in range(4)]
+
+    async def main():
+        async with GenerateClient(srv.addresses) as client:
+            await client.wait_ready(timeout_s=300)
+            report = await push_weights(client, new.state_dict().items(), version=1, bucket_bytes=1 << 20, slots=slots)
+            before = await greedy(client)
+            await client.broadcast(P.WeightsBegin(version=2))
+            bucket = shm_bucket(slots, 0, [("model.norm.weight", torch.zeros(new.config.hidden_size))], 2, 0)
+            slots.buffer(0, bucket.shm["total"])[5] ^= 1  # one byte flipped after the checksum was taken
+            with pytest.raises(RequestFailed, match="failed its checksum"):
+                await client.broadcast(bucket)
+            bucket.shm = {**bucket.shm, "path": "/etc/hostname"}
+            with pytest.raises(RequestFailed, match="only .* files are mapped"):
+                await client.broadcast(bucket)
+            with pytest.raises(RequestFailed, match="commit of version 2 with 1 buckets, but 0"):
+                await client.broadcast(P.WeightsCommit(version=2, num_buckets=1))
+            # the engines hold admission until a version commits: version 2 again, all but the norm weight
+            rest = [(n, t) for n, t in new.state_dict().items() if n != "model.norm.weight"]
+            await push_weights(client, rest, version=2, bucket_bytes=1 << 20, slots=slots)
+            return report, before, await greedy(client), await client.broadcast(P.LoadRequest())
+
+    report, before, after, status = asyncio.run(main())
+    assert report.path == "shm" and report.engines == 2 and report.buckets > 1
+    assert {r.engine_id for r in before} == {"e0", "e1"}
+    with torch.no_grad():
+        ids = torch.tensor([prompt + before[0].token_ids])
+        logp = torch.log_softmax(new(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+    for r in before:  # the engines' logprobs equal the model's: the bytes arrived intact
+        assert r.weight_version == 1 and r.token_ids == logp.argmax(-1).tolist()
+        assert torch.allclose(torch.tensor(r.logprobs), logp.max(-1).values, atol=1e-4)
+    # the refused bucket's zeros never reached the norm weight
+    assert [(r.token_ids, r.logprobs) for r in after] == [(r.token_ids, r.logprobs) for r in before]
+    assert [s.weight_version for s in status] == [2, 2]
+    mine = sorted(p.name for p in shm_dir().glob(f"switchyard-wb-{__import__('os').getpid()}-*"))
+    assert len(mine) == 2  # double buffered
+    slots.close()
+    assert not list(shm_dir().glob(f"switchyard-wb-{__import__('os').getpid()}-*"))
 
 
 def test_broadcast_to_an_in_process_engine_verifies_and_commits_all_or_nothing(tmp_path):

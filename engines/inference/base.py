@@ -141,7 +141,9 @@ class Engine(Protocol):
         """Stop a running request; its generate() returns with finish_reason 'abort'."""
 
     async def update_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
-        """Load one bucket of HF-named tensors into the live model (may be called many times)."""
+        """Load one bucket of HF-named tensors into the live model (may be called many times).
+        The tensors may be views of a shared-memory slot that is refilled once this returns: copy
+        what must outlive the call."""
 
     async def finish_weight_update(self) -> None:
         """All buckets of one version have arrived: apply what was staged (vLLM reloads here)."""

@@ -52,7 +52,7 @@ class EchoEngine:
 
     async def update_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         for name, tensor in weights:
-            self.loaded[name] = tensor
+            self.loaded[name] = tensor.clone()  # a bucket's tensors are only valid during the call
 
     async def finish_weight_update(self) -> None:
         return None
