@@ -15,8 +15,9 @@ repetition, in alternating order (HF tensors in, engines' parameters out):
                  xxh3 and copies it into its parameters; only the header crosses the socket
   bus_1, bus_2   `push_weights` with frames over the ZMQ bus (two buckets in flight)
   collective_1/2 `relay_buckets` under torch.distributed (gloo): rank 0 holds the tensors and
-                 broadcasts each bucket to 1 or 2 receiving ranks ("node leaders"), each receiving
-                 into its slot and feeding its own engine process through shared memory
+                 broadcasts each bucket to a receiving rank (a node's leader), which receives into its
+                 slot and feeds 1 or 2 engine processes through shared memory
+  collective_2nodes  the same to two leaders (two simulated nodes), one engine each
 GB/s counts the HF bytes moved. On this box every process shares 2 cores: two engines load in
 parallel only as far as the cores allow.
 
@@ -70,9 +71,10 @@ def synthetic_model(gb: float, out: Path) -> Path:
     return out
 
 
-def _collective_rank(rank: int, world: int, init: str, model: str, addrs: list[str], bucket: int, reps: int,
+def _collective_rank(rank: int, world: int, init: str, model: str, addrs: list[list[str]], bucket: int, reps: int,
                      first_version: int, out: str) -> None:
-    """One rank of the collective measurement: rank 0 the source, ranks 1.. one engine each."""
+    """One rank of the collective measurement: rank 0 the source, rank r >= 1 a node leader feeding
+    the engines `addrs[r - 1]`."""
     import json
 
     import torch
@@ -113,7 +115,7 @@ def _collective_rank(rank: int, world: int, init: str, model: str, addrs: list[s
         await commit(client, version, n, len(begun))
 
     async def run() -> None:
-        client = GenerateClient([addrs[rank - 1]]) if rank else None
+        client = GenerateClient(addrs[rank - 1]) if rank else None
         if client is not None:
             await client.start()
             await client.wait_ready(timeout_s=600)
@@ -138,15 +140,16 @@ def _collective_rank(rank: int, world: int, init: str, model: str, addrs: list[s
     dist.destroy_process_group()
 
 
-def collective(model: str, addrs: list[str], bucket: int, reps: int, first_version: int, tmp: Path) -> list[float]:
-    import torch.multiprocessing as mp
-
-    out = tmp / f"collective{len(addrs)}.json"
-    world = 1 + len(addrs)
-    mp.spawn(_collective_rank, args=(world, f"file://{tmp}/pg{len(addrs)}", model, addrs, bucket, reps,
-                                     first_version, str(out)), nprocs=world, join=True)
+def collective(model: str, addrs: list[list[str]], bucket: int, reps: int, first_version: int, tmp: Path) -> list[float]:
+    """Seconds per push from a source rank to len(addrs) leader ranks, leader i feeding engines addrs[i]."""
     import json
 
+    import torch.multiprocessing as mp
+
+    tag = "-".join(str(len(a)) for a in addrs)
+    out, world = tmp / f"collective{tag}.json", 1 + len(addrs)
+    mp.spawn(_collective_rank, args=(world, f"file://{tmp}/pg{tag}", model, addrs, bucket, reps, first_version,
+                                     str(out)), nprocs=world, join=True)
     return json.loads(out.read_text())
 
 
@@ -240,16 +243,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             version = asyncio.run(run_all())
             slots.close()
             del engine
-            for n in (1, 2):
-                times[f"collective_{n}"] = collective(str(path), addrs[:n], bucket, reps, version + 1, tmp)
+            # one node leader feeding 1 or 2 engines (the layout of one node), and two leaders of 1 each (two nodes)
+            for kind, layout in (("collective_1", [addrs[:1]]), ("collective_2", [addrs]),
+                                 ("collective_2nodes", [addrs[:1], addrs[1:]])):
+                times[kind] = collective(str(path), layout, bucket, reps, version + 1, tmp)
                 version += reps + 1
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
     ratios = {f"{k}_vs_memcpy": gbps[k] / gbps["memcpy"] for k in gbps if k != "memcpy"}
     ratios.update({f"{p}_2_vs_1_time": gbps[f"{p}_1"] / gbps[f"{p}_2"] for p in ("shm", "bus", "collective")})
+    ratios["collective_2nodes_vs_1_time"] = gbps["collective_1"] / gbps["collective_2nodes"]
     info = machine()
-    print(f"\n{'path':>13} | {'median s':>8} | {'GB/s':>7} | vs memcpy   ({info['device']})")
+    print(f"\n{'path':>17} | {'median s':>8} | {'GB/s':>7} | vs memcpy   ({info['device']})")
     for k in times:
-        print(f"{k:>13} | {statistics.median(times[k]):>8.3f} | {gbps[k]:>7.2f} | {gbps[k] / gbps['memcpy']:.3f}")
+        print(f"{k:>17} | {statistics.median(times[k]):>8.3f} | {gbps[k]:>7.2f} | {gbps[k] / gbps['memcpy']:.3f}")
     report = {"benchmark": "weight_sync", "machine": info, "model": name, "tp": tp, "pp": args.pp,
               "bytes": nbytes, "bucket_mb": args.bucket_mb, "reps": reps, "device": str(device),
               "seconds": times, "gb_per_s": gbps, "ratios": ratios,

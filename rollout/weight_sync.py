@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
@@ -65,16 +66,24 @@ def tensor_to_raw(t: "torch.Tensor") -> tuple["torch.Tensor", str, list[int]]:
 
 
 def tensor_from_raw(raw: "torch.Tensor | bytes | memoryview", dtype: str, shape: list[int],
-                    name: str = "") -> "torch.Tensor":
-    """Rebuild a tensor from `tensor_to_raw`'s parts; a bytes frame is copied first so the
-    tensor stays valid after the frame's buffer goes. An unknown dtype name is a ProtocolError."""
+                    name: str = "", copy: bool = True) -> "torch.Tensor":
+    """Rebuild a tensor from `tensor_to_raw`'s parts. A bytes frame is copied first so the tensor
+    stays valid after the frame's buffer goes; `copy=False` views the frame instead (valid only
+    while the frame lives; never write to it). An unknown dtype name is a ProtocolError."""
     import torch
 
     tdtype = getattr(torch, dtype, None)
     if not isinstance(tdtype, torch.dtype):
         raise ProtocolError(f"tensor {name!r} has unknown dtype {dtype!r}")
     if not isinstance(raw, torch.Tensor):
-        raw = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
+        if not len(raw):
+            raw = torch.empty(0, dtype=torch.uint8)
+        elif copy:
+            raw = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        else:
+            with warnings.catch_warnings():  # a received frame is read-only; the view is only read
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.frombuffer(raw, dtype=torch.uint8)
     return raw.view(tdtype).reshape(shape)
 
 
@@ -94,8 +103,9 @@ def bucket_from_tensors(tensors: list[tuple[str, "torch.Tensor"]], version: int,
 
 
 def tensors_from_bucket(bucket: WeightsBucket, slots: "ShmReader | None" = None) -> list[tuple[str, "torch.Tensor"]]:
-    """Verify the bucket's checksum and rebuild its tensors: copies of frames (safe after the frames
-    go), or views of a shared-memory slot mapped by `slots` (valid until the bucket is acked)."""
+    """Verify the bucket's checksum and rebuild its tensors without copying: views of its frames, or
+    of the shared-memory slot `slots` maps; valid while the message lives and the bucket is not
+    acked (the engine copies them into its parameters before that)."""
     if bucket.shm is not None:
         if slots is None:
             raise ProtocolError("this receiver does not map shared memory; send the bucket's frames")
@@ -110,7 +120,7 @@ def tensors_from_bucket(bucket: WeightsBucket, slots: "ShmReader | None" = None)
     if got != bucket.crc:
         raise ProtocolError(f"weights bucket {bucket.index} of version {bucket.version} failed its "
                             f"checksum ({bucket.alg} {got:#x} != {bucket.crc:#x}); resend the bucket")
-    return [(name, tensor_from_raw(frame, dtype, shape, name))
+    return [(name, tensor_from_raw(frame, dtype, shape, name, copy=False))
             for name, dtype, shape, frame in zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.frames)]
 
 
