@@ -6,9 +6,9 @@ says which code the difference is spent in, measured, so the fix goes where the 
 
 What: the echo EngineServer in its own process and a GenerateClient here issue `--requests`
 generate calls back to back; `py-spy record` samples both processes (`--rate` Hz, idle frames
-dropped) for the whole loop. Reported per process: samples by the function on top of the stack
-(self time) and by a few inclusive buckets (protocol encode/decode, socket calls, the asyncio
-loop's own work, the engine), each as a share of the request loop's wall time.
+dropped) for the whole loop. Reported per process, as shares of its non-idle samples: the
+function on top of the stack (self time), and the same grouped by where that function lives
+(protocol, bus code, zmq, asyncio machinery, the engine).
 
     python benchmarks/bus_profile.py                  # 3000 requests
     python benchmarks/bus_profile.py --requests 500   # quicker
@@ -35,10 +35,11 @@ from common import machine, write_result  # noqa: E402
 
 PROMPT_TOKENS, REPLY_TOKENS = 8192, 512
 SAMPLING = {"max_tokens": REPLY_TOKENS, "temperature": 1.0}
-# inclusive buckets: a sample counts for the first bucket whose marker appears in its stack
-BUCKETS = [("engine (echo generate)", ("echo.py",)), ("protocol encode/decode", ("protocol.py",)),
-           ("routing/client bookkeeping", ("router.py",)),
-           ("zmq socket calls", ("zmq/", "zmq\\")), ("asyncio loop", ("asyncio/",))]
+# where a sample's own (top-of-stack) frame lies; the first matching bucket wins
+BUCKETS = [("engine (echo generate)", ("echo.py",)), ("protocol encode/decode (protocol.py)", ("protocol.py",)),
+           ("bus code (server.py, client.py, router.py)", ("server.py", "client.py", "router.py")),
+           ("zmq socket calls", ("zmq/", "zmq\\")), ("numpy", ("numpy",)),
+           ("asyncio machinery (event loop, selector, tasks)", ("asyncio", "selectors.py"))]
 
 
 def start_spy(pid: int, out: Path, rate: int) -> subprocess.Popen:
@@ -47,7 +48,7 @@ def start_spy(pid: int, out: Path, rate: int) -> subprocess.Popen:
 
 
 def summarize(path: Path, top: int) -> dict[str, Any]:
-    """Collapsed stacks -> self time by function and inclusive buckets, as sample shares."""
+    """Collapsed stacks -> self time by function and by bucket, as sample shares."""
     selfs: collections.Counter[str] = collections.Counter()
     buckets: collections.Counter[str] = collections.Counter()
     total = 0
@@ -59,7 +60,7 @@ def summarize(path: Path, top: int) -> dict[str, Any]:
         total += n
         frames = stack.split(";")
         selfs[frames[-1]] += n
-        label = next((name for name, marks in BUCKETS if any(m in stack for m in marks)), "other")
+        label = next((name for name, marks in BUCKETS if any(m in frames[-1] for m in marks)), "other")
         buckets[label] += n
     return {"samples": total, "self": [(f, n / max(total, 1)) for f, n in selfs.most_common(top)],
             "buckets": {k: v / max(total, 1) for k, v in buckets.most_common()}}
