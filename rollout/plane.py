@@ -130,6 +130,7 @@ class RolloutPlane:
         self.local_control: _Control | None = None  # a node leader's client to its own engines
         self.slots: Any = None  # shared-memory weight slots (rollout.shm), made at the first push
         self.last_sync: dict[str, float] = {}
+        self._no_room = False  # shared memory too small for two buckets on this one-node run: the bus instead
 
     # ------------------------------------------------------------------ start-up
     def start_engines(self, run_dir: Path) -> None:
@@ -141,6 +142,7 @@ class RolloutPlane:
             box = [BusKeys.generate() if self.rank == 0 else None]
             torch.distributed.broadcast_object_list(box, src=0)  # never written to the run directory
             self.keys = box[0]
+        self._check_shm_room()
         local = self._start_local(run_dir, tcp=multi) if self.local_rank == 0 else []
         self._keep_off_engine_cores()
         if self.world > 1:
@@ -240,9 +242,27 @@ class RolloutPlane:
         the node's engines map), `collective` (several nodes: rank 0 broadcasts buckets to each node's
         leader, which feeds its engines through shared memory), or `bus` (frames over the sockets;
         rollout.weight_path=bus)."""
-        if self.cfg.weight_path == "bus":
+        if self.cfg.weight_path == "bus" or self._no_room:
             return "bus"
         return "collective" if self.nodes > 1 else "shm"
+
+    def _check_shm_room(self) -> None:
+        """Shared memory must hold two buckets (a container's /dev/shm is often 64 MiB): one node falls
+        back to the bus with a warning; several nodes, whose leaders all take the collective path,
+        stop with what to change."""
+        from rollout.shm import free_bytes, shm_dir
+
+        need = 2 * (self.cfg.weight_bucket_mb << 20)
+        if self.cfg.weight_path == "bus" or self.local_rank != 0 or free_bytes() >= need:
+            return
+        text = (f"{shm_dir()} has {free_bytes() >> 20} MiB free, the weight path through shared memory needs "
+                f"{need >> 20} MiB (2 x rollout.weight_bucket_mb)")
+        if self.nodes > 1:
+            raise RuntimeError(f"node {self.node}: {text}; enlarge it (docker run --shm-size=2g), lower "
+                               "rollout.weight_bucket_mb, or set rollout.weight_path=bus")
+        print(f"WARNING: {text}; weights go over the bus instead (slower). Enlarge it (docker run --shm-size=2g) "
+              "or lower rollout.weight_bucket_mb to use it.", file=sys.stderr, flush=True)
+        self._no_room = True
 
     def start_workers(self) -> None:
         """Rank 0: the agent workers and the trainer's control client, connected to every engine.

@@ -69,11 +69,40 @@ def views(flat: "torch.Tensor", dtypes: list[str], shapes: list[list[int]], offs
             in zip(dtypes, shapes, offsets, sizes, names or [""] * len(sizes))]
 
 
+def free_bytes(directory: Path | None = None) -> int:
+    """Bytes the shared-memory directory can still take (a container's /dev/shm is often 64 MiB)."""
+    st = os.statvfs(directory or shm_dir())
+    return st.f_bavail * st.f_frsize
+
+
+def reap_stale(directory: Path | None = None) -> list[Path]:
+    """Remove slot files whose creating process is gone (a sender killed with -9 cannot unlink its own)."""
+    gone = []
+    for path in (directory or shm_dir()).glob(f"{PREFIX}*"):
+        pid = path.name[len(PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+            gone.append(path)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to judge
+        return True
+    return True
+
+
 class ShmSlots:
-    """`count` reusable shared-memory slots on the sending side (double buffering by default)."""
+    """`count` reusable shared-memory slots on the sending side (double buffering by default).
+    Making one first removes slot files that killed senders left behind."""
 
     def __init__(self, count: int = 2, directory: Path | None = None) -> None:
         self.dir = directory or shm_dir()
+        reap_stale(self.dir)
         self.count = count
         self.paths: list[Path | None] = [None] * count
         self.maps: list[mmap.mmap | None] = [None] * count
@@ -96,7 +125,10 @@ class ShmSlots:
         path = self.dir / f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            if hasattr(os, "posix_fallocate"):  # reserve the pages now: a full tmpfs fails here, not with SIGBUS later
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
             self.maps[i] = mmap.mmap(fd, size)
         except OSError as e:
             os.close(fd)
@@ -140,7 +172,7 @@ class ShmSlots:
 class ShmReader:
     """The engine server's side: maps the slots named in buckets (a few at a time) and checks them."""
 
-    def __init__(self, directory: Path | None = None, keep: int = 8) -> None:
+    def __init__(self, directory: Path | None = None, keep: int = 4) -> None:
         self.dir = (directory or shm_dir()).resolve()
         self.keep = keep
         self._maps: dict[str, mmap.mmap] = {}

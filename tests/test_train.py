@@ -115,6 +115,16 @@ def test_drift_is_tiny_with_fp32_hf_engine_after_every_shared_memory_sync(tmp_pa
         (out / "metrics.jsonl").unlink()
 
 
+def test_too_little_shared_memory_falls_back_to_the_bus_with_a_warning(tmp_path: Path):
+    out = tmp_path / "run"  # two 64 GiB buckets fit no shared-memory directory here
+    proc = train([*TINY, "trainer.steps=1", "sft.enabled=false", f"trainer.output_dir={out}",
+                  "rollout.weight_bucket_mb=65536"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "weights go over the bus instead" in proc.stderr and "--shm-size" in proc.stderr
+    m = metrics(out)[-1]
+    assert m["sync/engines_bus"] == 1 and m["drift/max"] < 1e-3, m
+
+
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -146,8 +156,12 @@ def test_kill_9_mid_step_resumes_exactly(tmp_path: Path):
     assert not alive, [p.cmdline() for p in alive]
     assert [m["step"] for m in metrics(out)][-1] in (2, 3)  # step 3 may or may not have logged
 
+    from rollout.shm import shm_dir
+
+    assert list(shm_dir().glob(f"switchyard-wb-{proc.pid}-*"))  # the killed trainer's weight slots are left over
     proc2 = train(args)
     assert proc2.returncode == 0, proc2.stderr[-4000:]
+    assert not list(shm_dir().glob(f"switchyard-wb-{proc.pid}-*"))  # and the next run removed them
     assert "resuming from" in proc2.stdout and "(step 2, data position (0, 4))" in proc2.stdout, proc2.stdout[-3000:]
     rows = metrics(out)
     assert [m["step"] for m in rows] == [1, 2, 3, 4]  # one line per step, none repeated or missing

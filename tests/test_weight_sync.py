@@ -111,6 +111,26 @@ def test_shared_memory_path_loads_every_engine_and_refuses_a_flipped_byte(server
     assert not list(shm_dir().glob(f"switchyard-wb-{__import__('os').getpid()}-*"))
 
 
+def test_slot_files_of_killed_senders_are_removed(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from rollout.shm import PREFIX, ShmSlots
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"{PREFIX}{int(dead.stdout)}-0123456789abcdef"
+    live = tmp_path / f"{PREFIX}{os.getpid()}-0123456789abcdef"
+    stale.write_bytes(b"x")
+    live.write_bytes(b"x")
+    slots = ShmSlots(directory=tmp_path)
+    assert not stale.exists() and live.exists()
+    slots.buffer(0, 10)
+    assert len(list(tmp_path.glob(f"{PREFIX}{os.getpid()}-*"))) == 2
+    slots.close()
+    assert [p.name for p in tmp_path.iterdir()] == [live.name]
+
+
 def test_broadcast_to_an_in_process_engine_verifies_and_commits_all_or_nothing(tmp_path):
     import json
     import os
