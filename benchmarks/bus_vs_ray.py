@@ -104,7 +104,7 @@ def start_ray_actor() -> Any:
             from engines.inference import SamplingParams
 
             self.n += 1
-            out = await self.engine.generate(str(self.n), prompt_ids.tolist(), SamplingParams.from_dict(sampling))
+            out = await self.engine.generate(str(self.n), prompt_ids, SamplingParams.from_dict(sampling))  # as the server does
             return np.asarray(out.token_ids, np.int32), np.asarray(out.logprobs, np.float32), out.finish_reason
 
     return EchoActor.remote()

@@ -274,7 +274,7 @@ class EngineServer:
                 self._reply(identity, P.Result(rid=msg.rid, finish_reason="abort", engine_id=self.engine_id,
                                                weight_version=self.weight_version))
                 return
-            out = await self.engine.generate(self._engine_rid(identity, msg.rid), msg.prompt_ids.tolist(), params)
+            out = await self.engine.generate(self._engine_rid(identity, msg.rid), msg.prompt_ids, params)
         except asyncio.CancelledError:
             raise
         except EngineDeadError as e:  # say so, then exit: clients re-issue on a live engine

@@ -105,8 +105,8 @@ class SamplingParams:
 class GenerateOutput:
     """What one generate call returns: the engine's own tokens, never re-tokenized text."""
 
-    token_ids: list[int]
-    logprobs: list[float]
+    token_ids: list[int]  # or a 1-D int array: the server sends either as raw int32 bytes
+    logprobs: list[float]  # or a 1-D float array
     finish_reason: str  # one of FINISH_REASONS
     cached_prompt_tokens: int = 0  # prompt tokens the engine served from its prefix cache
 
@@ -135,7 +135,8 @@ class Engine(Protocol):
         """Load the model; called once before any other method."""
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
-        """Generate for one request; many calls run concurrently and are batched inside."""
+        """Generate for one request; many calls run concurrently and are batched inside.
+        `prompt_ids` is a list or, from the server, a read-only int32 array (`id_list` makes a list)."""
 
     async def abort(self, request_id: str) -> None:
         """Stop a running request; its generate() returns with finish_reason 'abort'."""
@@ -167,3 +168,10 @@ class Engine(Protocol):
 
     async def close(self) -> None:
         """Release everything; the engine is not used again."""
+
+
+def id_list(prompt_ids: Any) -> list[int]:
+    """Token ids as a Python list of ints: what engine APIs take. The server hands engines the
+    int32 array it decoded from the request's frame (read-only, valid during the call); an engine
+    that needs a list converts it here, one that can use the array (echo) does not pay for it."""
+    return prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Iterable
 
+import numpy as np
+
 from engines.inference.base import (
     EngineStats,
     GenerateOutput,
@@ -39,11 +41,12 @@ class EchoEngine:
             if request_id in self._aborted:
                 self._aborted.discard(request_id)
                 return GenerateOutput([], [], "abort")
-            n = max(0, min(params.max_tokens, self.max_model_len - len(prompt_ids)))
-            ids = (list(prompt_ids) * (n // max(len(prompt_ids), 1) + 1))[:n]
-            self._stats.prompt_tokens += len(prompt_ids)
+            prompt = np.asarray(prompt_ids, dtype=np.int32)  # the server's array as it is; a list is converted
+            n = max(0, min(params.max_tokens, self.max_model_len - len(prompt)))
+            ids = np.resize(prompt, n) if len(prompt) else np.zeros(0, np.int32)  # cycled from the prompt
+            self._stats.prompt_tokens += len(prompt)
             self._stats.generated_tokens += n
-            return GenerateOutput(ids, [0.0] * n, "length")
+            return GenerateOutput(ids, np.zeros(n, np.float32), "length")
         finally:
             self._running -= 1
 

@@ -32,6 +32,7 @@ from engines.inference.base import (
     GenerateOutput,
     SamplingParams,
     check_sleep_level,
+    id_list,
 )
 from engines.models import resolve_model
 
@@ -135,6 +136,7 @@ class HFEngine:
             raise RuntimeError(f"HFEngine({self.model_name!r}) discarded its weights in sleep(level=2) and no "
                                f"weight update was committed since; wake(), send every tensor with "
                                f"update_weights() and call finish_weight_update() before generating")
+        prompt_ids = id_list(prompt_ids)
         self._check_prompt(prompt_ids)
         gen = None
         if params.seed is not None and params.temperature > 0:

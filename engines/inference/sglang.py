@@ -43,6 +43,7 @@ from engines.inference.base import (
     GenerateOutput,
     SamplingParams,
     check_sleep_level,
+    id_list,
 )
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -89,6 +90,7 @@ class SGLangEngine:
         """Run one request to the end and return SGLang's own token ids and their logprobs."""
         if self._engine is None:
             raise RuntimeError("SGLangEngine.generate() called before start() (or after close())")
+        prompt_ids = id_list(prompt_ids)
         if not prompt_ids:
             raise ValueError("prompt_ids is empty; a prompt needs at least one token")
         sp: dict[str, Any] = {"max_new_tokens": params.max_tokens, "temperature": params.temperature,

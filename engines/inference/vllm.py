@@ -60,6 +60,7 @@ from engines.inference.base import (
     GenerateOutput,
     SamplingParams,
     check_sleep_level,
+    id_list,
 )
 
 log = logging.getLogger("switchyard.vllm")
@@ -217,6 +218,7 @@ class VLLMEngine:
 
         if self._llm is None:
             raise RuntimeError("VLLMEngine.generate() called before start() (or after close())")
+        prompt_ids = id_list(prompt_ids)
         if not prompt_ids:
             raise ValueError("prompt_ids is empty; a prompt needs at least one token")
         if len(prompt_ids) >= self.max_model_len:
