@@ -493,12 +493,8 @@ class RolloutPlane:
         """Rank 0 broadcasts each bucket to every node's leader (gloo here, NCCL between GPU nodes),
         which receives it into a shared-memory slot and hands it to its engines; a version is
         committed on every node or on none. Bytes per node."""
-        import concurrent.futures
-        import threading
-
-        from rollout import protocol as P
         from rollout.shm import ShmSlots
-        from rollout.weight_sync import commit, commit_everywhere, relay_buckets
+        from rollout.weight_sync import relay_push
 
         if self.local_rank != 0:  # not a leader: only take part in the actor's gathers
             for _ in named:
@@ -506,46 +502,13 @@ class RolloutPlane:
             return 0
         control = self.control if self.rank == 0 else self.local_control
         assert control is not None, "start_workers() makes every node leader's control client"
-        client = control.client
-        mine = [i for i, a in enumerate(client.addresses) if a.startswith("ipc://")]  # this node's engines
-        drain = None
-        if self.rank != 0:  # the actor's gathers run on the default group while this rank receives buckets
-            drain = threading.Thread(target=lambda: [None for _ in named], name="weights-gather", daemon=True)
-            drain.start()
         if self.slots is None:
             self.slots = ShmSlots()
-        timeout = self.cfg.startup_timeout_s
-        begun = control.run(client.broadcast(P.WeightsBegin(version=version, preempt=preempt), timeout, only=mine))
-        inflight: list[concurrent.futures.Future | None] = [None] * self.slots.count
-        failure: list[BaseException] = []
-
-        def wait_free(i: int) -> None:
-            fut, inflight[i] = inflight[i], None
-            if fut is not None:
-                try:
-                    fut.result()
-                except BaseException as e:  # noqa: BLE001 - kept until the stream ends: leaving early hangs the others
-                    failure.append(e)
-
-        buckets = sent = 0
         device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend(
             self.weight_group) == "nccl" else None  # written for GPU nodes, not run here
-        for msg in relay_buckets(named if self.rank == 0 else None, 0, self.weight_group, self.slots, version,
-                                 self.cfg.weight_bucket_mb << 20, self.engine_dtype(), wait_free, device):
-            slot = buckets % self.slots.count
-            if not failure:
-                inflight[slot] = asyncio.run_coroutine_threadsafe(client.broadcast(msg, timeout, only=mine), control.loop)
-            buckets += 1
-            sent += msg.shm["total"]
-        for i in range(self.slots.count):
-            wait_free(i)
-        if drain is not None:
-            drain.join()
-        if not commit_everywhere(not failure, self.weight_group):
-            raise RuntimeError(f"weight version {version} was not committed on any node: "
-                               + (f"{type(failure[0]).__name__}: {failure[0]}" if failure else "another node failed; see its log"))
-        control.run(commit(client, version, buckets, len(begun), timeout, mine))
-        return sent
+        return relay_push(control.client, control.loop, named, self.rank == 0, self.weight_group, self.slots, version,
+                          self.cfg.weight_bucket_mb << 20, self.engine_dtype(), preempt, self.cfg.startup_timeout_s,
+                          device)
 
     # ------------------------------------------------------------------ shutdown
     def print_engine_logs(self, tail: int = 3000) -> None:

@@ -332,3 +332,57 @@ def relay_buckets(named: Iterable[tuple[str, "torch.Tensor"]] | None, src: int, 
             msg = WeightsBucket.from_parts({**head, "shm": slots.ref(i, ref["offsets"], ref["sizes"], ref["total"])}, [])
         yield msg
         index += 1
+
+
+def relay_push(client: "GenerateClient", loop: asyncio.AbstractEventLoop, named: Iterable[tuple[str, "torch.Tensor"]],
+               is_source: bool, group: Any, slots: "ShmSlots", version: int, bucket_bytes: int = 256 << 20,
+               dtype: "torch.dtype | None" = None, preempt: bool = False, timeout_s: float = 600.0,
+               device: Any = None) -> int:
+    """One node leader's part of the collective push: begin on this node's engines (the ipc
+    addresses of `client`, whose event loop `loop` runs in another thread), receive every bucket
+    by `relay_buckets` (the source, global rank 0 of `group`, sends `named`), hand each to the
+    engines while the next one is broadcast, then vote: the version commits on every node only if
+    every node's engines took every bucket (`commit_everywhere`), else nowhere, and this raises.
+    A leader that is not the source drains `named` in a thread, since a sharded actor's gathers run
+    on the default group while this rank receives on `group`. Returns the bytes received."""
+    import concurrent.futures
+    import threading
+
+    mine = [i for i, a in enumerate(client.addresses) if a.startswith("ipc://")]  # this node's engines
+
+    def run(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    drain = None
+    if not is_source:
+        drain = threading.Thread(target=lambda: [None for _ in named], name="weights-gather", daemon=True)
+        drain.start()
+    begun = run(client.broadcast(WeightsBegin(version=version, preempt=preempt), timeout_s, only=mine))
+    inflight: list[concurrent.futures.Future | None] = [None] * slots.count
+    failure: list[BaseException] = []
+
+    def wait_free(i: int) -> None:
+        fut, inflight[i] = inflight[i], None
+        if fut is not None:
+            try:
+                fut.result()
+            except BaseException as e:  # noqa: BLE001 - kept until the stream ends: leaving early hangs the others
+                failure.append(e)
+
+    buckets = received = 0
+    for msg in relay_buckets(named if is_source else None, 0, group, slots, version, bucket_bytes, dtype, wait_free,
+                             device):
+        if not failure:
+            inflight[buckets % slots.count] = asyncio.run_coroutine_threadsafe(
+                client.broadcast(msg, timeout_s, only=mine), loop)
+        buckets += 1
+        received += msg.shm["total"]
+    for i in range(slots.count):
+        wait_free(i)
+    if drain is not None:
+        drain.join()
+    if not commit_everywhere(not failure, group):
+        raise RuntimeError(f"weight version {version} was not committed on any node: "
+                           + (f"{type(failure[0]).__name__}: {failure[0]}" if failure else "another node failed; see its log"))
+    run(commit(client, version, buckets, len(begun), timeout_s, mine))
+    return received

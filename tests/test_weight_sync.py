@@ -151,3 +151,28 @@ def test_broadcast_to_an_in_process_engine_verifies_and_commits_all_or_nothing(t
     assert sender["committed"] and receiver["committed"]
     assert "failed its checksum" in receiver["corruption"]
     assert not sender["second_commit"] and not receiver["second_commit"]  # one refusal: nobody bumps
+
+
+def test_collective_relay_loads_both_nodes_and_commits_all_or_nothing(tmp_path):
+    """Two node leaders under torchrun (gloo), each with its own hf engine server: the relayed
+    version 1 makes both engines generate exactly as the new model (greedy tokens equal, logprobs
+    within 1e-4: the same fp32 weights and math on both sides); in version 2 one bucket reaches
+    rank 1 with a flipped byte, its engine refuses it and no node commits."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "tests/dist_relay.py", str(tmp_path)], cwd=repo, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"relay{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        assert r["bytes_v1"] > 1 << 20  # several 1 MiB buckets arrived on both ranks
+        assert r["v1_version"] == 1 and r["v1_same_tokens"] and r["v1_logprob_gap"] < 1e-4, r
+        assert "was not committed on any node" in r["v2_error"], r
+        assert r["v2_engine_version"] == 1, r  # neither engine bumped
+    assert "failed its checksum" in ranks[1]["v2_error"]  # rank 1 says why; rank 0 points at the other node
+    assert "another node failed" in ranks[0]["v2_error"]
