@@ -117,7 +117,8 @@ class ToolAgentLoop(AgentLoopBase):
     """Generate, run the tools the model called, feed results back; repeat within the limits.
 
     Row columns used: `prompt` (messages), `extra_info.tools_kwargs.<tool>.create_kwargs`,
-    `interaction_kwargs` (or `extra_info.interaction_kwargs`) with `name` selecting the interaction,
+    `interaction_kwargs` (or `extra_info.interaction_kwargs`) with `name` selecting the interaction
+    (none: the only one loaded; with none loaded the kwargs are ignored, as verl does),
     `reward_model` / `data_source` for the rule reward. `num_turns` counts assistant generations.
     """
 
@@ -133,7 +134,10 @@ class ToolAgentLoop(AgentLoopBase):
         tools_kwargs = extra.get("tools_kwargs") or {}
         tools = {name: tool for name, tool in self.ctx.tools.items()
                  if not extra.get("tools") or name in extra["tools"]}
+        # verl's rows keep them in extra_info and may omit the name; with no interaction loaded they are ignored
         inter_kwargs = dict(row.get("interaction_kwargs") or extra.get("interaction_kwargs") or {})
+        if not self.ctx.interactions:
+            inter_kwargs = {}
         encoder = ChatEncoder(self.tokenizer, tools=[t.tool_schema for t in tools.values()] or None)
 
         traj = Trajectory(encoder.initial(messages))
@@ -151,9 +155,12 @@ class ToolAgentLoop(AgentLoopBase):
             for name, tool in tools.items():
                 instances[name] = await tool.create(**((tools_kwargs.get(name) or {}).get("create_kwargs") or {}))
             if inter_kwargs:
-                iname = inter_kwargs.pop("name", None) or next(iter(self.ctx.interactions), None)
+                iname = inter_kwargs.pop("name", None)
+                if iname is None and len(self.ctx.interactions) == 1:
+                    iname = next(iter(self.ctx.interactions))  # the only one loaded
                 if iname not in self.ctx.interactions:
-                    raise KeyError(f"interaction {iname!r} is not loaded; known: {sorted(self.ctx.interactions)}")
+                    raise KeyError(f"interaction {iname!r} is not loaded; known: {sorted(self.ctx.interactions)}"
+                                   + ("" if iname else " (the row's interaction_kwargs has no name: add one)"))
                 interaction = self.ctx.interactions[iname]
                 inter_id = await interaction.start(**inter_kwargs)
             state, parsed = State.GENERATING, None

@@ -359,6 +359,7 @@ class EngineServer:
                         raise ValueError(f"commit of version {msg.version} with {msg.num_buckets} buckets, but "
                                          f"{loaded} buckets of version {pending_version} were loaded")
                     await self.engine.finish_weight_update()
+                    slots.release()
                     self.weight_version, pending_version = msg.version, None
                     await self._set_gate(_updating=False, _weights_freed=False)
                 self._reply(identity, P.Ack(rid=msg.rid, of=msg.TYPE, weight_version=self.weight_version))

@@ -205,3 +205,13 @@ class ShmReader:
         if len(mm) < total:
             raise ProtocolError(f"weight slot {path} holds {len(mm)} bytes, the bucket says {total}")
         return torch.frombuffer(mm, dtype=torch.uint8, count=total) if total else torch.empty(0, dtype=torch.uint8)
+
+    def release(self) -> None:
+        """Unmap every slot (after a commit): the engine's RSS then counts only its own memory, and a
+        slot the sender replaced is let go. A map some tensor still views is kept until next time."""
+        for path, mm in list(self._maps.items()):
+            try:
+                mm.close()
+            except BufferError:
+                continue
+            del self._maps[path]

@@ -109,6 +109,23 @@ def test_validation_names_row_and_key(edit: Any, pattern: str) -> None:
         validate_rows(rows, AGENTS, {"calculator"}, {"gsm8k"})
 
 
+def test_verl_tool_agent_rows_validate_as_verl_treats_them(capsys) -> None:
+    """A row as verl's gsm8k_tool_agent_loop preprocessing writes it: interaction kwargs inside
+    extra_info, with query and ground_truth and no name."""
+    row = {"data_source": "openai/gsm8k", "agent_name": "tool_agent", "ability": "math",
+           "prompt": [{"role": "system", "content": "You are a math expert."}, {"role": "user", "content": "1+1?"}],
+           "reward_model": {"style": "rule", "ground_truth": "2"},
+           "extra_info": {"split": "train", "index": 0, "answer": "#### 2", "question": "1+1?", "need_tools_kwargs": True,
+                          "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "2"}}},
+                          "interaction_kwargs": {"query": "1+1?", "ground_truth": "2"}}}
+    validate_rows([row], AGENTS, {"calc_gsm8k_reward"}, [])  # no interaction loaded: ignored, with one notice
+    assert "1 row(s) carry interaction_kwargs but no interaction is loaded" in capsys.readouterr().err
+    validate_rows([row], AGENTS, {"calc_gsm8k_reward"}, {"gsm8k"})  # the only one loaded is the one
+    assert capsys.readouterr().err == ""
+    with pytest.raises(RowError, match=r"row 0: key 'interaction_kwargs' has no 'name' and 2 interactions"):
+        validate_rows([row], AGENTS, {"calc_gsm8k_reward"}, {"gsm8k", "tutor"})
+
+
 def test_validation_reports_several_rows() -> None:
     rows = arithmetic_rows(5, "train")
     rows[0]["agent_name"] = rows[3]["agent_name"] = "nope"

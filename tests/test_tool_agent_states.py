@@ -204,6 +204,21 @@ def test_interaction_lets_the_model_retry(tok):
     assert len(tutor.finalized) == 1 and tutor.instances == {}
 
 
+def test_verl_rows_keep_interaction_kwargs_in_extra_info_without_a_name(tok):
+    """verl's GSM8K tool-agent rows: `extra_info.interaction_kwargs` = {query, ground_truth}, no name.
+    With one interaction loaded it is the one; with none loaded the kwargs are ignored."""
+    row = {**ROW, "extra_info": {"interaction_kwargs": {"query": "What is 6*7?", "ground_truth": "42"}}}
+    tutor = _tutor()
+    out, _, _ = run(tok, ["#### 41", "#### 42"], row=row, interactions={"gsm8k": tutor})
+    assert out.termination == "interaction_done" and out.num_turns == 2 and len(tutor.finalized) == 1
+    assert out.reward_extra["interaction"] == 1.0
+    out, _, _ = run(tok, ["#### 41"], row=row, interactions={})
+    assert out.termination == "stop" and out.num_turns == 1 and not out.error
+    two = {"gsm8k": _tutor(), "other": _tutor()}
+    out, _, _ = run(tok, ["#### 42"], row=row, interactions=two)
+    assert out.termination == "error" and "has no name" in out.error
+
+
 def test_user_turn_limit_and_finalize_on_failure(tok):
     tutor = _tutor(max_retries=10)
     out, _, _ = run(tok, ["#### 1"], {"max_user_turns": 2}, row=ROW_TUTOR, interactions={"gsm8k": tutor})

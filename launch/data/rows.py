@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 from typing import Any, Collection, Iterator, Mapping, Sequence
 
@@ -165,10 +166,33 @@ def _row_errors(row: Any, known_agent_names: Collection[str] | None, known_tools
             if tool not in known_tools:
                 yield (f"key '{key}' names tool {tool!r}, which is not loaded; loaded tools: {sorted(known_tools)} "
                        "(add it to the tools config or drop it from the row)")
-    inter = row.get("interaction_kwargs") or extra.get("interaction_kwargs")
-    if inter and known_interactions is not None and inter.get("name") not in known_interactions:
-        yield (f"key 'interaction_kwargs.name' is {inter.get('name')!r}; loaded interactions: "
-               f"{sorted(known_interactions)}")
+    inter = interaction_kwargs_of(row)
+    if inter is not None and not isinstance(inter, Mapping):
+        yield f"key 'interaction_kwargs' must be a mapping like {{name: gsm8k, ground_truth: '72'}}, got {inter!r}"
+    elif inter and known_interactions:  # none loaded: verl's behaviour, the kwargs are ignored (one notice)
+        name = inter.get("name")
+        if name is None and len(known_interactions) > 1:
+            yield (f"key 'interaction_kwargs' has no 'name' and {len(known_interactions)} interactions are loaded "
+                   f"({sorted(known_interactions)}); add name to say which")
+        elif name is not None and name not in known_interactions:
+            yield f"key 'interaction_kwargs.name' is {name!r}; loaded interactions: {sorted(known_interactions)}"
+
+
+def interaction_kwargs_of(row: Mapping[str, Any]) -> Any:
+    """A row's interaction kwargs: top level, or inside `extra_info` where verl's preprocessing puts them."""
+    extra = row.get("extra_info") or {}
+    return row.get("interaction_kwargs") or (extra.get("interaction_kwargs") if isinstance(extra, Mapping) else None)
+
+
+def ignored_interaction_notice(rows: Sequence[Any], known_interactions: Collection[str] | None) -> str | None:
+    """The one notice for rows whose interaction kwargs no loaded interaction will read."""
+    if known_interactions is None or known_interactions:
+        return None
+    n = sum(1 for r in rows if isinstance(r, Mapping) and interaction_kwargs_of(r))
+    if not n:
+        return None
+    return (f"notice: {n} row(s) carry interaction_kwargs but no interaction is loaded, so they are ignored (as verl "
+            "does); set rollout.interaction_config (e.g. launch/configs/interaction_gsm8k.yaml) to use them")
 
 
 def validate_rows(rows: Sequence[Any], known_agent_names: Collection[str] | None,
@@ -186,6 +210,9 @@ def validate_rows(rows: Sequence[Any], known_agent_names: Collection[str] | None
     if problems:
         raise RowError(f"{len(problems)} problem(s) in the dataset (showing up to {max_errors}):\n  "
                        + "\n  ".join(problems[:max_errors]))
+    notice = ignored_interaction_notice(rows, known_interactions)
+    if notice:
+        print(notice, file=sys.stderr, flush=True)
 
 
 class RowStream:
