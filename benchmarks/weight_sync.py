@@ -242,7 +242,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
             version = asyncio.run(run_all())
             slots.close()
-            del engine
             # one node leader feeding 1 or 2 engines (the layout of one node), and two leaders of 1 each (two nodes)
             for kind, layout in (("collective_1", [addrs[:1]]), ("collective_2", [addrs]),
                                  ("collective_2nodes", [addrs[:1], addrs[1:]])):

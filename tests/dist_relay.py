@@ -9,7 +9,6 @@ exactly as the new model does. Version 2: rank 1's copy of one bucket arrives wi
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import tempfile
