@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.traces import TraceConfig
 from rollout.router import POLICIES  # the router owns the policy names
 
 ENGINES = ("vllm", "hf", "sglang")
@@ -61,6 +62,9 @@ class RolloutConfig:
     # until the batch is full; keep trajectories cut by a token limit out of the loss
     dynamic_sampling: bool = False
     overlong_filter: bool = False
+    # MLflow traces of finished trajectories (agent/traces.py): enabled, tracking_uri (default: the
+    # run's own sqlite store, output_dir/mlflow.db), experiment, sample_rate (fraction of GRPO groups)
+    tracing: TraceConfig = field(default_factory=TraceConfig)
 
     def __post_init__(self) -> None:
         _choice("engine", self.engine, ENGINES)

@@ -124,6 +124,7 @@ class RolloutPlane(WeightRoutes):
         self.control: _Control | None = None
         self.feeder: Any = None  # rank 0 under rollout.staleness >= 1: the AsyncRollout
         self.tmp_dirs: list[Path] = []  # this node's sockets, keys and engine logs
+        self.run_dir = Path(".")  # the run's output directory (start_engines)
         self._last: dict[str, dict[str, float]] = {}  # engine id -> counters at the last report
         self.leaders: list[int] = [0]  # the global rank that started each node's engines (its local rank 0)
         self.weight_group: Any = None  # the leaders' process group, for the collective weight path
@@ -135,6 +136,7 @@ class RolloutPlane(WeightRoutes):
     # ------------------------------------------------------------------ start-up
     def start_engines(self, run_dir: Path) -> None:
         """Every node's local rank 0 starts its engines; every rank learns every engine's addresses."""
+        self.run_dir = run_dir
         multi = self.nodes > 1
         if multi:
             from rollout.auth import BusKeys
@@ -261,7 +263,21 @@ class RolloutPlane(WeightRoutes):
             agent_configs={k: dict(v) for k, v in r.agent.items()}, agent_loops=dict(r.agent_loops),
             tools_config=str(self.tools_config) if self.tools_config else None,
             interaction_config=str(self.interaction_config) if self.interaction_config else None,
-            policy=r.policy, ready_timeout_s=r.startup_timeout_s, bus_keys=worker_keys)).start()
+            policy=r.policy, ready_timeout_s=r.startup_timeout_s, bus_keys=worker_keys,
+            tracing=self._tracing())).start()
+
+    def _tracing(self) -> Any:
+        """The run's trace settings; enabled without a tracking_uri, the traces go to the run's own
+        sqlite store, and the command that opens them is printed."""
+        from dataclasses import replace
+
+        t = self.cfg.tracing
+        if t.enabled and not t.tracking_uri:
+            t = replace(t, tracking_uri=f"sqlite:///{(Path(self.run_dir) / 'mlflow.db').resolve()}")
+        if t.enabled:
+            print(f"tracing {t.sample_rate:.0%} of GRPO groups to MLflow experiment {t.experiment!r}; view them with: "
+                  f"mlflow ui --backend-store-uri {t.tracking_uri}", flush=True)
+        return t
 
     # ------------------------------------------------------------------ every step
     def generate(self, rows: list[dict[str, Any]], weight_version: int,

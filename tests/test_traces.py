@@ -113,3 +113,25 @@ def test_trajectories_are_traced_from_worker_processes(servers, tool_caller, tmp
     tracer.flush()
     sampled = client.search_traces(locations=[tracer.experiment_id], max_results=100)
     assert len(sampled) == tracer.recorded == sum(should_trace(g, 0.5) for g in group_of) and tracer.failed == 0
+
+
+def test_the_trainer_turns_tracing_on_with_one_config_key(tmp_path):
+    """`launch/train.py ... rollout.tracing.enabled=true`: every trajectory of the run lands in the
+    run's own sqlite store, and the command that opens it is printed."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "launch/train.py", "model.path=tiny-llama", "rollout.engine=hf",
+                           "sft.enabled=false", "data.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=16",
+                           "trainer.steps=1", "rollout.tracing.enabled=true", f"trainer.output_dir={out}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    uri = f"sqlite:///{out.resolve() / 'mlflow.db'}"
+    assert f"mlflow ui --backend-store-uri {uri}" in proc.stdout
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("switchyard-rollouts")
+    traces = client.search_traces(locations=[exp.experiment_id], max_results=100)
+    assert len(traces) == 4  # 2 prompts x 2 samples
+    assert all(next(s for s in t.data.spans if s.parent_id is None).attributes["response_ids"] for t in traces)
