@@ -219,6 +219,56 @@ def test_verl_rows_keep_interaction_kwargs_in_extra_info_without_a_name(tok):
     assert out.termination == "error" and "has no name" in out.error
 
 
+FUNCTIONS = '''
+from typing import Literal
+
+
+def add(a: int, b: int = 0) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first number
+        b: the second number,
+            zero if left out
+    """
+    return a + b
+
+
+async def shout(text: str, style: Literal["upper", "lower"] = "upper") -> dict:
+    """Change the case of a text."""
+    return {"text": text.upper() if style == "upper" else text.lower()}
+
+
+def _helper() -> None:
+    pass
+'''
+
+
+def test_a_file_of_two_functions_becomes_tools_that_run_in_a_trajectory(tok, tmp_path):
+    from agent.tools import load_tools
+
+    (tmp_path / "my_tools.py").write_text(FUNCTIONS)
+    (tmp_path / "tools.yaml").write_text("functions:\n  - source: my_tools.py\n")
+    tools = load_tools(tmp_path / "tools.yaml")
+    assert sorted(tools) == ["add", "shout"]  # public functions only
+    add = tools["add"].tool_schema["function"]
+    assert add["description"] == "Add two integers." and add["parameters"] == {
+        "type": "object", "required": ["a"],
+        "properties": {"a": {"type": "integer", "description": "the first number"},
+                       "b": {"type": "integer", "description": "the second number, zero if left out"}}}
+    assert tools["shout"].tool_schema["function"]["parameters"]["properties"]["style"] == {
+        "enum": ["upper", "lower"], "type": "string"}
+    replies = ['<tool_call>{"name": "add", "arguments": {"a": 40, "b": 2}}</tool_call>',
+               '<tool_call>{"name": "shout", "arguments": {"text": "done"}}</tool_call>'
+               '<tool_call>{"name": "add", "arguments": {"c": 1}}</tool_call>',
+               "#### 42"]
+    out, _, _ = run(tok, replies, {"max_assistant_turns": 4}, tools=tools)
+    observations = [m["content"] for m in out.messages if m["role"] == "tool"]
+    assert observations[0] == "42" and observations[1] == '{"text": "DONE"}'
+    assert "takes no argument(s) ['c']" in observations[2] and "missing required argument(s) ['a']" in observations[2]
+    assert out.termination == "stop" and out.reward == 1.0
+
+
 def test_user_turn_limit_and_finalize_on_failure(tok):
     tutor = _tutor(max_retries=10)
     out, _, _ = run(tok, ["#### 1"], {"max_user_turns": 2}, row=ROW_TUTOR, interactions={"gsm8k": tutor})

@@ -194,3 +194,41 @@ def test_search_tool_from_jsonl(tmp_path: Path) -> None:
     assert none.text.startswith("No passages") and not empty.success
     with pytest.raises(ValueError, match="does not exist"):
         SearchTool({"corpus_path": str(tmp_path / "nope.jsonl")}, schema("search"))
+
+
+def test_function_tools_refuse_what_the_schema_cannot_say(tmp_path):
+    import pytest
+
+    from agent.tools import load_tools
+    from agent.tools.functions import function_schema
+    from agent.tools.registry import ToolConfigError
+
+    def undocumented(x: int) -> int:
+        return x
+
+    def untyped(x):  # noqa: ANN001
+        """Doubles."""
+        return 2 * x
+
+    def starred(*xs: int) -> int:
+        """Sums."""
+        return sum(xs)
+
+    def optional(x: int | None = None, tags: list[str] | None = None) -> str:
+        """Optional things."""
+        return ""
+
+    for fn, pattern in ((undocumented, "has no docstring"), (untyped, "has no type hint"),
+                        (starred, "named arguments only")):
+        with pytest.raises(ValueError, match=pattern):
+            function_schema(fn)
+    params = function_schema(optional)["function"]["parameters"]
+    assert params["required"] == [] and params["properties"] == {
+        "x": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}}
+    (tmp_path / "t.yaml").write_text("functions:\n  - {source: nowhere.py}\n")
+    with pytest.raises(ToolConfigError, match=r"functions\[0\]: function tools file .*nowhere.py' does not exist"):
+        load_tools(tmp_path / "t.yaml")
+    (tmp_path / "f.py").write_text("def a(x: int) -> int:\n    'A.'\n    return x\n")
+    (tmp_path / "t.yaml").write_text("functions:\n  - {source: f.py, names: [a, b]}\n")
+    with pytest.raises(ToolConfigError, match=r"has no function\(s\) \['b'\]; it defines \['a'\]"):
+        load_tools(tmp_path / "t.yaml")

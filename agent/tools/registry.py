@@ -5,6 +5,7 @@
         config: {max_expression_chars: 200}
         tool_schema: {type: function, function: {name: calculator, description: ..., parameters: {...}}}
 
+plus, optionally, plain Python functions as tools (`functions:`, see agent/tools/functions.py).
 A bad entry fails loudly at start-up, naming the entry, rather than mid-rollout.
 """
 
@@ -32,9 +33,38 @@ def load_tools(path: str | Path) -> dict[str, BaseTool]:
         raise ToolConfigError(f"tools config {str(path)!r} does not exist; fix the path") from None
     except yaml.YAMLError as e:
         raise ToolConfigError(f"{path} is not valid YAML: {e}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("tools"), list):
-        raise ToolConfigError(f"{path}: expected a top-level `tools:` list, got {type(data).__name__}")
-    return build_tools(data["tools"], source=str(path))
+    if not isinstance(data, dict) or not isinstance(data.get("tools", []), list) or not (
+            data.get("tools") or data.get("functions")):
+        raise ToolConfigError(f"{path}: expected a top-level `tools:` list (and/or `functions:`), got "
+                              f"{type(data).__name__}")
+    tools = build_tools(data.get("tools") or [], source=str(path))
+    for name, tool in build_function_tools(data.get("functions") or [], str(path), path.parent).items():
+        if name in tools:
+            raise ToolConfigError(f"{path}: function tool {name!r} has the name of a tool already listed; rename one")
+        tools[name] = tool
+    return tools
+
+
+def build_function_tools(entries: Any, source: str = "<tools>", base: Path | None = None) -> dict[str, BaseTool]:
+    """Tools from `functions:` entries ({source, names?, config?}; see agent/tools/functions.py)."""
+    from agent.tools.functions import function_tools
+
+    if not isinstance(entries, list):
+        raise ToolConfigError(f"{source}: `functions:` must be a list of {{source: file.py or module, names: [...]}}")
+    tools: dict[str, BaseTool] = {}
+    for i, entry in enumerate(entries):
+        where = f"{source}: functions[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("source"), str):
+            raise ToolConfigError(f"{where} is {entry!r}; expected {{source: my_tools.py, names: [f, g]}}")
+        try:
+            made = function_tools(entry["source"], entry.get("names"), entry.get("config"), base)
+        except ValueError as e:
+            raise ToolConfigError(f"{where}: {e}") from None
+        for tool in made:
+            if tool.name in tools:
+                raise ToolConfigError(f"{where}: duplicate function tool name {tool.name!r}")
+            tools[tool.name] = tool
+    return tools
 
 
 def build_tools(entries: list[dict[str, Any]], source: str = "<tools>") -> dict[str, BaseTool]:
