@@ -60,13 +60,15 @@ def _doc_parts(doc: str) -> tuple[str, dict[str, str]]:
     args: dict[str, str] = {}
     section = re.search(r"^\s*(?:Args|Arguments|Parameters):\s*\n((?:[ \t]+.*(?:\n|$))+)", doc, re.M)
     if section:
+        lines = [ln for ln in section.group(1).splitlines() if ln.strip()]
+        indent = len(lines[0]) - len(lines[0].lstrip()) if lines else 0  # a parameter line's indentation
         current = None
-        for line in section.group(1).splitlines():
+        for line in lines:
             m = re.match(r"\s+(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)", line)
-            if m and (current is None or len(line) - len(line.lstrip()) <= indent):
-                current, indent = m.group(1), len(line) - len(line.lstrip())
+            if m and len(line) - len(line.lstrip()) == indent:
+                current = m.group(1)
                 args[current] = m.group(2).strip()
-            elif current is not None and line.strip():
+            elif current is not None:  # a continuation line of the last parameter
                 args[current] = f"{args[current]} {line.strip()}".strip()
     return summary, args
 
