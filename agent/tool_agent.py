@@ -147,6 +147,7 @@ class ToolAgentLoop(AgentLoopBase):
         instances: dict[str, str] = {}
         interaction, inter_id = None, None
         stats = {"tool_calls": 0, "tool_successes": 0, "invalid_calls": 0}
+        step_rewards: list[float] = []  # what tools' execute returned as step rewards, call by call
         termination, error, last_text = "stop", "", ""
         reward, reward_extra = 0.0, {}
         assistant_turns = user_turns = 0
@@ -154,6 +155,8 @@ class ToolAgentLoop(AgentLoopBase):
         try:
             for name, tool in tools.items():
                 instances[name] = await tool.create(**((tools_kwargs.get(name) or {}).get("create_kwargs") or {}))
+                if hasattr(tool, "bind_row_kwargs"):  # verl-contract tools take the other kwargs blocks too
+                    tool.bind_row_kwargs(instances[name], tools_kwargs.get(name) or {})
             if inter_kwargs:
                 iname = inter_kwargs.pop("name", None)
                 if iname is None and len(self.ctx.interactions) == 1:
@@ -193,7 +196,7 @@ class ToolAgentLoop(AgentLoopBase):
                     else:
                         state = State.PROCESSING_TOOLS
                 elif state is State.PROCESSING_TOOLS:
-                    new = await self._run_tools(parsed, tools, instances, stats, turns)
+                    new = await self._run_tools(parsed, tools, instances, stats, turns, step_rewards)
                     if not self._append(traj, encoder, messages, new):
                         termination = "token_budget"
                         break
@@ -216,7 +219,8 @@ class ToolAgentLoop(AgentLoopBase):
                     state = State.GENERATING
             tool_reward = sum([await tools[n].calc_reward(i) for n, i in instances.items()])
             inter_score = await interaction.calculate_score(inter_id) if interaction is not None else None
-            reward, reward_extra = self._score(row, last_text, stats, termination, tool_reward, inter_score)
+            reward, reward_extra = self._score(row, last_text, stats, termination, tool_reward, inter_score,
+                                               sum(step_rewards))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a broken trajectory is reported, not allowed to fail the batch
@@ -246,7 +250,8 @@ class ToolAgentLoop(AgentLoopBase):
         return True
 
     async def _run_tools(self, parsed: Any, tools: Mapping[str, BaseTool], instances: Mapping[str, str],
-                         stats: dict[str, int], turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                         stats: dict[str, int], turns: list[dict[str, Any]], step_rewards: list[float]
+                         ) -> list[dict[str, Any]]:
         """Run this turn's calls concurrently; one tool message per call, parse error and skipped call."""
         t0 = time.perf_counter()
         calls = parsed.calls[:self.cfg.max_parallel_calls]
@@ -259,6 +264,7 @@ class ToolAgentLoop(AgentLoopBase):
             texts.append(text)
             truncated += cut
             stats["tool_successes"] += bool(resp.success)
+            step_rewards.append(float(getattr(resp, "reward", 0.0) or 0.0))
         texts += [f"Error: {e}" for e in parsed.errors]
         texts += [f"Error: call to {c.name!r} was not run: at most {self.cfg.max_parallel_calls} tool calls "
                   f"per turn" for c in skipped]
@@ -283,12 +289,12 @@ class ToolAgentLoop(AgentLoopBase):
         return resp if isinstance(resp, ToolResponse) else ToolResponse(str(resp))
 
     def _score(self, row: Mapping[str, Any], text: str, stats: dict[str, int], termination: str,
-               tool_reward: float, inter_score: float | None) -> tuple[float, dict[str, float]]:
+               tool_reward: float, inter_score: float | None, step_reward: float = 0.0) -> tuple[float, dict[str, float]]:
         from agent.rewards import TrajectoryStats, score_trajectory
 
         st = TrajectoryStats(hit_turn_limit=termination in ("max_assistant_turns", "max_user_turns"), **stats)
         return score_trajectory(row, text, shaping=self.cfg.reward_shaping, stats=st, tool_reward=tool_reward,
-                                interaction_score=inter_score)
+                                interaction_score=inter_score, step_reward=step_reward)
 
     async def _cleanup(self, tools: Mapping[str, BaseTool], instances: Mapping[str, str], interaction: Any,
                        inter_id: str | None) -> None:

@@ -187,7 +187,7 @@ def test_score_trajectory_sums_every_component_and_lists_them():
     stats = TrajectoryStats(tool_calls=3, tool_successes=2, invalid_calls=1, hit_turn_limit=True)
     shaping = {"tool_success_bonus": 0.1, "invalid_call_penalty": 0.2, "turn_limit_penalty": 0.3}
     total, parts = score_trajectory(row, answer, shaping=shaping, stats=stats, tool_reward=0.5, interaction_score=1.0)
-    assert parts == pytest.approx({"rule": 1.0, "tool": 0.5, "interaction": 1.0, "tool_bonus": 0.2,
+    assert parts == pytest.approx({"rule": 1.0, "tool": 0.5, "tool_step": 0.0, "interaction": 1.0, "tool_bonus": 0.2,
                                    "invalid_call_penalty": -0.2, "turn_limit_penalty": -0.3})
     assert total == pytest.approx(1.0 + 0.5 + 1.0 + 0.2 - 0.2 - 0.3) == pytest.approx(sum(parts.values()))
     assert all(isinstance(v, float) for v in parts.values())
@@ -200,7 +200,7 @@ def test_score_trajectory_as_the_single_turn_loop_calls_it():
     for r in rows:
         total, parts = score_trajectory(verl_row(r), r["answer"], shaping=None)
         assert total == 1.0
-        assert parts == {"rule": 1.0, "tool": 0.0, "interaction": 0.0, "tool_bonus": 0.0,
+        assert parts == {"rule": 1.0, "tool": 0.0, "tool_step": 0.0, "interaction": 0.0, "tool_bonus": 0.0,
                          "invalid_call_penalty": 0.0, "turn_limit_penalty": 0.0}
         assert score_trajectory(verl_row(r), perturb(r["answer"]))[0] == 0.0
     # no rule reward: the rule component is 0, still listed

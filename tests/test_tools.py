@@ -53,7 +53,7 @@ def test_load_good_yaml(tmp_path: Path) -> None:
     ({"config": {}, "tool_schema": schema("x")}, r"tools\[0\] has no class_name"),
     ({"class_name": "agent.tools.nope.Tool", "tool_schema": schema("x")}, r"cannot import module 'agent.tools.nope'"),
     ({"class_name": "agent.tools.calculator.Nope", "tool_schema": schema("x")}, r"has no attribute 'Nope'"),
-    ({"class_name": "json.JSONDecoder", "tool_schema": schema("x")}, r"'json.JSONDecoder' is not a BaseTool"),
+    ({"class_name": "json.JSONDecoder", "tool_schema": schema("x")}, r"'json.JSONDecoder' is neither a subclass of agent.tools.base.BaseTool nor a class with verl's tool methods"),
     ({"class_name": "agent.tools.calculator.CalculatorTool", "tool_schema": {"type": "function", "function": {}}},
      r"\(agent.tools.calculator.CalculatorTool\): tool_schema has no function name"),
     ({"class_name": "agent.tools.search.SearchTool", "tool_schema": schema("s")}, r"constructing tool 's' failed.*corpus"),

@@ -1,6 +1,7 @@
 """Coming from verl: a dataset written the way verl's GSM8K tool-agent preprocessing writes it
 (parquet, `extra_info.tools_kwargs` and `extra_info.interaction_kwargs` without a name) trains
-through `launch/train.py` unchanged."""
+through `launch/train.py` unchanged, and a tool class written to verl's contract (no verl import,
+no switchyard base class) runs in the tool agent with its step rewards and all four kwargs blocks."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from test_tool_agent_states import run, tok  # noqa: E402,F401 (fixture)
 from test_train import metrics, train  # noqa: E402
 
 
@@ -62,3 +64,76 @@ def test_verl_preprocessed_gsm8k_parquet_trains_unchanged(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "no interaction is loaded" not in proc.stderr
     assert metrics(out2)[-1]["rollout/trajectories"] == 4
+
+
+class ToolResponse:
+    """Shaped like verl's: a `text` field (the tool below uses it the way verl tools do)."""
+
+    def __init__(self, text: str = "") -> None:
+        self.text = text
+
+
+class GuessTool:
+    """Written to verl's tool contract: attribute access to the schema, create -> (id, response),
+    execute(instance_id, parameters, **kwargs) -> (response, step_reward, metrics)."""
+
+    calls: list = []
+
+    def __init__(self, config: dict, tool_schema) -> None:
+        self.config, self.tool_schema = config, tool_schema
+        self.name = tool_schema.function.name
+        self._instance_dict: dict = {}
+
+    async def create(self, instance_id=None, ground_truth=None, **kwargs):
+        instance_id = instance_id or f"g{len(self._instance_dict)}"
+        self._instance_dict[instance_id] = {"truth": ground_truth, "best": 0.0}
+        return instance_id, ToolResponse()
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        GuessTool.calls.append(("execute", kwargs))
+        right = str(parameters.get("answer")) == self._instance_dict[instance_id]["truth"]
+        step = kwargs.get("right_bonus", 0.1) if right else kwargs.get("wrong_penalty", -0.05)
+        return ToolResponse(text="correct" if right else "try again"), step, {"right": right, "note": "text"}
+
+    async def calc_reward(self, instance_id, **kwargs):
+        GuessTool.calls.append(("calc_reward", kwargs))
+        return kwargs.get("scale", 1.0) * 0.5
+
+    async def release(self, instance_id, **kwargs):
+        GuessTool.calls.append(("release", kwargs))
+        self._instance_dict.pop(instance_id, None)
+
+
+def test_a_verl_contract_tool_runs_with_step_rewards_and_every_kwargs_block(tok, tmp_path):  # noqa: F811
+    from agent.tools import load_tools
+    from agent.tools.verl_compat import VerlTool
+
+    (tmp_path / "tools.yaml").write_text("""tools:
+  - class_name: test_verl_compat.GuessTool
+    config: {type: native}
+    tool_schema:
+      type: function
+      function:
+        name: guess
+        description: Submit a guess.
+        parameters: {type: object, properties: {answer: {type: string}}, required: [answer]}
+""")
+    tools = load_tools(tmp_path / "tools.yaml")
+    assert isinstance(tools["guess"], VerlTool) and tools["guess"].inner.name == "guess"
+    GuessTool.calls.clear()
+    row = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "6*7?"}],
+           "reward_model": {"style": "rule", "ground_truth": "42"},
+           "extra_info": {"tools_kwargs": {"guess": {
+               "create_kwargs": {"ground_truth": "42"}, "execute_kwargs": {"right_bonus": 0.3},
+               "calc_reward_kwargs": {"scale": 2.0}, "release_kwargs": {"why": "done"}}}}}
+    replies = ['<tool_call>{"name": "guess", "arguments": {"answer": "41"}}</tool_call>',
+               '<tool_call>{"name": "guess", "arguments": {"answer": "42"}}</tool_call>', "#### 42"]
+    out, _, _ = run(tok, replies, {"max_assistant_turns": 4}, row=row, tools=tools)
+    assert [m["content"] for m in out.messages if m["role"] == "tool"] == ["try again", "correct"]
+    parts = out.reward_extra
+    assert parts["tool_step"] == pytest.approx(-0.05 + 0.3)  # each call's step reward, summed
+    assert parts["tool"] == pytest.approx(1.0) and parts["rule"] == 1.0  # calc_reward got its kwargs (scale 2)
+    assert out.reward == pytest.approx(sum(parts.values()))
+    assert GuessTool.calls == [("execute", {"right_bonus": 0.3}), ("execute", {"right_bonus": 0.3}),
+                               ("calc_reward", {"scale": 2.0}), ("release", {"why": "done"})]
+    assert tools["guess"].inner._instance_dict == {}  # released

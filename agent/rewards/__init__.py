@@ -69,10 +69,11 @@ def rule_reward(row: Mapping[str, Any], response_text: str) -> float | None:
 def score_trajectory(row: Mapping[str, Any], response_text: str,
                      shaping: Mapping[str, Any] | ShapingConfig | None = None,
                      stats: TrajectoryStats | None = None, tool_reward: float = 0.0,
-                     interaction_score: float | None = None) -> tuple[float, dict[str, float]]:
-    """The trajectory's reward and its parts: rule + tool + interaction + shaping terms.
+                     interaction_score: float | None = None, step_reward: float = 0.0) -> tuple[float, dict[str, float]]:
+    """The trajectory's reward and its parts: rule + tool + tool steps + interaction + shaping terms.
 
-    The parts dict always has "rule", "tool", "interaction" and every shaping term (0.0 where
+    The parts dict always has "rule", "tool", "tool_step" (the step rewards tools returned with
+    their calls), "interaction" and every shaping term (0.0 where
     absent), so a trainer can log each one and the parts always sum to the total. The sources are
     summed, not chosen between: a config that scores the same answer by rule and by a tool or
     interaction counts it twice, which is the config's choice to make.
@@ -82,6 +83,7 @@ def score_trajectory(row: Mapping[str, Any], response_text: str,
     parts = {
         "rule": 0.0 if rule is None else rule,
         "tool": float(tool_reward),
+        "tool_step": float(step_reward),
         "interaction": 0.0 if interaction_score is None else float(interaction_score),
         **shape(stats or TrajectoryStats(), cfg),
     }

@@ -17,11 +17,13 @@ from typing import Any
 class ToolResponse:
     """What a tool call returns to the loop: `text` becomes the tool message the model sees;
     `success=False` marks an observation that reports a failure (the loop keeps going);
-    `metrics` are numbers the trainer may log (latency, truncation, exit code)."""
+    `metrics` are numbers the trainer may log (latency, truncation, exit code); `reward` is a step
+    reward for this call, summed into the trajectory's reward as its own part (`tool_step`)."""
 
     text: str
     success: bool = True
     metrics: dict[str, Any] = field(default_factory=dict)
+    reward: float = 0.0
 
 
 class BaseTool:

@@ -18,6 +18,7 @@ import yaml
 
 from agent.dotted import import_class
 from agent.tools.base import BaseTool, schema_name
+from agent.tools.verl_compat import VerlTool, is_verl_tool_class
 
 
 class ToolConfigError(ValueError):
@@ -79,7 +80,7 @@ def build_tools(entries: list[dict[str, Any]], source: str = "<tools>") -> dict[
             raise ToolConfigError(f"{where} has no class_name; add e.g. "
                                   "`class_name: agent.tools.calculator.CalculatorTool`")
         where = f"{where} ({dotted})"
-        cls = _import_class(dotted, where)
+        cls = _import_tool_class(dotted, where)
         try:
             name = schema_name(entry.get("tool_schema"))
         except ValueError as e:
@@ -88,14 +89,20 @@ def build_tools(entries: list[dict[str, Any]], source: str = "<tools>") -> dict[
             raise ToolConfigError(f"{where}: duplicate tool name {name!r} (already used by an earlier entry); "
                                   "give each tool_schema.function.name a unique value")
         try:
-            tools[name] = cls(entry.get("config") or {}, entry["tool_schema"])
+            tools[name] = (VerlTool(cls, entry.get("config") or {}, entry["tool_schema"]) if is_verl_tool_class(cls)
+                           else cls(entry.get("config") or {}, entry["tool_schema"]))
         except Exception as e:
             raise ToolConfigError(f"{where}: constructing tool {name!r} failed: {e}") from e
     return tools
 
 
-def _import_class(dotted: str, where: str) -> type[BaseTool]:
+def _import_tool_class(dotted: str, where: str) -> type:
+    """A BaseTool subclass, or a class written to verl's tool contract (agent/tools/verl_compat.py)."""
     try:
-        return import_class(dotted, BaseTool, "class_name")
+        cls = import_class(dotted, object, "class_name")
     except ValueError as e:
         raise ToolConfigError(f"{where}: {e}") from e
+    if not (issubclass(cls, BaseTool) or is_verl_tool_class(cls)):
+        raise ToolConfigError(f"{where}: {dotted!r} is neither a subclass of agent.tools.base.BaseTool nor a class with "
+                              "verl's tool methods (create, execute, calc_reward, release)")
+    return cls
