@@ -79,6 +79,14 @@ def main() -> None:
     if rank == 0:
         torch.save({"sft": sft, "after_sft": after_sft, "before": before, "after": after, "logprobs": lp, "entropy": ent, "metrics": metrics,
                     "mesh": actor.mesh.describe(), "engine": engine}, out / "result.pt")
+    # leave together and tear the groups down before exit: a rank that exits while the others
+    # still hold gloo connections was seen to abort at interpreter shutdown ("terminate called
+    # without an active exception"), failing the run after its work was done
+    dist.barrier()
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
