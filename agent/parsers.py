@@ -71,6 +71,22 @@ def _call_from_obj(obj: Any, where: str, args_keys: tuple[str, ...]) -> ToolCall
     return ToolCall(name=name.strip(), arguments=args)
 
 
+_DECODER = json.JSONDecoder()
+
+
+def _json_then(text: str, at: int, close_tag: str) -> tuple[Any, int] | None:
+    """(value, index after `close_tag`) when a JSON value starts at `at` (after whitespace) and
+    only whitespace separates it from `close_tag`; else None. Decoding the JSON first is what lets
+    a string argument hold the tags themselves (code that prints `</tool_call>`)."""
+    i = len(text) - len(text[at:].lstrip())
+    try:
+        value, j = _DECODER.raw_decode(text, i)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    k = len(text) - len(text[j:].lstrip())
+    return (value, k + len(close_tag)) if text.startswith(close_tag, k) else None
+
+
 class HermesParser(ToolParser):
     """`<tool_call>...</tool_call>` blocks; the tags delimit each call, so braces inside JSON
     strings never confuse it. An unclosed tag (typically a reply cut by the length limit) is
@@ -91,6 +107,13 @@ class HermesParser(ToolParser):
                 break
             pieces.append(text[pos:start])
             body_start = start + len(self.open_tag)
+            whole = _json_then(text, body_start, self.close_tag)
+            if whole is not None:  # a JSON value and the close tag: tags inside its strings are data
+                obj, pos = whole
+                call = _call_from_obj(obj, f"tool call {index} (char {start})", ("arguments", "parameters"))
+                index += 1
+                (result.calls.append(call) if isinstance(call, ToolCall) else result.errors.append(call))
+                continue
             end = text.find(self.close_tag, body_start)
             nested = text.find(self.open_tag, body_start)
             where = f"tool call {index} (char {start})"

@@ -39,6 +39,16 @@ def test_hermes_braces_and_tags_inside_json_strings() -> None:
     assert r.calls == [ToolCall("python", args)] and r.errors == []
 
 
+def test_hermes_the_tags_themselves_inside_argument_strings_are_data() -> None:
+    """A code tool whose source prints the tags: the JSON is decoded first, so the call survives
+    whole, and a second call after it still parses."""
+    args = {"code": "print('</tool_call>')\nprint(\"<tool_call>{}</tool_call>\")"}
+    text = "Run it. " + _hermes("python", args) + " then " + _hermes("calc", {"expr": "1+1"}) + " done"
+    r = get_tool_parser("hermes").parse(text)
+    assert r.calls == [ToolCall("python", args), ToolCall("calc", {"expr": "1+1"})] and r.errors == []
+    assert r.content == "Run it.  then  done"
+
+
 def test_hermes_malformed_calls_become_errors_and_good_ones_survive() -> None:
     text = ("a <tool_call>{\"name\": \"calc\", \"arguments\": {\"expr\": }</tool_call>"   # bad JSON
             " b " + _hermes("", {"x": 1})                                               # empty name
