@@ -80,10 +80,9 @@ def _collective_rank(rank: int, world: int, init: str, model: str, addrs: list[l
     import torch
     import torch.distributed as dist
 
-    from rollout import protocol as P
-    from rollout.client import GenerateClient
+    from rollout.plane import _Control
     from rollout.shm import ShmSlots
-    from rollout.weight_sync import commit, relay_buckets
+    from rollout.weight_sync import commit_everywhere, relay_buckets, relay_push
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -95,45 +94,21 @@ def _collective_rank(rank: int, world: int, init: str, model: str, addrs: list[l
         named = list(load_file(f"{model}/model.safetensors").items())
     times = []
 
-    async def one(client: GenerateClient, version: int) -> None:
-        begun = await client.broadcast(P.WeightsBegin(version=version))
-        pending: list[Any] = [None] * slots.count
-        stream, n = relay_buckets(None, 0, None, slots, version, bucket), 0
-        while True:
-            i = n % slots.count
-            if pending[i] is not None:  # the slot is refilled only once its engine acked it
-                await pending[i]
-            msg = next(stream, None)  # blocks in the broadcast while the engine loads the last bucket
-            if msg is None:
-                break
-            pending[i] = asyncio.ensure_future(client.broadcast(msg))
-            await asyncio.sleep(0)  # send it now
-            n += 1
-        for f in pending:
-            if f is not None:
-                await f
-        await commit(client, version, n, len(begun))
-
-    async def run() -> None:
-        client = GenerateClient(addrs[rank - 1]) if rank else None
-        if client is not None:
-            await client.start()
-            await client.wait_ready(timeout_s=600)
-        for rep in range(reps + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                for _ in relay_buckets(named, 0, None, slots, first_version + rep, bucket):
-                    pass
-            else:
-                await one(client, first_version + rep)
-            dist.barrier()  # every engine committed
-            if rep:
-                times.append(time.perf_counter() - t0)
-        if client is not None:
-            await client.close()
-
-    asyncio.run(run())
+    control = _Control(addrs[rank - 1], None, 600) if rank else None  # a leader's client, on a loop thread
+    for rep in range(reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:  # the source: sends every bucket, then votes with the leaders
+            for _ in relay_buckets(named, 0, None, slots, first_version + rep, bucket):
+                pass
+            commit_everywhere(True)
+        else:  # a node leader: the trainer's own code path
+            relay_push(control.client, control.loop, iter(()), False, None, slots, first_version + rep, bucket)
+        dist.barrier()  # every engine committed
+        if rep:
+            times.append(time.perf_counter() - t0)
+    if control is not None:
+        control.close()
     slots.close()
     if rank == 0:
         Path(out).write_text(json.dumps(times))

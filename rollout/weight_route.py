@@ -49,9 +49,12 @@ class WeightRoutes:
         from rollout.shm import free_bytes, shm_dir
 
         need = 2 * (self.cfg.weight_bucket_mb << 20)
-        if self.cfg.weight_path == "bus" or self.local_rank != 0 or free_bytes() >= need:
+        if self.cfg.weight_path == "bus" or self.local_rank != 0:
             return
-        text = (f"{shm_dir()} has {free_bytes() >> 20} MiB free, the weight path through shared memory needs "
+        free = free_bytes()
+        if free >= need:
+            return
+        text = (f"{shm_dir()} has {free >> 20} MiB free, the weight path through shared memory needs "
                 f"{need >> 20} MiB (2 x rollout.weight_bucket_mb)")
         if self.nodes > 1:
             raise RuntimeError(f"node {self.node}: {text}; enlarge it (docker run --shm-size=2g), lower "
