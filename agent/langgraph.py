@@ -218,6 +218,9 @@ class SwitchyardChatModel(BaseChatModel):
         if self._traj is None:
             self._encoder = ChatEncoder(self.tokenizer, tools=tools, end_of_turn_id=self.end_of_turn_id)
             self._tools = list(tools) if tools else None
+            self._parser = get_tool_parser(self.tool_parser, {  # raw-text formats type values by the schemas
+                str((t.get("function") or t).get("name")): (t.get("function") or t).get("parameters") or {}
+                for t in self._tools or []})
             self._traj = Trajectory(self._encoder.initial(incoming))
             self._seen = incoming
             return

@@ -28,7 +28,7 @@ from agent.loop import (
     Trajectory,
     new_session_id,
 )
-from agent.parsers import ToolCall, get_tool_parser
+from agent.parsers import ToolCall, get_tool_parser, parameter_schemas
 from agent.tools.base import BaseTool, ToolResponse
 from agent.tools.guard import call_tool
 
@@ -125,7 +125,7 @@ class ToolAgentLoop(AgentLoopBase):
     def __init__(self, ctx: AgentContext) -> None:
         super().__init__(ctx)
         self.cfg = ToolAgentConfig.from_mapping(self.config)
-        self.parser = get_tool_parser(self.cfg.tool_parser)
+        self.parser = get_tool_parser(self.cfg.tool_parser, parameter_schemas(self.ctx.tools))
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         session_id = row.get("session_id") or new_session_id()

@@ -137,3 +137,60 @@ def test_a_verl_contract_tool_runs_with_step_rewards_and_every_kwargs_block(tok,
     assert GuessTool.calls == [("execute", {"right_bonus": 0.3}), ("execute", {"right_bonus": 0.3}),
                                ("calc_reward", {"scale": 2.0}), ("release", {"why": "done"})]
     assert tools["guess"].inner._instance_dict == {}  # released
+
+
+class TutorInteraction:
+    """Written to verl's interaction contract (as its GSM8K example is): async methods, kwargs from
+    the row on every call, (should_terminate, text, turn_score, extra) from generate_response."""
+
+    log: list = []
+
+    def __init__(self, config: dict) -> None:
+        self.config, self.name = config, config.get("name", "interaction_agent")
+        self._instance_dict: dict = {}
+
+    async def start_interaction(self, instance_id=None, ground_truth=None, **kwargs):
+        instance_id = instance_id or f"t{len(self._instance_dict)}"
+        self._instance_dict[instance_id] = {"truth": ground_truth}
+        TutorInteraction.log.append(("start", ground_truth, kwargs))
+        return instance_id
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        said = messages[-1]["content"]
+        right = said.strip().endswith(self._instance_dict[instance_id]["truth"])
+        TutorInteraction.log.append(("respond", kwargs.get("query")))
+        if right:
+            return True, "Correct.", 1.0, {}
+        return False, "Not quite, try again.", 0.0, {"hint": True}
+
+    async def calculate_score(self):  # verl's base signature: no instance id
+        return 0.0
+
+    async def finalize_interaction(self, instance_id, **kwargs):
+        TutorInteraction.log.append(("finalize", instance_id in self._instance_dict))
+        self._instance_dict.pop(instance_id, None)
+
+
+def test_a_verl_contract_interaction_runs_in_the_tool_agent(tok, tmp_path):  # noqa: F811
+    """Named in a verl-format interaction.yaml, selected by a row without a name (the only one loaded),
+    given the row's interaction_kwargs on every call; its last turn score is the interaction reward."""
+    from agent.interactions import load_interactions
+    from agent.interactions.verl_compat import VerlInteraction
+
+    (tmp_path / "interaction.yaml").write_text(
+        "interaction:\n  - name: tutor\n    class_name: test_verl_compat.TutorInteraction\n    config: {}\n")
+    inters = load_interactions(tmp_path / "interaction.yaml")
+    assert isinstance(inters["tutor"], VerlInteraction) and inters["tutor"].inner.name == "tutor"
+    TutorInteraction.log.clear()
+    row = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "6*7?"}],
+           "reward_model": {"style": "rule", "ground_truth": "42"},
+           "extra_info": {"interaction_kwargs": {"query": "6*7?", "ground_truth": "42"}}}
+    out, _, _ = run(tok, ["#### 41", "#### 42"], {"max_assistant_turns": 4, "max_user_turns": 3},
+                    row=row, tools={}, interactions=inters)
+    assert out.termination == "interaction_done" and out.num_turns == 2
+    assert [t["score"] for t in out.turns if t["kind"] == "interaction"] == [0.0, 1.0]
+    assert out.reward_extra["interaction"] == 1.0 and out.reward_extra["rule"] == 1.0
+    assert [m["content"] for m in out.messages if m["role"] == "user"][-1] == "Not quite, try again."
+    assert TutorInteraction.log == [("start", "42", {"query": "6*7?"}), ("respond", "6*7?"), ("respond", "6*7?"),
+                                    ("finalize", True)]
+    assert inters["tutor"].instances == {} and inters["tutor"].inner._instance_dict == {}

@@ -5,7 +5,8 @@
         class_name: agent.interactions.gsm8k.Gsm8kInteraction
         config: {max_retries: 2}
 
-Rows pick one with `interaction_kwargs.name`. A bad entry fails loudly at start-up, naming the
+Rows pick one with `interaction_kwargs.name`. A class may subclass `BaseInteraction` or be written
+to verl's interaction contract (agent/interactions/verl_compat.py). A bad entry fails loudly at start-up, naming the
 entry, rather than mid-rollout.
 """
 
@@ -16,8 +17,9 @@ from typing import Any
 
 import yaml
 
-from agent.dotted import import_class
+from agent.dotted import import_dotted
 from agent.interactions.base import BaseInteraction
+from agent.interactions.verl_compat import METHODS, VerlInteraction, is_verl_interaction_class
 
 ENTRY_KEYS = ("name", "class_name", "config")
 
@@ -57,24 +59,31 @@ def build_interactions(entries: list[dict[str, Any]], source: str = "<interactio
                                          "`class_name: agent.interactions.gsm8k.Gsm8kInteraction`")
         where = f"{where} ({dotted})"
         cls = _import_class(dotted, where)
+        verl = is_verl_interaction_class(cls)
         config = entry.get("config") or {}
         if not isinstance(config, dict):
             raise InteractionConfigError(f"{where}: config is {config!r}; expected a mapping (or leave it out)")
-        name = entry.get("name") or config.get("name") or cls.default_name
+        name = entry.get("name") or config.get("name") or (VerlInteraction if verl else cls).default_name
         if not isinstance(name, str):
             raise InteractionConfigError(f"{where}: name {name!r} must be a string")
         if name in built:
             raise InteractionConfigError(f"{where}: duplicate interaction name {name!r} (already used by an earlier "
                                          "entry); give each entry a unique `name:`")
         try:
-            built[name] = cls({**config, "name": name})
+            conf = {**config, "name": name}
+            built[name] = VerlInteraction(cls, conf) if verl else cls(conf)
         except Exception as e:
             raise InteractionConfigError(f"{where}: constructing interaction {name!r} failed: {e}") from e
     return built
 
 
-def _import_class(dotted: str, where: str) -> type[BaseInteraction]:
+def _import_class(dotted: str, where: str) -> type:
+    """A BaseInteraction subclass, or a class written to verl's interaction contract."""
     try:
-        return import_class(dotted, BaseInteraction, "class_name")
+        cls = import_dotted(dotted, "class_name")
     except ValueError as e:
         raise InteractionConfigError(f"{where}: {e}") from e
+    if is_verl_interaction_class(cls) or (isinstance(cls, type) and issubclass(cls, BaseInteraction)):
+        return cls
+    raise InteractionConfigError(f"{where}: {dotted!r} is not a subclass of agent.interactions.BaseInteraction "
+                                 f"and lacks verl's interaction methods ({', '.join(METHODS)})")
