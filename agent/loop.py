@@ -154,6 +154,7 @@ BUILTIN_AGENT_LOOPS: Mapping[str, str] = {
     "single_turn_agent": "agent.single_turn.SingleTurnAgentLoop",
     "tool_agent": "agent.tool_agent.ToolAgentLoop",
     "langgraph_agent": "agent.langgraph.LangGraphAgentLoop",  # needs langgraph (imported on first use)
+    "openai_agent": "agent.openai_agent.OpenAIAgentLoop",  # any OpenAI-API agent, through agent/gateway
 }
 DEFAULT_AGENT_NAME = "single_turn_agent"
 

@@ -205,6 +205,13 @@ def validate(cfg: Config) -> None:
             ToolAgentConfig.from_mapping(cfg.rollout.agent["tool_agent"])
         except ValueError as e:
             raise ConfigError(f"rollout.agent.tool_agent: {e}") from None
+    if "openai_agent" in cfg.rollout.agent or cfg.data.agent_name == "openai_agent":
+        from agent.openai_agent import OpenAIAgentConfig
+
+        try:
+            OpenAIAgentConfig.from_mapping(cfg.rollout.agent.get("openai_agent") or {})
+        except ValueError as e:
+            raise ConfigError(f"rollout.agent.openai_agent: {e}") from None
     if "langgraph_agent" in cfg.rollout.agent:
         try:
             from agent.langgraph import LangGraphAgentConfig, import_graph_factory

@@ -1,0 +1,6 @@
+"""An OpenAI-compatible endpoint over the bus that records every session token-exactly."""
+
+from agent.gateway.server import Gateway
+from agent.gateway.session import Conversation, RequestError, Segment
+
+__all__ = ["Conversation", "Gateway", "RequestError", "Segment"]

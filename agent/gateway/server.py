@@ -1,0 +1,236 @@
+"""An OpenAI-compatible chat-completions endpoint over the bus (`/v1/chat/completions`, `/v1/models`).
+
+Any agent framework that speaks the OpenAI API is trained by pointing its `base_url` here. Each
+API key (or `X-Session-Id` header) is one session whose conversations are recorded token-exactly
+(agent/gateway/session.py); generations carry the session id, so the router keeps a session on one
+engine and its prefix cache. Errors are OpenAI-shaped JSON: 400 for a malformed request or an
+unknown model, 401 for a missing or unknown key when bound beyond loopback, 413 for a prompt over
+the context, 429 when `max_inflight` requests are already running. Streaming (`stream: true`) sends
+the finished reply as server-sent chunks (the bus returns whole generations).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from agent.gateway.session import Conversation, Reply, RequestError, normalize
+
+log = logging.getLogger(__name__)
+
+SAMPLING_KEYS = {"temperature": float, "top_p": float, "seed": int}
+
+
+def _error(status: int, message: str, code: str = "invalid_request_error", param: str | None = None) -> web.Response:
+    kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                             status=status)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class Gateway:
+    """The HTTP server. `open_session(key)` registers a per-trajectory key (the agent loop does
+    this); `close_session(key)` hands back its recorded Conversation."""
+
+    def __init__(self, client: Any, tokenizer: Any, model_name: str = "switchyard", tool_parser: str = "hermes",
+                 host: str = "127.0.0.1", port: int = 0, api_keys: list[str] | None = None, max_inflight: int = 256,
+                 max_context: int | None = None, end_of_turn_id: int | None = None) -> None:
+        self.client, self.tokenizer, self.model_name = client, tokenizer, model_name
+        self.tool_parser, self.host, self.port = tool_parser, host, port
+        self.api_keys = set(api_keys or [])
+        self.max_inflight, self.max_context, self.end_of_turn_id = max_inflight, max_context, end_of_turn_id
+        self.sessions: dict[str, Conversation] = {}
+        self.inflight = 0
+        self._runner: web.AppRunner | None = None
+        self.base_url = ""
+
+    # -------------------------------------------------------------- lifecycle
+    async def start(self) -> str:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.base_url = f"http://{self.host}:{port}/v1"
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def open_session(self, key: str | None = None, sampling: dict[str, Any] | None = None) -> str:
+        key = key or f"sy-{uuid.uuid4().hex}"
+        self.sessions[key] = self._conversation(key, sampling)
+        return key
+
+    def close_session(self, key: str) -> Conversation | None:
+        return self.sessions.pop(key, None)
+
+    def _conversation(self, session_id: str, sampling: dict[str, Any] | None = None) -> Conversation:
+        return Conversation(session_id, self.tokenizer, self.tool_parser, self.end_of_turn_id, self.max_context,
+                            sampling)
+
+    def _session_for(self, request: web.Request) -> Conversation:
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        if key in self.sessions:
+            return self.sessions[key]
+        if not is_loopback(self.host) and key not in self.api_keys:
+            raise RequestError(401, "missing or unknown API key: send `Authorization: Bearer <key>` with a key "
+                                    "this gateway issued or was started with", code="invalid_api_key")
+        sid = request.headers.get("X-Session-Id") or key or "default"
+        if sid not in self.sessions:
+            self.sessions[sid] = self._conversation(sid)
+        return self.sessions[sid]
+
+    # -------------------------------------------------------------- handlers
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "switchyard"}]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            conv = self._session_for(request)
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise RequestError(400, "the request body is not valid JSON") from None
+            if not isinstance(body, dict):
+                raise RequestError(400, "the request body must be a JSON object")
+            messages, tools, sampling, n, parse_calls = self._parse(body)
+            if self.inflight >= self.max_inflight:
+                raise RequestError(429, f"{self.inflight} requests are already running (max_inflight="
+                                        f"{self.max_inflight}); retry after a moment", code="rate_limit_exceeded")
+            self.inflight += 1
+            try:
+                replies = await conv.generate(self.client, messages, tools, sampling, n, parse_calls)
+            finally:
+                self.inflight -= 1
+        except RequestError as e:
+            return _error(e.status, str(e), e.code, e.param)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # an engine failure must not take the server down
+            log.exception("chat completion failed")
+            return _error(500, f"generation failed: {type(e).__name__}: {e}", code="server_error")
+        want_logprobs = bool(body.get("logprobs"))
+        if body.get("stream"):
+            return await self._stream(request, replies, want_logprobs, body)
+        return web.json_response(self._completion(replies, want_logprobs))
+
+    def _parse(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None,
+                                                    dict[str, Any], int, bool]:
+        model = body.get("model")
+        if model != self.model_name:
+            raise RequestError(400, f"model {model!r} is not served here; use {self.model_name!r} (GET /v1/models)",
+                               code="model_not_found", param="model")
+        messages = normalize(body.get("messages"))
+        tools = body.get("tools") or None
+        if tools is not None:
+            if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                                      and isinstance(t["function"].get("name"), str) for t in tools):
+                raise RequestError(400, "tools must be a list of {type: function, function: {name, parameters}}",
+                                   param="tools")
+        choice = body.get("tool_choice")
+        if choice not in (None, "auto", "none"):
+            raise RequestError(400, f"tool_choice={choice!r} is not supported: the engine samples freely; use "
+                                    "'auto' or 'none'", param="tool_choice")
+        sampling: dict[str, Any] = {}
+        for key, kind in SAMPLING_KEYS.items():
+            if body.get(key) is not None:
+                try:
+                    sampling[key] = kind(body[key])
+                except (TypeError, ValueError):
+                    raise RequestError(400, f"{key}={body[key]!r} must be a number", param=key) from None
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        if limit is not None:
+            if not isinstance(limit, int) or limit < 1:
+                raise RequestError(400, f"max_tokens={limit!r} must be a positive integer", param="max_tokens")
+            sampling["max_tokens"] = limit
+        n = body.get("n", 1) or 1
+        if not isinstance(n, int) or not 1 <= n <= 64:
+            raise RequestError(400, f"n={n!r} must be an integer in [1, 64]", param="n")
+        for key in ("stop", "response_format"):
+            if body.get(key):
+                raise RequestError(400, f"{key} is not supported by the gateway (the engines stop on token ids)",
+                                   param=key)
+        return messages, tools, sampling, n, choice != "none"
+
+    # -------------------------------------------------------------- responses
+    def _message(self, r: Reply, call_ids: list[str]) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": r.parsed.content or (None if r.parsed.calls else "")}
+        if r.parsed.calls:
+            msg["tool_calls"] = [{"id": cid, "type": "function", "function": {
+                "name": c.name, "arguments": json.dumps(c.arguments)}} for cid, c in zip(call_ids, r.parsed.calls)]
+        return msg
+
+    def _finish(self, r: Reply) -> str:
+        if r.parsed.calls:
+            return "tool_calls"
+        return "length" if r.finish_reason == "length" else "stop"
+
+    def _logprobs(self, r: Reply) -> dict[str, Any]:
+        out = []
+        for tid, lp in zip(r.token_ids, r.logprobs):
+            tok = self.tokenizer.decode([tid], skip_special_tokens=False)
+            out.append({"token": tok, "logprob": float(lp), "bytes": list(tok.encode()), "top_logprobs": []})
+        return {"content": out}
+
+    def _completion(self, replies: list[Reply], want_logprobs: bool) -> dict[str, Any]:
+        choices = []
+        for i, r in enumerate(replies):
+            ids = [f"call_{uuid.uuid4().hex[:24]}" for _ in r.parsed.calls]
+            choices.append({"index": i, "message": self._message(r, ids), "finish_reason": self._finish(r),
+                            "logprobs": self._logprobs(r) if want_logprobs else None})
+        completion = sum(len(r.token_ids) for r in replies)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices,
+                "usage": {"prompt_tokens": replies[0].prompt_tokens, "completion_tokens": completion,
+                          "total_tokens": replies[0].prompt_tokens + completion}}
+
+    async def _stream(self, request: web.Request, replies: list[Reply], want_logprobs: bool,
+                      body: dict[str, Any]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        async def send(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> None:
+            chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                     "choices": choices, **({"usage": usage} if usage is not None else {})}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+        for i, r in enumerate(replies):
+            msg = self._message(r, [f"call_{uuid.uuid4().hex[:24]}" for _ in r.parsed.calls])
+            await send([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}])
+            if msg["content"]:
+                await send([{"index": i, "delta": {"content": msg["content"]},
+                             "logprobs": self._logprobs(r) if want_logprobs else None, "finish_reason": None}])
+            for k, call in enumerate(msg.get("tool_calls") or []):
+                await send([{"index": i, "delta": {"tool_calls": [{"index": k, **call}]}, "logprobs": None,
+                             "finish_reason": None}])
+            await send([{"index": i, "delta": {}, "logprobs": None, "finish_reason": self._finish(r)}])
+        if (body.get("stream_options") or {}).get("include_usage"):
+            completion = sum(len(r.token_ids) for r in replies)
+            await send([], {"prompt_tokens": replies[0].prompt_tokens, "completion_tokens": completion,
+                            "total_tokens": replies[0].prompt_tokens + completion})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,260 @@
+"""Token-exact recording of the conversations an OpenAI-style client holds through the gateway.
+
+A chat-completions client sends the whole history on every call. Rendering it with the chat
+template each time would re-tokenize the model's own replies, so each session keeps *segments*:
+one token trajectory each (the template applied once, then the engine's tokens exactly as returned,
+then only appended turns), with the messages it holds. A call continues the segment whose messages
+are a prefix of the incoming history when everything after that prefix is new tool/user/system
+messages; otherwise (the client edited or summarized earlier turns, a sub-agent keeps its own
+history, the client continues another of `n` choices) it opens a new segment that renders the
+incoming history once. Nothing is ever re-tokenized, and each segment is a trainable trajectory
+with its own mask.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from agent.chat import ChatEncoder
+from agent.loop import AgentLoopOutput, Trajectory
+from agent.parsers import ParseResult, ToolParser, get_tool_parser
+
+
+class RequestError(ValueError):
+    """A request the gateway refuses; `status` and `code` become the OpenAI-style error."""
+
+    def __init__(self, status: int, message: str, code: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+
+
+DEFAULT_MAX_TOKENS = 1024  # a request without max_tokens, on a gateway that knows no context length
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _text(content: Any, where: str) -> str:
+    """Message content as text: a string, null, or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") in ("text", "input_text") and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(400, f"{where}: content part of type {kind!r} is not supported (text only)",
+                                   param="messages")
+        return "".join(out)
+    raise RequestError(400, f"{where}: content must be a string, null or a list of text parts, got "
+                            f"{type(content).__name__}", param="messages")
+
+
+def _arguments(raw: Any, where: str) -> dict[str, Any]:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        value = json.loads(raw) if isinstance(raw, str) and raw.strip() else {}
+    except json.JSONDecodeError as e:
+        raise RequestError(400, f"{where}: function.arguments is not valid JSON ({e.msg})", param="messages") from None
+    if not isinstance(value, dict):
+        raise RequestError(400, f"{where}: function.arguments must be a JSON object", param="messages")
+    return value
+
+
+def normalize(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI chat messages -> the chat template's dicts (text content, tool-call arguments as
+    objects); a RequestError (400) names the first malformed message."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else None
+            raise RequestError(400, f"{where}: role {role!r} is not one of {list(ROLES)}", param="messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), where)}
+        if role == "assistant" and m.get("tool_calls"):
+            calls = []
+            for j, c in enumerate(m["tool_calls"]):
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise RequestError(400, f"{where}.tool_calls[{j}] needs function.name", param="messages")
+                calls.append({"type": "function", "function": {
+                    "name": fn["name"], "arguments": _arguments(fn.get("arguments"), f"{where}.tool_calls[{j}]")}})
+            msg["tool_calls"] = calls
+        if role == "tool":
+            if m.get("tool_call_id") is not None:
+                msg["tool_call_id"] = str(m["tool_call_id"])
+            if m.get("name"):
+                msg["name"] = str(m["name"])
+        out.append(msg)
+    return out
+
+
+def _key(m: dict[str, Any]) -> tuple:
+    """What must match for a held message to count as the same one (ids the gateway made up and
+    empty-vs-null content do not matter)."""
+    calls = tuple((c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
+                  for c in m.get("tool_calls") or [])
+    return (m["role"], m.get("content") or "", calls)
+
+
+@dataclass
+class Reply:
+    """One generated choice: the engine's result, the parsed reply, and the segment holding it."""
+
+    segment: "Segment"
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str
+    parsed: ParseResult
+    prompt_tokens: int
+
+
+@dataclass
+class Segment:
+    """One token trajectory and the messages it holds."""
+
+    encoder: ChatEncoder
+    traj: Trajectory
+    held: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    request_ids: list[str] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    unclosed: list[int] | None = None
+    last_text: str = ""
+    last_finish: str = ""
+    updated: float = 0.0
+
+    def clone(self) -> "Segment":
+        twin = copy.copy(self)
+        twin.traj = copy.deepcopy(self.traj)
+        for name in ("held", "request_ids", "versions", "turns"):
+            setattr(twin, name, list(getattr(self, name)))
+        return twin
+
+    def to_output(self, reward: float = 0.0, reward_extra: dict[str, float] | None = None,
+                  session_id: str = "", termination: str | None = None) -> AgentLoopOutput:
+        t = self.traj
+        return AgentLoopOutput(
+            prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids), response_mask=list(t.response_mask),
+            response_logprobs=list(t.response_logprobs), reward=float(reward), num_turns=len(self.request_ids),
+            termination=termination or ("length" if self.last_finish == "length" else "stop"),
+            turns=list(self.turns), weight_versions=list(self.versions), request_ids=list(self.request_ids),
+            reward_extra=dict(reward_extra or {}), messages=[dict(m) for m in self.held], session_id=session_id)
+
+
+class Conversation:
+    """The segments of one session (one API key or X-Session-Id)."""
+
+    def __init__(self, session_id: str, tokenizer: Any, tool_parser: str = "hermes",
+                 end_of_turn_id: int | None = None, max_context: int | None = None,
+                 sampling: dict[str, Any] | None = None) -> None:
+        self.session_id, self.tokenizer, self.tool_parser = session_id, tokenizer, tool_parser
+        self.end_of_turn_id, self.max_context = end_of_turn_id, max_context
+        self.sampling = dict(sampling or {})  # the trainer's settings win over the client's
+        self.segments: list[Segment] = []
+        self.group_id = uuid.uuid4().hex
+        self._lock = asyncio.Lock()
+
+    def _continue(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Segment:
+        """The segment to generate on, brought up to `messages` (a new one when none extends)."""
+        keys = [_key(m) for m in messages]
+        best: Segment | None = None
+        for seg in self.segments:
+            n = len(seg.held)
+            if (seg.tools == tools and n < len(messages) and seg.unclosed is not None
+                    and [_key(m) for m in seg.held] == keys[:n]
+                    and all(m["role"] != "assistant" for m in messages[n:])
+                    and (best is None or n > len(best.held))):
+                best = seg
+        if best is not None:
+            new = messages[len(best.held):]
+            ids = best.encoder.close_assistant_turn(best.unclosed or []) + best.encoder.turn_tokens(new)
+            best.traj.add_context(ids)
+            best.turns.append({"kind": "context", "roles": [m["role"] for m in new], "tokens": len(ids)})
+            best.held = best.held + new
+            best.unclosed = None
+            return best
+        encoder = ChatEncoder(self.tokenizer, tools=tools, end_of_turn_id=self.end_of_turn_id)
+        seg = Segment(encoder, Trajectory(encoder.initial(messages)), list(messages), tools)
+        self.segments.append(seg)
+        return seg
+
+    def parser(self, tools: list[dict[str, Any]] | None) -> ToolParser:
+        return get_tool_parser(self.tool_parser, {
+            str(t["function"]["name"]): t["function"].get("parameters") or {} for t in tools or []
+            if isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]})
+
+    async def generate(self, client: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       sampling: dict[str, Any], n: int = 1, parse_calls: bool = True) -> list[Reply]:
+        """Generate `n` choices continuing `messages`; the first continues the segment in place,
+        the others each get a copy of it (their own segment)."""
+        async with self._lock:  # one session's calls are sequential, as an agent's are
+            seg = self._continue(messages, tools)
+            prompt = seg.traj.all_ids()
+            params = {**sampling, **self.sampling}
+            if "max_tokens" in sampling and "max_tokens" in self.sampling:
+                params["max_tokens"] = min(int(sampling["max_tokens"]), int(self.sampling["max_tokens"]))
+            if self.max_context is not None:
+                room = self.max_context - len(prompt)
+                if room < 1:
+                    raise RequestError(413, f"the prompt holds {len(prompt)} tokens; the model's context is "
+                                            f"{self.max_context}: shorten the conversation", code="context_length_exceeded",
+                                       param="messages")
+                params["max_tokens"] = min(room, int(params.get("max_tokens", room)))
+            params.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+            bases = [seg] + [seg.clone() for _ in range(n - 1)]
+            self.segments += bases[1:]
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(client.generate(prompt, params, session_id=self.session_id,
+                                                             group_id=self.group_id) for _ in bases))
+            parser = self.parser(tools)
+            replies = []
+            for target, result in zip(bases, results):
+                replies.append(self._record(target, result, parser, parse_calls, len(prompt),
+                                            time.perf_counter() - t0))
+            return replies
+
+    def _record(self, seg: Segment, result: Any, parser: ToolParser, parse_calls: bool, prompt_tokens: int,
+                latency: float) -> Reply:
+        seg.traj.add_model(result.token_ids, result.logprobs)
+        seg.unclosed = list(result.token_ids)
+        seg.request_ids.append(result.request_id)
+        seg.versions.append(result.weight_version)
+        seg.turns.append({"kind": "generate", "request_id": result.request_id, "tokens": len(result.token_ids),
+                          "prompt_tokens": prompt_tokens, "finish_reason": result.finish_reason,
+                          "weight_version": result.weight_version, "latency_s": latency})
+        ids = list(result.token_ids)
+        if ids and ids[-1] == seg.encoder.end_of_turn_id:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        parsed = parser.parse(text) if parse_calls else ParseResult(content=text)
+        if parsed.errors and not parsed.calls:
+            parsed = ParseResult(content=text.strip(), errors=parsed.errors)  # let the agent see what was written
+        seg.last_text, seg.last_finish, seg.updated = text, result.finish_reason, time.monotonic()
+        seg.held = seg.held + [{"role": "assistant", "content": parsed.content, **(
+            {"tool_calls": [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                            for c in parsed.calls]} if parsed.calls else {})}]
+        return Reply(seg, list(result.token_ids), list(result.logprobs), result.finish_reason, text, parsed,
+                     prompt_tokens)
+
+    def latest(self) -> Segment | None:
+        """The segment that generated last (the one holding the agent's final answer)."""
+        return max(self.segments, key=lambda s: s.updated) if self.segments else None
+
+
+def tokens_text(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]

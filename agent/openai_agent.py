@@ -1,0 +1,110 @@
+"""`openai_agent`: train an agent written against the OpenAI API, unchanged but for its base_url.
+
+The loop starts one gateway (agent/gateway) per worker process on loopback, opens a session with
+a fresh API key per trajectory, and awaits the user's function
+
+    async def my_agent(base_url: str, api_key: str, row: dict) -> float | None
+
+which may use any OpenAI-compatible client or framework. The gateway records the session
+token-exactly; the trajectory trained on is the segment that generated last (the agent's final
+answer), and its reward is the function's return value, or the row's rule reward on that last
+reply when the function returns None. Options (`rollout.agent.openai_agent`): `agent_function`
+(dotted path, required), `tool_parser`, `model_name` (what the client must send as `model`),
+`timeout_s`, `max_context`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from agent.dotted import import_dotted
+from agent.loop import AgentContext, AgentLoopBase, AgentLoopOutput, Trajectory
+from agent.parsers import get_tool_parser
+
+
+@dataclass
+class OpenAIAgentConfig:
+    agent_function: str = ""
+    tool_parser: str = "hermes"
+    model_name: str = "switchyard"
+    timeout_s: float = 600.0
+    max_context: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.agent_function:
+            raise ValueError("openai_agent.agent_function is required: the dotted path of an async function "
+                             "(base_url, api_key, row) -> reward or None")
+        fn = import_dotted(self.agent_function, "openai_agent.agent_function")
+        if not inspect.iscoroutinefunction(fn):
+            raise ValueError(f"openai_agent.agent_function {self.agent_function!r} must be an async function "
+                             "(async def f(base_url, api_key, row))")
+        get_tool_parser(self.tool_parser)
+        if not self.timeout_s > 0:
+            raise ValueError(f"openai_agent.timeout_s={self.timeout_s} must be > 0")
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> "OpenAIAgentConfig":
+        known = {f.name for f in fields(cls)}
+        if set(d) - known:
+            raise ValueError(f"unknown openai_agent options {sorted(set(d) - known)}; allowed: {sorted(known)}")
+        return cls(**d)
+
+
+_GATEWAYS: dict[int, Any] = {}  # one per GenerateClient (one per worker process and event loop)
+_LOCK: dict[int, asyncio.Lock] = {}
+
+
+async def gateway_for(ctx: AgentContext, cfg: OpenAIAgentConfig) -> Any:
+    """The worker's gateway on loopback, started on first use."""
+    from agent.gateway import Gateway
+
+    key = id(ctx.client)
+    lock = _LOCK.setdefault(key, asyncio.Lock())
+    async with lock:
+        if key not in _GATEWAYS:
+            gw = Gateway(ctx.client, ctx.tokenizer, model_name=cfg.model_name, tool_parser=cfg.tool_parser,
+                         max_context=cfg.max_context)
+            await gw.start()
+            _GATEWAYS[key] = gw
+    return _GATEWAYS[key]
+
+
+class OpenAIAgentLoop(AgentLoopBase):
+    def __init__(self, ctx: AgentContext) -> None:
+        super().__init__(ctx)
+        self.cfg = OpenAIAgentConfig.from_mapping(self.config)
+        self.fn = import_dotted(self.cfg.agent_function, "openai_agent.agent_function")
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        from agent.rewards import score_trajectory
+
+        gw = await gateway_for(self.ctx, self.cfg)
+        session = row.get("session_id")
+        key = gw.open_session(f"sy-{session}" if session else None, sampling=dict(sampling_params))
+        error, result = "", None
+        try:
+            result = await asyncio.wait_for(self.fn(gw.base_url, key, dict(row)), self.cfg.timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the agent's failure is this trajectory's, not the batch's
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            conv = gw.close_session(key)
+        seg = conv.latest() if conv is not None else None
+        if seg is None:
+            prompt = list(self.ctx.tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
+                                                                 tokenize=True, return_dict=True)["input_ids"])
+            t = Trajectory(prompt)
+            return AgentLoopOutput(t.prompt_ids, [], [], [], 0.0, 0, "error", session_id=key,
+                                   error=error or "the agent function never called the model")
+        if result is None:
+            reward, parts = score_trajectory(row, seg.last_text)
+        else:
+            reward, parts = float(result), {"agent": float(result)}
+        out = seg.to_output(reward, parts, session_id=key, termination="error" if error else None)
+        out.error = error
+        out.turns.append({"kind": "segments", "count": len(conv.segments)})
+        return out

@@ -1,0 +1,58 @@
+"""Agent functions written against the OpenAI API only, for the gateway tests and `openai_agent` runs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from agent.tools.calculator import CalculatorError, safe_eval
+from tool_model import CALCULATOR_SCHEMA
+
+
+def _calc(arguments: str) -> str:
+    try:
+        return str(safe_eval(str(json.loads(arguments).get("expression", ""))))
+    except (CalculatorError, ValueError, TypeError, AttributeError) as e:
+        return f"Error: {e}"
+
+
+async def chat_rounds(client: Any, messages: list[dict], rounds: int, stream: bool = False,
+                      max_tokens: int = 48) -> tuple[list[dict], int]:
+    """Drive `rounds` model calls the way an agent framework does: run the calculator when the model
+    calls it, otherwise ask it to check with the calculator. Returns the history and the calls seen."""
+    calls = 0
+    for _ in range(rounds):
+        kw = dict(model="switchyard", messages=messages, tools=[CALCULATOR_SCHEMA], temperature=1.0,
+                  max_tokens=max_tokens)
+        if stream:
+            content, tool_calls = "", {}
+            async for chunk in await client.chat.completions.create(stream=True, **kw):
+                for choice in chunk.choices:
+                    content += choice.delta.content or ""
+                    for tc in choice.delta.tool_calls or []:
+                        entry = tool_calls.setdefault(tc.index, {"id": tc.id, "type": "function",
+                                                                 "function": {"name": "", "arguments": ""}})
+                        entry["function"]["name"] += tc.function.name or ""
+                        entry["function"]["arguments"] += tc.function.arguments or ""
+            message = {"role": "assistant", "content": content or None,
+                       **({"tool_calls": [tool_calls[k] for k in sorted(tool_calls)]} if tool_calls else {})}
+        else:
+            resp = await client.chat.completions.create(**kw)
+            message = resp.choices[0].message.model_dump(exclude_none=True)
+        messages = messages + [message]
+        if message.get("tool_calls"):
+            calls += len(message["tool_calls"])
+            messages += [{"role": "tool", "tool_call_id": c["id"], "content": _calc(c["function"]["arguments"])}
+                         for c in message["tool_calls"]]
+        else:
+            messages += [{"role": "user", "content": "Check it with the calculator."}]
+    return messages, calls
+
+
+async def calculator_agent(base_url: str, api_key: str, row: dict) -> None:
+    """Two model calls with the calculator in between; None: the row's rule reward scores the answer."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        await chat_rounds(client, list(row["prompt"]), rounds=2)
+    return None

@@ -1,0 +1,169 @@
+"""The OpenAI-compatible gateway: the real `openai` client against an hf engine (streaming and not,
+tool rounds), token-exact recording checked against the engine's request log, forks on edited
+history and on n > 1, OpenAI-style errors, and one GRPO step of an `openai_agent` through train.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+openai = pytest.importorskip("openai")
+
+from agent.gateway import Gateway  # noqa: E402
+from gateway_agent import chat_rounds  # noqa: E402
+from test_tool_agent import GSM8K, _server_log, _tokenizer, check_against_server, tool_caller  # noqa: E402,F401
+from test_tool_agent_states import ScriptedClient, tok  # noqa: E402,F401
+from tool_model import SYSTEM, gsm8k_rows  # noqa: E402
+
+
+async def _with_gateway(addresses: list[str], tokenizer: Any, body, **kw: Any):
+    from rollout.client import GenerateClient
+
+    async with GenerateClient(addresses) as client:
+        await client.wait_ready(timeout_s=300)
+        gw = Gateway(client, tokenizer, **kw)
+        await gw.start()
+        try:
+            return await body(gw)
+        finally:
+            await gw.stop()
+
+
+def test_openai_client_tool_rounds_streaming_and_not_are_token_exact(servers, tool_caller):  # noqa: F811
+    srv = servers(1, backend="hf", model=str(tool_caller))
+    tokenizer = _tokenizer(tool_caller)
+    rows = gsm8k_rows(GSM8K / "test.jsonl", 6)
+
+    async def body(gw: Gateway):
+        async def one(row: dict, stream: bool):
+            key = gw.open_session()
+            async with openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0) as client:
+                messages, calls = await chat_rounds(client, list(row["prompt"]), rounds=3, stream=stream)
+            return gw.close_session(key), messages, calls
+        return await asyncio.gather(*(one(r, stream=i % 2 == 1) for i, r in enumerate(rows)))
+
+    results = asyncio.run(_with_gateway(srv.addresses, tokenizer, body))
+    sent = _server_log(srv.request_logs)
+    assert sum(calls for _, _, calls in results) >= 3, [m for _, m, _ in results]  # tool rounds really ran
+    for conv, messages, _ in results:
+        assert len(conv.segments) == 1  # an append-only history stays one trajectory
+        out = conv.segments[0].to_output()
+        assert out.num_turns == 3
+        check_against_server(out, sent)  # mask-1 tokens = what the engine sent, in order
+
+
+def test_edited_history_forks_into_token_exact_segments(servers, tool_caller):  # noqa: F811
+    srv = servers(1, backend="hf", model=str(tool_caller))
+    tokenizer = _tokenizer(tool_caller)
+    row = gsm8k_rows(GSM8K / "test.jsonl", 1)[0]
+
+    async def body(gw: Gateway):
+        key = gw.open_session()
+        async with openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0) as client:
+            messages, _ = await chat_rounds(client, list(row["prompt"]), rounds=2)
+            # context compression: the client summarizes the first exchange and goes on
+            edited = [messages[0], {"role": "user", "content": "Summary so far: " + row["prompt"][1]["content"][:80]}]
+            edited, _ = await chat_rounds(client, edited, rounds=2)
+            # and continues the original history too: that is the first segment again
+            await chat_rounds(client, messages, rounds=1)
+        return gw.close_session(key)
+
+    conv = asyncio.run(_with_gateway(srv.addresses, tokenizer, body))
+    sent = _server_log(srv.request_logs)
+    assert len(conv.segments) == 2
+    assert [s.to_output().num_turns for s in conv.segments] == [3, 2]
+    for seg in conv.segments:
+        check_against_server(seg.to_output(), sent)
+    assert conv.segments[1].traj.prompt_ids != conv.segments[0].traj.prompt_ids
+
+
+def test_n_choices_become_segments_and_the_continued_one_grows(tok):  # noqa: F811
+    replies = ["#### 41", "#### 42", "#### 43"]
+    client = ScriptedClient(tok, replies)
+
+    async def body():
+        gw = Gateway(client, tok)
+        await gw.start()
+        try:
+            async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="k", max_retries=0) as oa:
+                msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "6*7?"}]
+                r = await oa.chat.completions.create(model="switchyard", messages=msgs, n=2)
+                assert [c.message.content for c in r.choices] == ["#### 41", "#### 42"]
+                second = msgs + [r.choices[1].message.model_dump(exclude_none=True), {"role": "user", "content": "sure?"}]
+                r2 = await oa.chat.completions.create(model="switchyard", messages=second)
+                assert r2.choices[0].message.content == "#### 43"
+            return gw.sessions["k"]
+        finally:
+            await gw.stop()
+
+    conv = asyncio.run(body())
+    assert len(conv.segments) == 2
+    first, second = (s.to_output() for s in conv.segments)
+    assert first.num_turns == 1 and second.num_turns == 2 and first.prompt_ids == second.prompt_ids
+    assert client.prompts[2][:len(client.prompts[0])] == client.prompts[0]  # continued, not re-rendered
+
+
+class _SlowClient(ScriptedClient):
+    async def generate(self, prompt_ids: Any, sampling: dict, **kw: Any):
+        await asyncio.sleep(0.5)
+        return await super().generate(prompt_ids, sampling, **kw)
+
+
+def test_bad_requests_get_openai_style_errors(tok):  # noqa: F811
+    async def body():
+        gw = Gateway(_SlowClient(tok, ["ok"]), tok, max_context=64, max_inflight=1)
+        await gw.start()
+        far = Gateway(ScriptedClient(tok, ["ok"]), tok, host="0.0.0.0", api_keys=["secret"])
+        await far.start()
+        try:
+            async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="k", max_retries=0) as oa:
+                ok = [{"role": "user", "content": "hi"}]
+                with pytest.raises(openai.BadRequestError, match="model 'gpt-4' is not served"):
+                    await oa.chat.completions.create(model="gpt-4", messages=ok)
+                with pytest.raises(openai.BadRequestError, match=r"messages\[0\]: role 'robot'"):
+                    await oa.chat.completions.create(model="switchyard", messages=[{"role": "robot", "content": "x"}])
+                with pytest.raises(openai.BadRequestError, match="tool_choice='required' is not supported"):
+                    await oa.chat.completions.create(model="switchyard", messages=ok, tool_choice="required")
+                with pytest.raises(openai.APIStatusError, match="context") as e:
+                    await oa.chat.completions.create(model="switchyard",
+                                                     messages=[{"role": "user", "content": "word " * 200}])
+                assert e.value.status_code == 413
+                slow = [oa.chat.completions.create(model="switchyard", messages=ok) for _ in range(2)]
+                got = await asyncio.gather(*slow, return_exceptions=True)
+                assert sum(isinstance(g, openai.RateLimitError) for g in got) == 1, got
+            port = far.base_url.rsplit(":", 1)[1]
+            async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}", api_key="wrong", max_retries=0) as oa:
+                with pytest.raises(openai.AuthenticationError, match="unknown API key"):
+                    await oa.chat.completions.create(model="switchyard", messages=[{"role": "user", "content": "x"}])
+            async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}", api_key="secret", max_retries=0) as oa:
+                assert (await oa.models.list()).data[0].id == "switchyard"
+                r = await oa.chat.completions.create(model="switchyard", messages=[{"role": "user", "content": "x"}])
+                assert r.choices[0].message.content == "ok"
+        finally:
+            await gw.stop()
+            await far.stop()
+
+    asyncio.run(body())
+
+
+@pytest.mark.skipif(not (GSM8K / "train.jsonl").exists(), reason="needs the GSM8K jsonl beside the repository")
+def test_one_grpo_step_of_an_openai_client_agent_through_train_py(tmp_path: Path, monkeypatch):
+    from test_train import metrics, train
+
+    tests_dir = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "run"
+    proc = train(["model.path=tiny-llama", "rollout.engine=hf", "sft.enabled=false", "data.task=gsm8k",
+                  f"data.train_path={GSM8K / 'train.jsonl'}", "data.agent_name=openai_agent",
+                  "data.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=24", "trainer.steps=1",
+                  "rollout.agent.openai_agent.agent_function=gateway_agent.calculator_agent",
+                  f"trainer.output_dir={out}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    m = metrics(out)[-1]
+    assert m["rollout/trajectories"] == 4 and m.get("rollout/errors", 0) == 0, m
