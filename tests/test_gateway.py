@@ -41,7 +41,13 @@ def test_openai_client_tool_rounds_streaming_and_not_are_token_exact(servers, to
     rows = gsm8k_rows(GSM8K / "test.jsonl", 6)
 
     async def body(gw: Gateway):
+        two = asyncio.Semaphore(2)  # the tiny model calls tools less reliably in large padded batches
+
         async def one(row: dict, stream: bool):
+            async with two:
+                return await talk(row, stream)
+
+        async def talk(row: dict, stream: bool):
             key = gw.open_session()
             async with openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0) as client:
                 messages, calls = await chat_rounds(client, list(row["prompt"]), rounds=3, stream=stream)
@@ -166,4 +172,5 @@ def test_one_grpo_step_of_an_openai_client_agent_through_train_py(tmp_path: Path
                   f"trainer.output_dir={out}"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     m = metrics(out)[-1]
-    assert m["rollout/trajectories"] == 4 and m.get("rollout/errors", 0) == 0, m
+    assert m["rollout/trajectories"] == 4 and m["rollout/invalid"] == 0 and "rollout/termination/error" not in m, m
+    assert m["rollout/num_turns_mean"] == 2  # both model calls of the agent function went through the gateway
