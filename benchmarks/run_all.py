@@ -127,6 +127,22 @@ def weight_sync_section(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def gateway_section(r: dict[str, Any]) -> list[str]:
+    lines = ["## OpenAI gateway overhead", "",
+             f"Echo engine, one chat of {r['prompt_tokens']} prompt tokens, {r['reply_tokens']}-token replies, a new "
+             "session per request; `python -m agent.gateway` in its own process. HTTP: raw POSTs; openai: the "
+             "`openai` package. Latency in ms; added = gateway p50 - bus p50.", "",
+             "| concurrency | bus p50 | gateway HTTP p50 | gateway openai p50 | added HTTP | added openai | bus req/s "
+             "| gateway HTTP req/s | gateway openai req/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in r["counts"]:
+        x = r[str(c)]
+        b, h, o = x["bus"], x["gateway_http"], x["gateway_openai"]
+        lines.append(f"| {c} | {b['p50_ms']:.2f} | {h['p50_ms']:.2f} | {o['p50_ms']:.2f} | "
+                     f"{h['p50_ms'] - b['p50_ms']:.2f} | {o['p50_ms'] - b['p50_ms']:.2f} | {b['req_s']:.0f} | "
+                     f"{h['req_s']:.0f} | {o['req_s']:.0f} |")
+    return lines
+
+
 def nodes_section(r: dict[str, Any]) -> list[str]:
     p = r["params"]
     lines = ["## Rollout across simulated nodes", "",
@@ -222,7 +238,8 @@ def main() -> None:
                 ["benchmarks/weight_sync.py", *quick],
                 ["benchmarks/nodes.py", *quick],
                 ["benchmarks/actor_memory.py", *quick],
-                ["benchmarks/async_rl.py", *quick]]
+                ["benchmarks/async_rl.py", *quick],
+                ["benchmarks/gateway_overhead.py", *quick]]
     t0 = time.perf_counter()
     seconds = [run(c) for c in commands]
     total = time.perf_counter() - t0
@@ -237,7 +254,7 @@ def main() -> None:
     lines += bus_section(load("bus_vs_ray")) + [""] + tool_section(load("tool_latency")) + [""]
     lines += routing_section(load("routing")) + [""] + weight_sync_section(load("weight_sync")) + [""]
     lines += nodes_section(load("nodes")) + [""] + actor_memory_section(load("actor_memory")) + [""]
-    lines += async_rl_section(load("async_rl")) + [""]
+    lines += async_rl_section(load("async_rl")) + [""] + gateway_section(load("gateway_overhead")) + [""]
     Path(args.output).write_text("\n".join(lines))
     print(f"\nwrote {args.output} ({total / 60:.1f} min)")
 

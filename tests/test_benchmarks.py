@@ -101,3 +101,12 @@ def test_actor_memory_small_run(tmp_path):
     assert 0.45 <= report["held_ratio_fsdp_vs_dp1"] <= 0.55  # FSDP over 2 ranks: half of everything per rank
     assert report["held_ratio_ddp_vs_dp1"] == pytest.approx(1.0, rel=0.02)  # DDP: a full replica each
     assert report["projection_gb"]["7"]["dp1_ddp"] == pytest.approx(16 * 7e9 / 2**30)
+
+
+def test_gateway_overhead_small_run(tmp_path):
+    pytest.importorskip("openai")
+    last, report = _run("benchmarks/gateway_overhead.py", ["--requests", "64"], tmp_path)
+    assert last.startswith("RESULT added_ms_c1=")
+    for c in ("1", "64"):
+        assert set(report[c]) == {"bus", "gateway_http", "gateway_openai"}
+        assert all(v["req_s"] > 0 and v["p50_ms"] > 0 for v in report[c].values())

@@ -52,16 +52,46 @@ def test_openai_client_tool_rounds_streaming_and_not_are_token_exact(servers, to
             async with openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0) as client:
                 messages, calls = await chat_rounds(client, list(row["prompt"]), rounds=3, stream=stream)
             return gw.close_session(key), messages, calls
-        return await asyncio.gather(*(one(r, stream=i % 2 == 1) for i, r in enumerate(rows)))
+        return await asyncio.gather(*(one(r, stream=i % 2 == 1) for i, r in enumerate(rows)),
+                                    langchain_openai_conversation(gw, rows[0]))
 
-    results = asyncio.run(_with_gateway(srv.addresses, tokenizer, body))
+    *results, lc = asyncio.run(_with_gateway(srv.addresses, tokenizer, body))
     sent = _server_log(srv.request_logs)
+    import importlib.util
+    assert (lc is None) == (importlib.util.find_spec("langchain_openai") is None)
+    if lc is not None:  # langchain-openai's ChatOpenAI, when it is installed
+        assert len(lc.segments) == 1
+        check_against_server(lc.segments[0].to_output(), sent)
     assert sum(calls for _, _, calls in results) >= 3, [m for _, m, _ in results]  # tool rounds really ran
     for conv, messages, _ in results:
         assert len(conv.segments) == 1  # an append-only history stays one trajectory
         out = conv.segments[0].to_output()
         assert out.num_turns == 3
         check_against_server(out, sent)  # mask-1 tokens = what the engine sent, in order
+
+
+async def langchain_openai_conversation(gw: Gateway, row: dict):
+    """Two calls of ChatOpenAI with the calculator bound; the recorded Conversation, or None
+    without langchain-openai."""
+    try:
+        from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
+        from langchain_openai import ChatOpenAI
+    except ImportError:
+        return None
+    from gateway_agent import _calc
+    from tool_model import CALCULATOR_SCHEMA
+
+    key = gw.open_session()
+    llm = ChatOpenAI(model="switchyard", base_url=gw.base_url, api_key=key, temperature=1.0, max_tokens=48,
+                     max_retries=0).bind_tools([CALCULATOR_SCHEMA])
+    messages: list = [SystemMessage(row["prompt"][0]["content"]), HumanMessage(row["prompt"][1]["content"])]
+    ai = await llm.ainvoke(messages)
+    messages.append(ai)
+    import json
+    messages += ([ToolMessage(_calc(json.dumps(c["args"])), tool_call_id=c["id"]) for c in ai.tool_calls]
+                 or [HumanMessage("Check it with the calculator.")])
+    await llm.ainvoke(messages)
+    return gw.close_session(key)
 
 
 def test_edited_history_forks_into_token_exact_segments(servers, tool_caller):  # noqa: F811
@@ -174,3 +204,27 @@ def test_one_grpo_step_of_an_openai_client_agent_through_train_py(tmp_path: Path
     m = metrics(out)[-1]
     assert m["rollout/trajectories"] == 4 and m["rollout/invalid"] == 0 and "rollout/termination/error" not in m, m
     assert m["rollout/num_turns_mean"] == 2  # both model calls of the agent function went through the gateway
+
+
+def test_standalone_gateway_process_serves_the_openai_client(servers):
+    """`python -m agent.gateway` in front of an engine server: an OpenAI client gets a reply; the
+    process refuses to bind beyond loopback without a key and stops cleanly on SIGTERM."""
+    import subprocess
+
+    srv = servers(1, backend="echo", model="echo")
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "agent.gateway", "--bus", srv.addresses[0], "--tokenizer", "tiny-llama"]
+    refused = subprocess.run([*cmd, "--host", "0.0.0.0"], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "give --api-key" in refused.stderr
+    proc = subprocess.Popen([*cmd, "--port", "0"], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "switchyard gateway: http://127.0.0.1:" in line, proc.stderr.read() if proc.poll() is not None else line
+        client = openai.OpenAI(base_url=line.split()[2], api_key="any", max_retries=0)
+        r = client.chat.completions.create(model="switchyard", messages=[{"role": "user", "content": "hello"}],
+                                           max_tokens=5, logprobs=True)
+        assert r.usage.completion_tokens == 5 and len(r.choices[0].logprobs.content) == 5
+        assert r.choices[0].finish_reason == "length"
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0

@@ -47,12 +47,17 @@ class Gateway:
 
     def __init__(self, client: Any, tokenizer: Any, model_name: str = "switchyard", tool_parser: str = "hermes",
                  host: str = "127.0.0.1", port: int = 0, api_keys: list[str] | None = None, max_inflight: int = 256,
-                 max_context: int | None = None, end_of_turn_id: int | None = None) -> None:
+                 max_context: int | None = None, end_of_turn_id: int | None = None,
+                 session_ttl_s: float = 3600.0) -> None:
         self.client, self.tokenizer, self.model_name = client, tokenizer, model_name
         self.tool_parser, self.host, self.port = tool_parser, host, port
         self.api_keys = set(api_keys or [])
         self.max_inflight, self.max_context, self.end_of_turn_id = max_inflight, max_context, end_of_turn_id
         self.sessions: dict[str, Conversation] = {}
+        self._opened: set[str] = set()  # sessions the agent loop opened; it closes them itself
+        self._encoders: dict[str, Any] = {}
+        self.session_ttl_s = session_ttl_s
+        self._requests = 0
         self.inflight = 0
         self._runner: web.AppRunner | None = None
         self.base_url = ""
@@ -78,14 +83,25 @@ class Gateway:
     def open_session(self, key: str | None = None, sampling: dict[str, Any] | None = None) -> str:
         key = key or f"sy-{uuid.uuid4().hex}"
         self.sessions[key] = self._conversation(key, sampling)
+        self._opened.add(key)
         return key
 
     def close_session(self, key: str) -> Conversation | None:
+        self._opened.discard(key)
         return self.sessions.pop(key, None)
 
     def _conversation(self, session_id: str, sampling: dict[str, Any] | None = None) -> Conversation:
         return Conversation(session_id, self.tokenizer, self.tool_parser, self.end_of_turn_id, self.max_context,
-                            sampling)
+                            sampling, self._encoders)
+
+    def _prune(self) -> None:
+        """Forget sessions clients opened implicitly (by key or header) once idle for session_ttl_s."""
+        self._requests += 1
+        if self._requests % 256:
+            return
+        cutoff = time.monotonic() - self.session_ttl_s
+        for sid in [s for s, c in self.sessions.items() if s not in self._opened and c.last_used < cutoff]:
+            del self.sessions[sid]
 
     def _session_for(self, request: web.Request) -> Conversation:
         auth = request.headers.get("Authorization", "")
@@ -107,6 +123,7 @@ class Gateway:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         try:
+            self._prune()
             conv = self._session_for(request)
             try:
                 body = await request.json()

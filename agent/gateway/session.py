@@ -161,8 +161,10 @@ class Conversation:
 
     def __init__(self, session_id: str, tokenizer: Any, tool_parser: str = "hermes",
                  end_of_turn_id: int | None = None, max_context: int | None = None,
-                 sampling: dict[str, Any] | None = None) -> None:
+                 sampling: dict[str, Any] | None = None, encoders: dict[str, ChatEncoder] | None = None) -> None:
         self.session_id, self.tokenizer, self.tool_parser = session_id, tokenizer, tool_parser
+        self.encoders = {} if encoders is None else encoders  # shared by a gateway's sessions, by tools
+        self.last_used = time.monotonic()
         self.end_of_turn_id, self.max_context = end_of_turn_id, max_context
         self.sampling = dict(sampling or {})  # the trainer's settings win over the client's
         self.segments: list[Segment] = []
@@ -188,7 +190,11 @@ class Conversation:
             best.held = best.held + new
             best.unclosed = None
             return best
-        encoder = ChatEncoder(self.tokenizer, tools=tools, end_of_turn_id=self.end_of_turn_id)
+        tools_key = json.dumps(tools, sort_keys=True)
+        encoder = self.encoders.get(tools_key)
+        if encoder is None:  # measuring the template costs a few renders: once per tool set
+            encoder = self.encoders[tools_key] = ChatEncoder(self.tokenizer, tools=tools,
+                                                             end_of_turn_id=self.end_of_turn_id)
         seg = Segment(encoder, Trajectory(encoder.initial(messages)), list(messages), tools)
         self.segments.append(seg)
         return seg
@@ -203,6 +209,7 @@ class Conversation:
         """Generate `n` choices continuing `messages`; the first continues the segment in place,
         the others each get a copy of it (their own segment)."""
         async with self._lock:  # one session's calls are sequential, as an agent's are
+            self.last_used = time.monotonic()
             seg = self._continue(messages, tools)
             prompt = seg.traj.all_ids()
             params = {**sampling, **self.sampling}

@@ -1,0 +1,62 @@
+"""Serve the gateway on its own: `python -m agent.gateway --bus ADDRESS --tokenizer MODEL [options]`.
+
+For agents that run outside the training job (another machine, another language): they point their
+OpenAI client at the printed URL. Beyond loopback, give `--api-key` (requests without one get 401).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    from agent.gateway.server import Gateway, is_loopback
+    from engines.models import resolve_model
+    from rollout.client import GenerateClient
+
+    if not is_loopback(args.host) and not args.api_key:
+        raise SystemExit(f"--host {args.host} is beyond loopback: give --api-key KEY (clients send it as "
+                         "`Authorization: Bearer KEY`), or bind 127.0.0.1")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.tokenizer))
+    async with GenerateClient(args.bus) as client:
+        await client.wait_ready(timeout_s=args.ready_timeout_s)
+        gw = Gateway(client, tokenizer, model_name=args.model_name, tool_parser=args.tool_parser, host=args.host,
+                     port=args.port, api_keys=args.api_key, max_inflight=args.max_inflight,
+                     max_context=args.max_context)
+        url = await gw.start()
+        print(f"switchyard gateway: {url} (model {args.model_name!r}, {len(args.bus)} engine(s))", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await gw.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m agent.gateway", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bus", action="append", required=True, help="an engine server's address (repeat for more)")
+    ap.add_argument("--tokenizer", required=True, help="the served model (name or path): its tokenizer and template")
+    ap.add_argument("--model-name", default="switchyard", help="what clients send as `model`")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000, help="0: any free port")
+    ap.add_argument("--api-key", action="append", default=[], help="accepted key (repeat for more)")
+    ap.add_argument("--tool-parser", default="hermes", help="the model family's tool-call format")
+    ap.add_argument("--max-context", type=int, default=None, help="prompt + reply tokens; longer prompts get 413")
+    ap.add_argument("--max-inflight", type=int, default=256, help="running requests before 429")
+    ap.add_argument("--ready-timeout-s", type=float, default=300.0)
+    args = ap.parse_args(argv)
+    try:
+        asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
