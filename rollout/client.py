@@ -49,6 +49,11 @@ class GenerateResult:
     preemptions: int = 0
 
 
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())
+
+
 class RequestFailed(RuntimeError):
     """The engine refused the request (bad sampling params, engine error); not retried."""
 
@@ -228,17 +233,20 @@ class GenerateClient:
                     pass
 
     async def _request(self, engine: int, msg: P.Message, timeout_s: float) -> P.Message:
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
         self._pending[engine][msg.rid] = fut
         self.router.sent(engine)
+        timer = loop.call_later(timeout_s, _expire, fut)  # one timer, not wait_for's wrapper task per request
         try:
             await self._socks[engine].send_multipart(msg.encode(), copy=False)
-            return await asyncio.wait_for(fut, timeout_s)
+            return await fut
         except asyncio.TimeoutError:
             if isinstance(msg, P.Generate):  # free the engine; a late reply is dropped anyway
                 await self._socks[engine].send_multipart(P.Abort(rid=msg.rid).encode())
             raise
         finally:
+            timer.cancel()
             self._pending[engine].pop(msg.rid, None)
             self.router.done(engine)
 

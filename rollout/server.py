@@ -59,7 +59,6 @@ class EngineServer:
         self._request_log: TextIO | None = open(request_log, "a", buffering=1) if request_log else None
         self._ctx = zmq.asyncio.Context()
         self._socks: list[zmq.asyncio.Socket] = []
-        self._outbox: asyncio.Queue[list[Any]] = asyncio.Queue()
         self._inflight: dict[tuple[bytes, str], asyncio.Task] = {}
         self._aborted: set[tuple[bytes, str]] = set()  # aborted before reaching the engine
         self._running: set[tuple[bytes, str]] = set()  # inside the engine now
@@ -97,7 +96,7 @@ class EngineServer:
     async def run(self) -> None:
         """Start the engine, bind, serve until stop(); the engine is closed on the way out."""
         await self.engine.start()
-        tasks = [asyncio.create_task(self._send_loop()), asyncio.create_task(self._weights_loop())]
+        tasks = [asyncio.create_task(self._weights_loop())]
         if self.keys is not None:
             zap_ready = asyncio.Event()
             tasks.append(asyncio.create_task(zap_handler(self._ctx, self.keys, zap_ready)))
@@ -137,14 +136,19 @@ class EngineServer:
         await self._bound.wait()
         return self.endpoints
 
-    async def _send_loop(self) -> None:
-        while True:
-            frames = await self._outbox.get()
-            sock_index, identity = frames[0][0], frames[0][1:]  # see _recv_loop
-            await self._socks[sock_index].send_multipart([identity, *frames[1:]], copy=False)
-
     def _reply(self, identity: bytes, msg: P.Message) -> None:
-        self._outbox.put_nowait([identity, *msg.encode()])
+        """Send now, from the event loop: the ROUTER's send queue is unbounded (SNDHWM 0), so this never
+        waits, and pyzmq keeps the order of sends it had to defer. `identity` is the socket index byte
+        and the peer's ZMQ identity (see _recv_loop)."""
+        try:
+            sent = self._socks[identity[0]].send_multipart([identity[1:], *msg.encode()], copy=False)
+        except zmq.ZMQError as e:  # the socket closed under a late reply (shutdown)
+            log.debug("reply %s not sent: %s", msg.rid, e)
+            return
+        if not sent.done():
+            sent.add_done_callback(_log_send_error)
+        elif sent.exception() is not None:
+            _log_send_error(sent)
 
     async def _recv_loop(self, index: int) -> None:
         """Messages of socket `index`; a peer is known as (socket index byte + ZMQ identity), so
@@ -366,6 +370,11 @@ class EngineServer:
             except Exception as e:
                 log.warning("%s %s failed: %s", msg.TYPE, msg.rid, e)
                 self._reply(identity, P.Error(rid=msg.rid, code=f"{msg.TYPE}_failed", message=f"{type(e).__name__}: {e}"))
+
+
+def _log_send_error(sent: "asyncio.Future[Any]") -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        log.warning("a reply could not be sent: %s", sent.exception())
 
 
 def _rss_mb() -> float:
