@@ -54,6 +54,8 @@ class AgentLoopOutput:
     session_id: str = ""
     error: str = ""
     version_segments: list[list[int]] = field(default_factory=list)
+    # further token sequences of the same sample (as AgentLoopOutput dicts), trained as rows of their own
+    extra_segments: list[dict[str, Any]] = field(default_factory=list)
 
     def check(self) -> None:
         """Raise if the response lists disagree in length or a mask-0 token carries a logprob."""

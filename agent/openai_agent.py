@@ -6,9 +6,10 @@ a fresh API key per trajectory, and awaits the user's function
     async def my_agent(base_url: str, api_key: str, row: dict) -> float | None
 
 which may use any OpenAI-compatible client or framework. The gateway records the session
-token-exactly; the trajectory trained on is the segment that generated last (the agent's final
-answer), and its reward is the function's return value, or the row's rule reward on that last
-reply when the function returns None. Options (`rollout.agent.openai_agent`): `agent_function`
+token-exactly; every segment of it (a client that edits its history opens a new one) is trained
+on, as a row of its own in the sample's GRPO group, with the sample's reward: the function's
+return value, or the row's rule reward on the last reply (the segment that generated last) when
+the function returns None. Options (`rollout.agent.openai_agent`): `agent_function`
 (dotted path, required), `tool_parser`, `model_name` (what the client must send as `model`),
 `timeout_s`, `max_context`.
 """
@@ -16,6 +17,7 @@ reply when the function returns None. Options (`rollout.agent.openai_agent`): `a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
@@ -106,5 +108,7 @@ class OpenAIAgentLoop(AgentLoopBase):
             reward, parts = float(result), {"agent": float(result)}
         out = seg.to_output(reward, parts, session_id=key, termination="error" if error else None)
         out.error = error
-        out.turns.append({"kind": "segments", "count": len(conv.segments)})
+        others = [s for s in conv.segments if s is not seg and s.request_ids]
+        out.extra_segments = [dataclasses.asdict(s.to_output(reward, parts, session_id=key)) for s in others]
+        out.turns.append({"kind": "segments", "count": 1 + len(others)})
         return out

@@ -56,3 +56,15 @@ async def calculator_agent(base_url: str, api_key: str, row: dict) -> None:
     async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
         await chat_rounds(client, list(row["prompt"]), rounds=2)
     return None
+
+
+async def compressing_agent(base_url: str, api_key: str, row: dict) -> float:
+    """One model call, then the history summarized into a fresh user turn and one more call: two
+    segments of one sample. Returns a fixed reward so the test can recognise it on every row."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        messages, _ = await chat_rounds(client, list(row["prompt"]), rounds=1)
+        summary = [messages[0], {"role": "user", "content": "Earlier: " + str(row["prompt"][-1]["content"])[:60]}]
+        await chat_rounds(client, summary, rounds=1)
+    return 0.25

@@ -214,13 +214,29 @@ def group_shards(group_index: torch.Tensor, parts: int) -> list[torch.Tensor]:
     return [torch.nonzero(torch.isin(group_index, g)).flatten() for g in torch.tensor_split(groups, parts)]
 
 
+def segments_of(o: Any) -> list[Any]:
+    """The output itself (without its extra segments) and each extra segment as an output of its type."""
+    extra = list(getattr(o, "extra_segments", None) or [])
+    if not extra:
+        return [o]
+    import dataclasses
+
+    return [dataclasses.replace(o, extra_segments=[])] + [
+        type(o)(**d) if isinstance(d, dict) else d for d in extra]
+
+
 def pad_outputs(outputs: Sequence[Finished], pad_id: int, group_index: Sequence[int],
                 prompt_length: int | None = None, response_length: int | None = None) -> Batch:
     """Pad trajectories into a Batch. Fixed `prompt_length`/`response_length` give static shapes;
     a trajectory longer than them is an error (cutting it would train on a different sequence
-    than the one sampled), so raise the loop's token budget instead."""
+    than the one sampled), so raise the loop's token budget instead. An output with
+    `extra_segments` (a sample recorded as several token sequences, e.g. a client that edited its
+    history) becomes one row per segment, each in the sample's group with the sample's reward."""
     if len(group_index) != len(outputs):
         raise ValueError(f"group_index has {len(group_index)} entries for {len(outputs)} outputs; give one per output")
+    if any(getattr(o, "extra_segments", None) for o in outputs):
+        flat = [(seg, g) for o, g in zip(outputs, group_index) for seg in segments_of(o)]
+        outputs, group_index = [seg for seg, _ in flat], [g for _, g in flat]
     for i, o in enumerate(outputs):
         try:
             o.check()
