@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.training.config import DTYPES, ActorConfig
+from launch.data.curriculum import CurriculumConfig
 from engines.training.losses import LossConfig
 from engines.training.reference import REFERENCES
 from rollout.config import RolloutConfig
@@ -59,6 +60,7 @@ class DataConfig:
     agent_name: str = "tool_agent"  # for generated rows (arithmetic, gsm8k); rows files carry their own
     max_operand: int = 50  # arithmetic difficulty
     num_ops: int = 2
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)  # launch/data/curriculum.py
 
     def __post_init__(self) -> None:
         _choice("data", "task", self.task, TASKS)
@@ -205,6 +207,9 @@ def validate(cfg: Config) -> None:
             ToolAgentConfig.from_mapping(cfg.rollout.agent["tool_agent"])
         except ValueError as e:
             raise ConfigError(f"rollout.agent.tool_agent: {e}") from None
+    if cfg.data.curriculum.mode == "adaptive" and cfg.rollout.staleness > 0:
+        raise ConfigError("data.curriculum.mode=adaptive needs rollout.staleness=0: its pass rates come from each "
+                          "synchronous step's groups; use mode=stages or linear with asynchronous RL")
     if "openai_agent" in cfg.rollout.agent or cfg.data.agent_name == "openai_agent":
         from agent.openai_agent import OpenAIAgentConfig
 

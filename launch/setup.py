@@ -75,4 +75,10 @@ def setup(cfg: Config) -> Run:
                              micro_batch_size=cfg.actor.micro_batch_size)
     plane = RolloutPlane(r, model_dir, cfg.model.dtype, rank, world, tools_path, inter_path,
                          dp_rank=int(getattr(actor, "dp_rank", rank)))
-    return Run(rank, barrier, rows, RowStream(rows, seed=cfg.data.seed), tools, model_dir, actor, ref, plane)
+    if cfg.data.curriculum.mode != "off":
+        from launch.data.curriculum import CurriculumStream
+
+        stream: Any = CurriculumStream(rows, cfg.data.curriculum, seed=cfg.data.seed)
+    else:
+        stream = RowStream(rows, seed=cfg.data.seed)
+    return Run(rank, barrier, rows, stream, tools, model_dir, actor, ref, plane)

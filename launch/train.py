@@ -64,8 +64,11 @@ def train(cfg: Config) -> dict[str, Any]:
             if overlap:  # the first finished groups within the staleness bound
                 batch, metrics = plane.take_batch(version)
             else:
-                batch, metrics = plane.generate(stream.next_batch(cfg.data.prompts_per_step), version,
-                                                more_rows=stream.next_batch)
+                rows = stream.next_batch(cfg.data.prompts_per_step)
+                batch, metrics = plane.generate(rows, version, more_rows=stream.next_batch,
+                                                record=getattr(stream, "record", None))
+                if rank == 0 and hasattr(stream, "stats"):  # the curriculum's difficulty, pool and retired rows
+                    metrics.update(stream.stats(rows))
             t_rollout = time.perf_counter() - t0
             metrics.update({**plane.engine_metrics(t_rollout), **plane.sleep()})
             plane.training(True)

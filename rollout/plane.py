@@ -281,11 +281,13 @@ class RolloutPlane(WeightRoutes):
 
     # ------------------------------------------------------------------ every step
     def generate(self, rows: list[dict[str, Any]], weight_version: int,
-                 more_rows: Callable[[int], list[dict[str, Any]]] | None = None) -> tuple[Batch, dict[str, float]]:
+                 more_rows: Callable[[int], list[dict[str, Any]]] | None = None,
+                 record: Callable[[dict[str, Any], list[float]], None] | None = None) -> tuple[Batch, dict[str, float]]:
         """Roll out `rows` with weights no older than `weight_version`. Every rank gets its data-
         parallel replica's rows (`rollout.handoff`); the metrics of the whole batch and of the
         handoff come back on rank 0 ({} elsewhere). With `rollout.dynamic_sampling`, groups with
-        equal rewards are dropped and rank 0 asks `more_rows(k)` for rows to fill their places."""
+        equal rewards are dropped and rank 0 asks `more_rows(k)` for rows to fill their places. `record(row,
+        rewards)` hears every group's rewards on rank 0, dropped ones included (an adaptive curriculum)."""
         batch, metrics = None, {}
         if self.rank == 0:
             from engines.training.batch import equal_rewards, filter_overlong, pad_outputs
@@ -295,6 +297,8 @@ class RolloutPlane(WeightRoutes):
                 outs = self.manager.generate_outputs(rows, weight_version=weight_version)
                 for i in range(len(rows)):
                     group = outs[i * n:(i + 1) * n]
+                    if record is not None:
+                        record(rows[i], [float(o.reward) for o in group])
                     if self.cfg.dynamic_sampling and equal_rewards(group):
                         dropped += 1
                     else:
