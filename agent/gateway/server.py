@@ -71,7 +71,7 @@ class Gateway:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = self._runner.addresses[0][1]  # the bound port (port 0 picks a free one)
         self.base_url = f"http://{self.host}:{port}/v1"
         return self.base_url
 
