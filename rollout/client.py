@@ -172,6 +172,9 @@ class GenerateClient:
             part = await self._generate_once(np.concatenate([prompt, np.asarray(ids, np.int32)]) if ids else prompt,
                                              {**sp, "max_tokens": int(budget) - len(ids)} if ids and budget is not None
                                              else sp, session_id, group_id, min_weight_version)
+            if not segments and part.finish_reason != "preempted":  # the common case: one piece, no copies
+                part.segments = [(part.weight_version, len(part.token_ids))]
+                return part
             ids += part.token_ids
             lps += part.logprobs
             if part.token_ids or not segments:
