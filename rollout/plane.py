@@ -131,6 +131,7 @@ class RolloutPlane(WeightRoutes):
         self.local_control: _Control | None = None  # a node leader's client to its own engines
         self.slots: Any = None  # shared-memory weight slots (rollout.shm), made at the first push
         self.last_sync: dict[str, float] = {}
+        self.inproc: Any = None  # rollout.in_process: the engine this process serves
         self._no_room = False  # shared memory too small for two buckets on this one-node run: the bus instead
 
     # ------------------------------------------------------------------ start-up
@@ -195,6 +196,17 @@ class RolloutPlane(WeightRoutes):
             if cfg.request_log:
                 (run_dir / "engines").mkdir(parents=True, exist_ok=True)
                 request_log = run_dir / "engines" / f"{eid}.jsonl"
+            if cfg.in_process:  # served from this process: weights load by reference (rollout/inproc.py)
+                from rollout.inproc import InProcessEngine
+
+                if self.nodes > 1:
+                    raise RuntimeError("rollout.in_process=true is for one node; across nodes weights travel by "
+                                       "collective broadcast: turn it off")
+                self.inproc = InProcessEngine(cfg.engine, self.model_dir, addrs, eid, options,
+                                              str(request_log) if request_log else None)
+                self.procs.append(self.inproc)
+                started.append((eid, slot, self.inproc, None, log))
+                continue
             proc = start_server_process(cfg.engine, self.model_dir, addrs, eid, options, log_file=log, env=env,
                                         cpu_cores=cores, keys_file=keys_file, endpoint_file=tmp / f"{eid}.json",
                                         request_log=request_log)
@@ -203,7 +215,8 @@ class RolloutPlane(WeightRoutes):
             started.append((eid, slot, proc, tmp / f"{eid}.json", log))
         infos = []
         for eid, slot, proc, endpoint_file, log in started:
-            bound = read_endpoints(endpoint_file, proc, cfg.startup_timeout_s, log)
+            bound = (proc.endpoints(cfg.startup_timeout_s) if endpoint_file is None
+                     else read_endpoints(endpoint_file, proc, cfg.startup_timeout_s, log))
             infos.append(EngineInfo(eid, self.node, tuple(slot.devices), bound[0], bound[1] if tcp else None, proc.pid))
         return infos
 

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
@@ -95,6 +96,7 @@ class EngineServer:
     # ---------------------------------------------------------------- life cycle
     async def run(self) -> None:
         """Start the engine, bind, serve until stop(); the engine is closed on the way out."""
+        self._loop = asyncio.get_running_loop()
         await self.engine.start()
         tasks = [asyncio.create_task(self._weights_loop())]
         if self.keys is not None:
@@ -316,6 +318,10 @@ class EngineServer:
             cached_prompt_tokens=out.cached_prompt_tokens, load=stats.waiting + stats.running + sum(self._gated.values())))
 
     # ---------------------------------------------------------------- control plane
+    def submit_local(self, job: LocalLoad) -> None:
+        """From another thread of this process: queue an in-process weight load (see LocalLoad)."""
+        self._loop.call_soon_threadsafe(self._weight_jobs.put_nowait, (b"", job))
+
     async def _set_gate(self, **flags: Any) -> None:
         async with self._gate:
             for k, v in flags.items():
@@ -358,6 +364,23 @@ class EngineServer:
                                          f"{pending_version}; send weights_begin first")
                     await self.engine.update_weights(tensors_from_bucket(msg, slots))
                     loaded += 1
+                elif isinstance(msg, LocalLoad):
+                    from rollout.weight_sync import load_into_engine
+
+                    if msg.version <= self.weight_version:
+                        raise ValueError(f"weight version {msg.version} is not newer than the engine's "
+                                         f"{self.weight_version}; versions must increase")
+                    await self._set_gate(_updating=True)
+                    if msg.preempt:
+                        for key in list(self._running):
+                            self._preempted.add(key)
+                            await self.engine.abort(self._engine_rid(*key))
+                    await self._idle.wait()
+                    report = await load_into_engine(self.engine, msg.named, msg.bucket_bytes)
+                    self.weight_version = msg.version
+                    await self._set_gate(_updating=False, _weights_freed=False)
+                    msg.done.set_result(report)
+                    continue
                 elif isinstance(msg, P.WeightsCommit):
                     if msg.version != pending_version or msg.num_buckets != loaded:
                         raise ValueError(f"commit of version {msg.version} with {msg.num_buckets} buckets, but "
@@ -369,7 +392,27 @@ class EngineServer:
                 self._reply(identity, P.Ack(rid=msg.rid, of=msg.TYPE, weight_version=self.weight_version))
             except Exception as e:
                 log.warning("%s %s failed: %s", msg.TYPE, msg.rid, e)
+                if isinstance(msg, LocalLoad):
+                    if self._updating:
+                        await self._set_gate(_updating=False)
+                    msg.done.set_exception(e)
+                    continue
                 self._reply(identity, P.Error(rid=msg.rid, code=f"{msg.TYPE}_failed", message=f"{type(e).__name__}: {e}"))
+
+
+@dataclass
+class LocalLoad:
+    """A weight update from the process that hosts this server (`rollout.inproc`): the tensors by
+    reference, loaded on the server's loop in order with every other weight job; `done` (a
+    concurrent future) gets the SyncReport or the error."""
+
+    named: Any
+    version: int
+    bucket_bytes: int
+    preempt: bool
+    done: Any
+    rid: str = "local"
+    TYPE: str = "local_load"
 
 
 def _log_send_error(sent: "asyncio.Future[Any]") -> None:

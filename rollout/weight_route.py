@@ -32,12 +32,16 @@ class WeightRoutes:
     dtype: str
     last_sync: dict[str, float]
     _no_room: bool
+    inproc: Any
 
     def route(self) -> str:
         """How weights reach the engines: `shm` (one node: rank 0 packs buckets into shared memory that
         the node's engines map), `collective` (several nodes: rank 0 broadcasts buckets to each node's
         leader, which feeds its engines through shared memory), or `bus` (frames over the sockets;
-        rollout.weight_path=bus)."""
+        rollout.weight_path=bus), or `in_process` (rollout.in_process: the engine is served from this
+        process and takes the tensors by reference)."""
+        if self.cfg.in_process:
+            return "in_process"
         if self.cfg.weight_path == "bus" or self._no_room:
             return "bus"
         return "collective" if self.nodes > 1 else "shm"
@@ -49,7 +53,7 @@ class WeightRoutes:
         from rollout.shm import free_bytes, shm_dir
 
         need = 2 * (self.cfg.weight_bucket_mb << 20)
-        if self.cfg.weight_path == "bus" or self.local_rank != 0:
+        if self.cfg.weight_path == "bus" or self.cfg.in_process or self.local_rank != 0:
             return
         free = free_bytes()
         if free >= need:
@@ -76,6 +80,9 @@ class WeightRoutes:
             for _ in named:
                 pass
             return 0.0
+        elif route == "in_process":
+            report = self.inproc.load(named, version, self.cfg.weight_bucket_mb << 20, self.engine_dtype(), preempt)
+            sent = report.bytes
         else:
             from tqdm import tqdm
 

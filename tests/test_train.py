@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,24 +96,27 @@ def test_rows_naming_unknown_tools_fail_before_models(tmp_path: Path):
 
 
 def test_drift_is_tiny_with_fp32_hf_engine_after_every_shared_memory_sync(tmp_path: Path):
-    """Step 2 rolls out on the weights step 1 trained, pushed through shared memory (the path a
-    one-node run takes) or over the bus (rollout.weight_path=bus): the engine's logprobs equal the
-    actor's to fp32 rounding (both run the same fp32 math on the same bytes; 1e-3 leaves room for a
-    different kernel order, far below the ~1e-1 a single wrong tensor gives)."""
+    """The SFT warm-up (4 steps at lr 1e-3) moves the actor away from the engines' base weights; the
+    push before step 1 brings them over, through shared memory (the path a one-node run takes), over
+    the bus (rollout.weight_path=bus) or by reference into an engine served from the trainer's own
+    process (rollout.in_process). After it the engine's logprobs equal the actor's to fp32 rounding
+    (measured ~2e-6: the same fp32 math on the same bytes); an engine that kept its base weights
+    drifts ~5e-4 on average here, so the 1e-4 bound fails a push that did not arrive."""
     out = tmp_path / "run"
-    # both paths: on-policy (the update's forward) and the explicit old-logprob pass (2 epochs)
-    for extra in ([], ["actor.ppo_epochs=2"], ["rollout.weight_path=bus"]):
-        proc = train([*TINY, "trainer.steps=2", "sft.enabled=false", f"trainer.output_dir={out}",
-                      "trainer.resume=false", *extra])
+    warm = ["sft.steps=4", "sft.lr=1e-3"]
+    # the on-policy path (the update's forward) and the explicit old-logprob pass (2 epochs)
+    for extra, path in (([], "shm"), (["actor.ppo_epochs=2"], "shm"), (["rollout.weight_path=bus"], "bus"),
+                        (["rollout.in_process=true", "rollout.placement=colocated"], "in_process")):
+        proc = train([*TINY, *warm, "trainer.steps=2", f"trainer.output_dir={out}", "trainer.resume=false", *extra])
         assert proc.returncode == 0, proc.stderr[-4000:]
         rows = metrics(out)
         assert [m["step"] for m in rows] == [1, 2] and rows[-1]["rollout/model_tokens_mean"] > 0
         for m in rows:
-            assert 0 <= m["drift/mean"] < 1e-3 and m["drift/max"] < 1e-3, m
-            path = "bus" if extra == ["rollout.weight_path=bus"] else "shm"
+            assert 0 <= m["drift/mean"] < 1e-4 and m["drift/max"] < 1e-4, (path, m)
             assert m[f"sync/engines_{path}"] == 1 and len([k for k in m if k.startswith("sync/engines_")]) == 1, m
             assert m["sync/gb"] > 0.01, m
         (out / "metrics.jsonl").unlink()
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
 
 def test_too_little_shared_memory_falls_back_to_the_bus_with_a_warning(tmp_path: Path):
