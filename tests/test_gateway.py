@@ -239,3 +239,24 @@ def test_standalone_gateway_process_serves_the_openai_client(servers):
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
+
+
+def test_a_client_opened_session_keeps_only_its_latest_segments(tok):  # noqa: F811
+    """Sessions no agent loop opened (a bare key or X-Session-Id) are recorded but never trained on:
+    a long-lived gateway keeps only their latest segments instead of growing without bound."""
+    from agent.gateway.server import IMPLICIT_SEGMENTS
+
+    async def body():
+        gw = Gateway(ScriptedClient(tok, ["ok"]), tok)
+        await gw.start()
+        try:
+            async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="shared", max_retries=0) as oa:
+                for i in range(IMPLICIT_SEGMENTS + 5):  # every new conversation is a new segment
+                    await oa.chat.completions.create(model="switchyard", messages=[{"role": "user", "content": f"q{i}"}])
+            return gw.sessions["shared"]
+        finally:
+            await gw.stop()
+
+    conv = asyncio.run(body())
+    assert len(conv.segments) == IMPLICIT_SEGMENTS
+    assert conv.segments[-1].held[0]["content"] == f"q{IMPLICIT_SEGMENTS + 4}"  # the newest survive

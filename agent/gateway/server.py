@@ -25,6 +25,7 @@ from agent.gateway.session import Conversation, Reply, RequestError, normalize
 
 log = logging.getLogger(__name__)
 
+IMPLICIT_SEGMENTS = 16  # segments kept per session a client opened by itself (no agent loop reads them)
 SAMPLING_KEYS = {"temperature": float, "top_p": float, "seed": int}
 
 
@@ -112,8 +113,9 @@ class Gateway:
             raise RequestError(401, "missing or unknown API key: send `Authorization: Bearer <key>` with a key "
                                     "this gateway issued or was started with", code="invalid_api_key")
         sid = request.headers.get("X-Session-Id") or key or "default"
-        if sid not in self.sessions:
+        if sid not in self.sessions:  # a client's own session: recorded, but nobody trains on it here
             self.sessions[sid] = self._conversation(sid)
+            self.sessions[sid].max_segments = IMPLICIT_SEGMENTS
         return self.sessions[sid]
 
     # -------------------------------------------------------------- handlers

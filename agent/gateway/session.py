@@ -122,7 +122,7 @@ class Reply:
     prompt_tokens: int
 
 
-@dataclass
+@dataclass(eq=False)
 class Segment:
     """One token trajectory and the messages it holds."""
 
@@ -161,10 +161,12 @@ class Conversation:
 
     def __init__(self, session_id: str, tokenizer: Any, tool_parser: str = "hermes",
                  end_of_turn_id: int | None = None, max_context: int | None = None,
-                 sampling: dict[str, Any] | None = None, encoders: dict[str, ChatEncoder] | None = None) -> None:
+                 sampling: dict[str, Any] | None = None, encoders: dict[str, ChatEncoder] | None = None,
+                 max_segments: int | None = None) -> None:
         self.session_id, self.tokenizer, self.tool_parser = session_id, tokenizer, tool_parser
         self.encoders = {} if encoders is None else encoders  # shared by a gateway's sessions, by tools
         self.last_used = time.monotonic()
+        self.max_segments = max_segments  # sessions nobody trains on keep only their latest segments
         self.end_of_turn_id, self.max_context = end_of_turn_id, max_context
         self.sampling = dict(sampling or {})  # the trainer's settings win over the client's
         self.segments: list[Segment] = []
@@ -225,6 +227,10 @@ class Conversation:
             params.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
             bases = [seg] + [seg.clone() for _ in range(n - 1)]
             self.segments += bases[1:]
+            if self.max_segments is not None and len(self.segments) > self.max_segments:
+                fresh = {id(b) for b in bases}  # this call's segments stay; then the most recently used
+                keep = {id(x) for x in sorted(self.segments, key=lambda x: (id(x) in fresh, x.updated))[-self.max_segments:]}
+                self.segments = [x for x in self.segments if id(x) in keep]
             t0 = time.perf_counter()
             results = await asyncio.gather(*(client.generate(prompt, params, session_id=self.session_id,
                                                              group_id=self.group_id) for _ in bases))
