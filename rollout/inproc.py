@@ -15,9 +15,25 @@ import asyncio
 import concurrent.futures
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
+
+
+@dataclass
+class LocalLoad:
+    """A weight update from the process that hosts an EngineServer (InProcessEngine): the tensors by
+    reference, loaded on the server's loop in order with every other weight job; `done` (a
+    concurrent future) gets the SyncReport or the error."""
+
+    named: Any
+    version: int
+    bucket_bytes: int
+    preempt: bool
+    done: Any
+    rid: str = "local"
+    TYPE: str = "local_load"
 
 
 class InProcessEngine:
@@ -70,8 +86,6 @@ class InProcessEngine:
         """Load `named` into the engine as `version` and wait; the SyncReport. The tensors are taken by
         reference (cast only where the engine's dtype differs), so nothing is copied before the
         engine copies them into its parameters."""
-        from rollout.server import LocalLoad
-
         tensors = [(n, t.detach().to(dtype) if dtype is not None and t.dtype != dtype else t.detach())
                    for n, t in named]
         done: concurrent.futures.Future = concurrent.futures.Future()

@@ -20,7 +20,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
@@ -30,6 +29,7 @@ import zmq.asyncio
 from engines.inference import Engine, EngineDeadError, SamplingParams, make_engine
 from rollout import protocol as P
 from rollout.auth import CONTROL_ROLES, AuthError, BusKeys, needs_auth, role_of, secure_server, zap_handler
+from rollout.inproc import LocalLoad
 
 log = logging.getLogger("switchyard.server")
 GATE_TIMEOUT_S = 1800.0  # longest a generate waits for the engine to wake, finish an update or load its version
@@ -398,21 +398,6 @@ class EngineServer:
                     msg.done.set_exception(e)
                     continue
                 self._reply(identity, P.Error(rid=msg.rid, code=f"{msg.TYPE}_failed", message=f"{type(e).__name__}: {e}"))
-
-
-@dataclass
-class LocalLoad:
-    """A weight update from the process that hosts this server (`rollout.inproc`): the tensors by
-    reference, loaded on the server's loop in order with every other weight job; `done` (a
-    concurrent future) gets the SyncReport or the error."""
-
-    named: Any
-    version: int
-    bucket_bytes: int
-    preempt: bool
-    done: Any
-    rid: str = "local"
-    TYPE: str = "local_load"
 
 
 def _log_send_error(sent: "asyncio.Future[Any]") -> None:
