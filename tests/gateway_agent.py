@@ -17,12 +17,12 @@ def _calc(arguments: str) -> str:
 
 
 async def chat_rounds(client: Any, messages: list[dict], rounds: int, stream: bool = False,
-                      max_tokens: int = 48) -> tuple[list[dict], int]:
+                      max_tokens: int = 48, temperature: float = 1.0) -> tuple[list[dict], int]:
     """Drive `rounds` model calls the way an agent framework does: run the calculator when the model
     calls it, otherwise ask it to check with the calculator. Returns the history and the calls seen."""
     calls = 0
     for _ in range(rounds):
-        kw = dict(model="switchyard", messages=messages, tools=[CALCULATOR_SCHEMA], temperature=1.0,
+        kw = dict(model="switchyard", messages=messages, tools=[CALCULATOR_SCHEMA], temperature=temperature,
                   max_tokens=max_tokens)
         if stream:
             content, tool_calls = "", {}
