@@ -79,7 +79,10 @@ def _wait_for(predicate, procs, timeout: float, what: str) -> None:
 
 def test_two_nodes_serve_every_step_and_resume_after_kill_9(tmp_path: Path):
     out = tmp_path / "run"
-    args = [*TINY, "trainer.steps=6", f"trainer.output_dir={out}"]
+    # the SFT warm-up moves the actors away from the engines' base weights (~5e-4 in logprobs), so a
+    # push that did not arrive shows in the drift, before and after the resume (fresh engines)
+    warm = ["sft.enabled=true", "sft.steps=4", "sft.lr=1e-3", "sft.batch_size=4"]
+    args = [*TINY, *warm, "trainer.steps=6", f"trainer.output_dir={out}"]
     port = _free_port()
     procs = [_launch(n, port, args, tmp_path / f"first-node{n}.log") for n in (0, 1)]
     try:
@@ -121,7 +124,7 @@ def test_two_nodes_serve_every_step_and_resume_after_kill_9(tmp_path: Path):
         assert r["rollout/trajectories"] == 8
         # weights: node 0's engine through shared memory, node 1's by broadcast to its leader; both
         # engines' logprobs equal the actors' (fp32 on both sides, see test_train's drift test)
-        assert r["sync/engines_shm"] == 1 and r["sync/engines_collective"] == 1 and r["drift/max"] < 1e-3, r
+        assert r["sync/engines_shm"] == 1 and r["sync/engines_collective"] == 1 and r["drift/max"] < 1e-4, r
         # each rank received only its own rows: rank 0 kept its 2 groups and sent rank 1 the other 2
         assert r["handoff/replicas"] == 2 and r["handoff/rows_local"] == 4 and r["handoff/rows_sent"] == 4, r
 
