@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 
 @dataclass
@@ -152,6 +152,31 @@ def json_then(text: str, at: int, closers: tuple[str, ...], end_ok: bool = False
         if text.startswith(closer, k):
             return value, k + len(closer), closer
     return (value, len(text), "") if end_ok and k == len(text) else None
+
+
+def tagged_blocks(text: str, open_tag: str, close_tag: str,
+                  block: "Callable[[str, int, str, ParseResult], int]") -> ParseResult:
+    """The skeleton of the formats whose calls sit between an open and a close tag. Text outside
+    the blocks is the content (a stray close tag there is an error, and dropped); `block(text, at,
+    where, result)` reads the call whose body starts at `at`, adds it or an error (prefixed with
+    `where`) to `result`, and returns where the scan goes on."""
+    result = ParseResult(content="")
+    pieces: list[str] = []
+    pos, index = 0, 0
+    while True:
+        start = text.find(open_tag, pos)
+        if start < 0:
+            pieces.append(text[pos:])
+            break
+        pieces.append(text[pos:start])
+        pos = max(block(text, start + len(open_tag), f"tool call {index} (char {start})", result), start + 1)
+        index += 1
+    content = "".join(pieces)
+    if close_tag in content:
+        result.errors.append(f"stray {close_tag} without a matching {open_tag}")
+        content = content.replace(close_tag, "")
+    result.content = content.strip()
+    return result
 
 
 def closed_after(text: str, at: int, closer: str, *followers: str) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agent.parsers.base import ParseResult, ToolCall, ToolParser
+from agent.parsers.base import ParseResult, ToolCall, ToolParser, tagged_blocks
 
 _MAX_DEPTH = 64
 
@@ -116,30 +116,17 @@ class GemmaParser(ToolParser):
     markers = (open_tag,)
 
     def parse(self, text: str) -> ParseResult:
-        result = ParseResult(content="")
-        pieces: list[str] = []
-        pos, index = 0, 0
-        while True:
-            start = text.find(self.open_tag, pos)
-            if start < 0:
-                pieces.append(text[pos:])
-                break
-            pieces.append(text[pos:start])
-            where = f"tool call {index} (char {start})"
-            index += 1
-            try:
-                call, pos = self._call(text, start + len(self.open_tag))
-                result.calls.append(call)
-            except _Syntax as e:
-                result.errors.append(f"{where}: {e}")
-                end = text.find(self.close_tag, start)
-                pos = len(text) if end < 0 else end + len(self.close_tag)
-        content = "".join(pieces)
-        if self.close_tag in content:
-            result.errors.append(f"stray {self.close_tag} without a matching {self.open_tag}")
-            content = content.replace(self.close_tag, "")
-        result.content = content.strip()
-        return result
+        return tagged_blocks(text, self.open_tag, self.close_tag, self._block)
+
+    def _block(self, text: str, at: int, where: str, result: ParseResult) -> int:
+        try:
+            call, pos = self._call(text, at)
+        except _Syntax as e:
+            result.errors.append(f"{where}: {e}")
+            end = text.find(self.close_tag, at)
+            return len(text) if end < 0 else end + len(self.close_tag)
+        result.calls.append(call)
+        return pos
 
     def _call(self, text: str, at: int) -> tuple[ToolCall, int]:
         reader = _Reader(text, at, self.quote)

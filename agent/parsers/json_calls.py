@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 
-from agent.parsers.base import ParseResult, ToolParser, call_from_obj, json_at, json_then, named_call, skip_ws
+from agent.parsers.base import (ParseResult, ToolParser, call_from_obj, json_at, json_then, named_call, skip_ws,
+                                tagged_blocks)
 
 
 class HermesParser(ToolParser):
@@ -25,40 +26,24 @@ class HermesParser(ToolParser):
     markers = (open_tag,)
 
     def parse(self, text: str) -> ParseResult:
-        result = ParseResult(content="")
-        pieces: list[str] = []
-        pos, index = 0, 0
-        while True:
-            start = text.find(self.open_tag, pos)
-            if start < 0:
-                pieces.append(text[pos:])
-                break
-            pieces.append(text[pos:start])
-            body_start = start + len(self.open_tag)
-            where = f"tool call {index} (char {start})"
-            index += 1
-            whole = json_then(text, body_start, (self.close_tag,))
-            if whole is not None:  # a JSON value and the close tag: tags inside its strings are data
-                obj, pos, _ = whole
-                result.add(call_from_obj(obj, where))
-                continue
-            end = text.find(self.close_tag, body_start)
-            nested = text.find(self.open_tag, body_start)
-            if end < 0 or 0 <= nested < end:
-                result.errors.append(f"{where}: unclosed {self.open_tag} tag (no {self.close_tag} before "
-                                     f"{'the end of the reply' if end < 0 else 'the next ' + self.open_tag})")
-                pos = len(text) if end < 0 else nested
-                continue
-            pos = end + len(self.close_tag)
-            got = json_at(text[:end], body_start)
-            result.add(f"{where}: {got}" if isinstance(got, str) else
-                       f"{where}: bad JSON (text after the value): {text[body_start:end].strip()[:80]!r}")
-        content = "".join(pieces)
-        if self.close_tag in content:
-            result.errors.append(f"stray {self.close_tag} without a matching {self.open_tag}")
-            content = content.replace(self.close_tag, "")
-        result.content = content.strip()
-        return result
+        return tagged_blocks(text, self.open_tag, self.close_tag, self._block)
+
+    def _block(self, text: str, body_start: int, where: str, result: ParseResult) -> int:
+        whole = json_then(text, body_start, (self.close_tag,))
+        if whole is not None:  # a JSON value and the close tag: tags inside its strings are data
+            obj, pos, _ = whole
+            result.add(call_from_obj(obj, where))
+            return pos
+        end = text.find(self.close_tag, body_start)
+        nested = text.find(self.open_tag, body_start)
+        if end < 0 or 0 <= nested < end:
+            result.errors.append(f"{where}: unclosed {self.open_tag} tag (no {self.close_tag} before "
+                                 f"{'the end of the reply' if end < 0 else 'the next ' + self.open_tag})")
+            return len(text) if end < 0 else nested
+        got = json_at(text[:end], body_start)
+        result.add(f"{where}: {got}" if isinstance(got, str) else
+                   f"{where}: bad JSON (text after the value): {text[body_start:end].strip()[:80]!r}")
+        return end + len(self.close_tag)
 
 
 class Llama3JsonParser(ToolParser):

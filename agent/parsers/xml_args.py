@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent.parsers.base import ParseResult, ToolCall, ToolParser, closed_after, skip_ws
+from agent.parsers.base import ParseResult, ToolCall, ToolParser, closed_after, skip_ws, tagged_blocks
 
 
 class _BlockError(Exception):
@@ -35,28 +35,16 @@ class _TaggedBlocks(ToolParser):
         raise NotImplementedError
 
     def parse(self, text: str) -> ParseResult:
-        result = ParseResult(content="")
-        pieces: list[str] = []
-        pos, index = 0, 0
-        while True:
-            start = text.find(self.open_tag, pos)
-            if start < 0:
-                pieces.append(text[pos:])
-                break
-            pieces.append(text[pos:start])
-            try:
-                call, pos = self.block(text, start + len(self.open_tag))
-                result.calls.append(call)
-            except _BlockError as e:
-                result.errors.append(f"tool call {index} (char {start}): {e}")
-                pos = max(e.resume, start + 1)
-            index += 1
-        content = "".join(pieces)
-        if self.close_tag in content:
-            result.errors.append(f"stray {self.close_tag} without a matching {self.open_tag}")
-            content = content.replace(self.close_tag, "")
-        result.content = content.strip()
-        return result
+        return tagged_blocks(text, self.open_tag, self.close_tag, self._block)
+
+    def _block(self, text: str, at: int, where: str, result: ParseResult) -> int:
+        try:
+            call, pos = self.block(text, at)
+        except _BlockError as e:
+            result.errors.append(f"{where}: {e}")
+            return e.resume
+        result.calls.append(call)
+        return pos
 
     def fail(self, text: str, at: int, message: str) -> _BlockError:
         """An error that resumes after the next close tag, at the next open tag if that comes first,
