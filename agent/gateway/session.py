@@ -19,7 +19,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from agent.chat import ChatEncoder
 from agent.loop import AgentLoopOutput, Trajectory
@@ -268,6 +268,3 @@ class Conversation:
         """The segment that generated last (the one holding the agent's final answer)."""
         return max(self.segments, key=lambda s: s.updated) if self.segments else None
 
-
-def tokens_text(tokenizer: Any, ids: Sequence[int]) -> list[str]:
-    return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
