@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--gsm8k-dir", default=None, help="directory with GSM8K train.jsonl and test.jsonl")
     ap.add_argument("--longtail-median-s", type=float, default=1.0,
                     help="median tool latency of the long-tail workload (p99 10x it); 0 skips it")
+    ap.add_argument("--longtail-trajectories", type=int, default=None,
+                    help="trajectories of the long-tail workload (default 12 waves of --concurrency: a steady "
+                         "state, not one wave's ramp-down)")
     ap.add_argument("--out", default=None, help=f"JSON path (default {RESULTS}/tool_latency.json)")
     args = ap.parse_args(argv)
     quick = args.quick
@@ -210,8 +213,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n = args.trajectories or (256 if quick else 96)
     conc = args.concurrency or (64 if quick else 48)
     steps = args.sft_steps or (200 if base == "tiny-llama" else 40)
-    latencies = [float(x) for x in args.latencies.split(",")]
-    model, tok, rows = calculator_workload(args.gsm8k_dir, base, steps, n)
+    latencies = [float(x) for x in args.latencies.split(",") if x.strip()]
+    n_long = args.longtail_trajectories or 12 * conc
+    model, tok, all_rows = calculator_workload(args.gsm8k_dir, base, steps, max(n, n_long))
+    rows = all_rows[:n]
     agent_cfg = {"max_assistant_turns": 3, "max_turn_tokens": 64, "max_response_tokens": 256, "tool_timeout_s": 60}
     sampling = {"temperature": args.temperature, "max_tokens": 64}
     info = machine()
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           f"wall {r['wall_s']:6.1f}s  tool calls {r['tool_calls']}", flush=True)
             longtail = []  # several tool rounds per trajectory, log-normal latency (median 1 s, p99 10 s)
             for mode in MODES if args.longtail_median_s > 0 else ():
-                r = asyncio.run(run_mode(mode, addrs, tok, rows, -1.0, conc, agent_cfg, sampling, f"lt-{mode}",
+                r = asyncio.run(run_mode(mode, addrs, tok, all_rows[:n_long], -1.0, conc, agent_cfg, sampling, f"lt-{mode}",
                                          longtail=args.longtail_median_s))
                 longtail.append(r)
                 print(f"long tail {mode:>5}: {r['tokens_per_s']:7.1f} tok/s  busy {r['busy_fraction']:.2f}  "
@@ -259,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out) if args.out else RESULTS / "tool_latency.json"
     png = plot(results, out.with_suffix(".png"), info["device"])
     report = {"benchmark": "tool_latency", "machine": info, "backend": backend, "model": base,
-              "sft_steps": steps, "trajectories": n, "concurrency": conc, "agent": agent_cfg,
+              "sft_steps": steps, "trajectories": n, "longtail_trajectories": n_long, "concurrency": conc, "agent": agent_cfg,
               "sampling": sampling, "results": results, "longtail": longtail, "ratios": ratios,
               "plot": str(png) if png else None, "command": " ".join(["python benchmarks/tool_latency.py",
                                                                     *(argv if argv is not None else sys.argv[1:])])}

@@ -33,7 +33,8 @@ def _run(script: str, args: list[str], tmp_path: Path) -> tuple[str, dict]:
 
 def test_tool_latency_small_run(tmp_path):
     last, report = _run("benchmarks/tool_latency.py", ["--quick", "--trajectories", "8", "--concurrency", "4",
-                                                        "--latencies", "0,0.5", "--longtail-median-s", "0.05"], tmp_path)
+                                                        "--latencies", "0,0.5", "--longtail-median-s", "0.05",
+                                                        "--longtail-trajectories", "8"], tmp_path)
     assert last.startswith("RESULT async_vs_sync_0s=")
     cells = {(r["mode"], r["latency_s"]): r for r in report["results"]}
     assert set(cells) == {("async", 0.0), ("sync", 0.0), ("async", 0.5), ("sync", 0.5)}
