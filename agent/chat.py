@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from agent.vision import has_images
+
 _DUMMY_SYSTEM = "You are a dummy system prompt used to measure the chat template."
 _DUMMY_USER = "Dummy user question used to measure the chat template."
 _DUMMY_ASSISTANT = "Dummy assistant answer used to measure the chat template."
@@ -42,8 +44,9 @@ class ChatEncoder:
     """
 
     def __init__(self, tokenizer: Any, tools: Sequence[dict[str, Any]] | None = None,
-                 end_of_turn_id: int | None = None) -> None:
+                 end_of_turn_id: int | None = None, vision: Any = None) -> None:
         self.tokenizer = tokenizer
+        self.vision = vision  # agent.vision.Vision of a vision-language model: image tokens are expanded
         self.tools = list(tools) if tools else None
         eot = tokenizer.eos_token_id if end_of_turn_id is None else end_of_turn_id
         if eot is None:
@@ -57,10 +60,15 @@ class ChatEncoder:
         self._prefix, self._closing = self._split_dummy(base)
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        """The template's token ids for `messages` (with this encoder's tools)."""
+        """The template's token ids for `messages` (with this encoder's tools); with a `vision`, each
+        image part's token repeated as many times as the model has embeddings per image."""
+        if self.vision is None and any(isinstance(m.get("content"), list) and has_images([m]) for m in messages):
+            raise ValueError("the messages hold images but the model is text-only (its config has no vision "
+                             "tower); use a vision-language model (e.g. the built-in tiny-vlm) or drop the images")
         out = self.tokenizer.apply_chat_template(list(messages), tools=self.tools, tokenize=True,
                                                  add_generation_prompt=add_generation_prompt, return_dict=True)
-        return list(out["input_ids"])
+        ids = list(out["input_ids"])
+        return self.vision.expand(ids) if self.vision is not None else ids
 
     def initial(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """The prompt of a trajectory: the only full render, ending with the generation prompt."""

@@ -56,6 +56,8 @@ class AgentLoopOutput:
     version_segments: list[list[int]] = field(default_factory=list)
     # further token sequences of the same sample (as AgentLoopOutput dicts), trained as rows of their own
     extra_segments: list[dict[str, Any]] = field(default_factory=list)
+    # images the trajectory's image tokens stand for: {"pixel_values": [n, C, H, W] float32 array}
+    multi_modal: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
         """Raise if the response lists disagree in length or a mask-0 token carries a logprob."""
@@ -80,6 +82,25 @@ class Trajectory:
         self.response_ids: list[int] = []
         self.response_mask: list[int] = []
         self.response_logprobs: list[float] = []
+        self.pixel_values: list[Any] = []  # [n, C, H, W] float32 arrays, in the order of the image tokens
+
+    def add_images(self, pixel_values: Any) -> None:
+        """Pixel values of images whose tokens were (or are about to be) added, in token order."""
+        if len(pixel_values):
+            self.pixel_values.append(pixel_values)
+
+    def all_pixel_values(self) -> Any:
+        """Every image's pixel values as one [n, C, H, W] array, or None without images."""
+        if not self.pixel_values:
+            return None
+        import numpy as np
+
+        return self.pixel_values[0] if len(self.pixel_values) == 1 else np.concatenate(self.pixel_values)
+
+    def multi_modal(self) -> dict[str, Any]:
+        """What `AgentLoopOutput.multi_modal` carries for this trajectory."""
+        pv = self.all_pixel_values()
+        return {} if pv is None else {"pixel_values": pv}
 
     def add_model(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
         if len(token_ids) != len(logprobs):
@@ -112,6 +133,7 @@ class AgentContext:
     tools: Mapping[str, "BaseTool"] = field(default_factory=dict)
     interactions: Mapping[str, "BaseInteraction"] = field(default_factory=dict)
     config: Mapping[str, Any] = field(default_factory=dict)
+    vision: Any = None  # agent.vision.Vision when the policy is a vision-language model
 
 
 class AgentLoopBase:
@@ -132,12 +154,38 @@ class AgentLoopBase:
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         raise NotImplementedError(f"{type(self).__name__} must implement run()")
 
+    def prompt_messages(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The row's prompt messages; a verl-style `images` column fills the `<image>` placeholders."""
+        messages = [dict(m) for m in row["prompt"]]
+        images = row.get("images")
+        if images is not None and len(images):
+            from agent.vision import placeholders_to_parts
+
+            messages = placeholders_to_parts(messages, list(images))
+        return messages
+
+    def start_trajectory(self, encoder: Any, messages: Sequence[dict[str, Any]]) -> Trajectory:
+        """The trajectory of `messages` (the one full template render), with their images' pixels."""
+        traj = Trajectory(encoder.initial(messages))
+        self.add_turn_images(traj, messages)
+        return traj
+
+    def add_turn_images(self, traj: Trajectory, messages: Sequence[dict[str, Any]]) -> None:
+        """Pixel values of the images in `messages`, whose tokens were just added to `traj`."""
+        if self.ctx.vision is not None:
+            from agent.vision import images_in
+
+            found = images_in(messages)
+            if found:
+                traj.add_images(self.ctx.vision.pixels(found))
+
     async def generate(self, traj: Trajectory, sampling_params: dict[str, Any], session_id: str,
                        group_id: str | None, turns: list[dict[str, Any]]) -> "GenerateResult":
         """One generation continuing `traj`; appends the model tokens (mask 1) and records a turn."""
         t0 = time.perf_counter()
+        pv = traj.all_pixel_values()
         result = await self.client.generate(traj.all_ids(), sampling_params, session_id=session_id,
-                                            group_id=group_id)
+                                            group_id=group_id, **({"pixel_values": pv} if pv is not None else {}))
         traj.add_model(result.token_ids, result.logprobs)
         turns.append({"kind": "generate", "request_id": result.request_id, "tokens": len(result.token_ids),
                       "prompt_tokens": len(traj.prompt_ids) + len(traj) - len(result.token_ids),

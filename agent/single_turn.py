@@ -5,18 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 from agent.chat import ChatEncoder
-from agent.loop import AgentLoopBase, AgentLoopOutput, Trajectory, new_session_id
+from agent.loop import AgentLoopBase, AgentLoopOutput, new_session_id
 from agent.rewards import score_trajectory
+from agent.vision import without_pixels
 
 
 class SingleTurnAgentLoop(AgentLoopBase):
     """Encode `prompt` with the chat template, generate once, score the reply."""
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
-        messages = list(row["prompt"])
+        messages = self.prompt_messages(row)
         session_id = row.get("session_id") or new_session_id()
-        encoder = ChatEncoder(self.tokenizer)
-        traj = Trajectory(encoder.initial(messages))
+        encoder = ChatEncoder(self.tokenizer, vision=self.ctx.vision)
+        traj = self.start_trajectory(encoder, messages)
         turns: list[dict[str, Any]] = []
         budget = int(self.config.get("max_response_tokens", sampling_params.get("max_tokens", 256)))
         params = {**sampling_params, "max_tokens": min(budget, int(sampling_params.get("max_tokens", budget)))}
@@ -31,4 +32,5 @@ class SingleTurnAgentLoop(AgentLoopBase):
             response_logprobs=traj.response_logprobs, reward=reward, num_turns=1,
             termination="stop" if result.finish_reason == "stop" else result.finish_reason,
             turns=turns, weight_versions=[result.weight_version], request_ids=[result.request_id],
-            reward_extra=extra, messages=messages + [{"role": "assistant", "content": text}], session_id=session_id)
+            reward_extra=extra, messages=without_pixels(messages) + [{"role": "assistant", "content": text}],
+            session_id=session_id, multi_modal=traj.multi_modal())

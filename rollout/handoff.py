@@ -59,6 +59,9 @@ def hand_out(batch: Batch | None, replica_of: list[int], rank: int, device: torc
     header: list[Any] = [None]
     if rank == 0:
         assert batch is not None
+        if batch.pixel_values:  # the pixel values are not packed for other ranks yet
+            raise NotImplementedError(f"a batch with images trains in one training process today ({len(replica_of)} "
+                                      "here); run launch/train.py as a single process for a vision-language model")
         shards = [batch.shard(rows) for rows in group_shards(batch.group_index, replicas)]
         packed = [pack(s) for s in shards]
         header = [(len(batch), [layout for _, layout in packed])]

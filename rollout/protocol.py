@@ -100,31 +100,48 @@ class Message:
 @dataclass
 class Generate(Message):
     TYPE: ClassVar[str] = "generate"
-    NUM_FRAMES: ClassVar[int] = 1
+    NUM_FRAMES: ClassVar[int] = -1  # the prompt ids, then the pixel values when the prompt holds images
     prompt_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, _I32))
     sampling: dict[str, Any] = field(default_factory=dict)
     session_id: str = ""
     group_id: str = ""
     min_weight_version: int = 0
+    pixel_values: np.ndarray | None = None  # [n, C, H, W] float32: the images behind the image tokens
 
     def header(self) -> dict[str, Any]:
         # "mwv" is the oldest weight version the caller accepts; "wv" in replies is the version used
-        return {"rid": self.rid, "sid": self.session_id, "gid": self.group_id,
+        head = {"rid": self.rid, "sid": self.session_id, "gid": self.group_id,
                 "sp": self.sampling, "mwv": self.min_weight_version}
+        if self.pixel_values is not None:
+            head["pv"] = list(self.pixel_values.shape)
+        return head
 
     def payload(self) -> list[bytes | memoryview]:
-        return [_as_bytes(self.prompt_ids, _I32)]
+        ids = [_as_bytes(self.prompt_ids, _I32)]
+        return ids if self.pixel_values is None else ids + [_as_bytes(self.pixel_values, _F32)]
 
     @classmethod
     def from_parts(cls, head: dict[str, Any], frames: list[bytes | memoryview]) -> "Generate":
+        shape = head.get("pv")
+        if len(frames) != (1 if shape is None else 2):
+            raise ProtocolError(f"generate carries the prompt ids{'' if shape is None else ' and pixel values'} "
+                                f"({1 if shape is None else 2} frames), got {len(frames)} frames")
         ids = _ids(frames[0], "prompt_ids")
         if ids.size == 0:
             raise ProtocolError("generate with an empty prompt: send at least one token id")
         sp = head.get("sp", {})
         if not isinstance(sp, dict):
             raise ProtocolError(f"sampling params must be a map, got {type(sp).__name__}")
+        pv = None
+        if shape is not None:
+            if not isinstance(shape, list) or len(shape) != 4 or not all(isinstance(d, int) and d > 0 for d in shape):
+                raise ProtocolError(f"pixel values shape must be 4 positive ints [n, C, H, W], got {shape!r}")
+            pv = _ids(frames[1], "pixel_values", _F32)
+            if pv.size != int(np.prod(shape)):
+                raise ProtocolError(f"pixel values frame holds {pv.size} floats, shape {shape} needs {int(np.prod(shape))}")
+            pv = pv.reshape(shape)
         return cls(rid=head["rid"], prompt_ids=ids, sampling=sp, session_id=str(head.get("sid", "")),
-                   group_id=str(head.get("gid", "")), min_weight_version=int(head.get("mwv", 0)))
+                   group_id=str(head.get("gid", "")), min_weight_version=int(head.get("mwv", 0)), pixel_values=pv)
 
 
 @dataclass

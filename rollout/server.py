@@ -280,7 +280,11 @@ class EngineServer:
                 self._reply(identity, P.Result(rid=msg.rid, finish_reason="abort", engine_id=self.engine_id,
                                                weight_version=self.weight_version))
                 return
-            out = await self.engine.generate(self._engine_rid(identity, msg.rid), msg.prompt_ids, params)
+            images = {} if msg.pixel_values is None else {"pixel_values": msg.pixel_values}
+            if images and not getattr(self.engine, "takes_images", False):
+                raise ValueError(f"this engine ({type(self.engine).__name__}) does not take images; serve the "
+                                 "vision-language model with rollout.engine=hf")
+            out = await self.engine.generate(self._engine_rid(identity, msg.rid), msg.prompt_ids, params, **images)
         except asyncio.CancelledError:
             raise
         except EngineDeadError as e:  # say so, then exit: clients re-issue on a live engine

@@ -41,9 +41,9 @@ class VersionedClient(GenerateClient):
         self.segments: dict[str, list[list[int]]] = {}
 
     async def generate(self, prompt_ids: Any, sampling: Any = None, session_id: str | None = None,
-                       group_id: str | None = None, min_weight_version: int = 0) -> Any:
+                       group_id: str | None = None, min_weight_version: int = 0, pixel_values: Any = None) -> Any:
         result = await super().generate(prompt_ids, sampling, session_id, group_id,
-                                        max(min_weight_version, self.min_weight_version))
+                                        max(min_weight_version, self.min_weight_version), pixel_values)
         if session_id:
             self.segments.setdefault(session_id, []).extend([v, n] for v, n in result.segments if n)
         return result
@@ -67,10 +67,12 @@ class AgentWorker:
     async def start(self) -> None:
         from agent.interactions.registry import load_interactions
         from agent.tools.registry import load_tools
-        from engines.models import load_tokenizer
+        from agent.vision import Vision
+        from engines.models import load_tokenizer, resolve_model
 
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.vision = Vision.from_model(resolve_model(cfg.tokenizer))
         self.tools = load_tools(cfg.tools_config) if cfg.tools_config else {}
         self.interactions = load_interactions(cfg.interaction_config) if cfg.interaction_config else {}
         keys = ClientKeys(**cfg.bus_keys) if cfg.bus_keys else None
@@ -78,7 +80,8 @@ class AgentWorker:
         await self.client.start()
         self.registry = AgentLoopRegistry(cfg.agent_loops)
         self.contexts = {name: AgentContext(self.client, self.tokenizer, self.tools, self.interactions,
-                                            dict(cfg.agent_configs.get(name) or {})) for name in self.registry.names}
+                                            dict(cfg.agent_configs.get(name) or {}), self.vision)
+                         for name in self.registry.names}
         # a bad loop config fails here, at start-up; built-ins nobody configured are imported on
         # first use, so an optional package (langgraph) is only needed by datasets that use it
         for name in sorted({*cfg.agent_configs, *cfg.agent_loops}):

@@ -113,9 +113,11 @@ def test_successful_calls_and_non_text_content() -> None:
         assert r.success and float(r.text) == 42.0, r.text
         r = await call(tools["echo"], text="héllo\nworld")
         assert r.success and r.text == "héllo\nworld"
-        r = await call(tools["picture"])
-        assert r.success and r.text.startswith("a red dot\n[image (image/png"), r.text
-        assert "not shown" in r.text and r.metrics["non_text_blocks"] == 1
+        r = await call(tools["picture"])  # the image travels as an image, decodable, not as a note
+        assert r.success and r.text == "a red dot", r.text
+        assert r.metrics["non_text_blocks"] == 0 and r.metrics["images"] == 1 and len(r.images) == 1
+        from agent.vision import to_pil
+        assert to_pil(r.images[0]).size[0] > 0
     run(test)
 
 

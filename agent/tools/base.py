@@ -18,12 +18,15 @@ class ToolResponse:
     """What a tool call returns to the loop: `text` becomes the tool message the model sees;
     `success=False` marks an observation that reports a failure (the loop keeps going);
     `metrics` are numbers the trainer may log (latency, truncation, exit code); `reward` is a step
-    reward for this call, summed into the trajectory's reward as its own part (`tool_step`)."""
+    reward for this call, summed into the trajectory's reward as its own part (`tool_step`);
+    `images` (PIL images, arrays, PNG bytes: any form `agent.vision.to_pil` reads) are shown to
+    a vision-language policy before the text, in the same tool message."""
 
     text: str
     success: bool = True
     metrics: dict[str, Any] = field(default_factory=dict)
     reward: float = 0.0
+    images: list[Any] = field(default_factory=list)
 
 
 class BaseTool:

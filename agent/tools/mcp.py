@@ -13,8 +13,9 @@ Per-trajectory state stays in BaseTool instances (the server's own state is shar
         tool_schema: {type: function, function: {name: add, description: ..., parameters: {...}}}
 
 Each yaml entry gets its own server; `mcp_tools_from_server` builds one tool per server tool,
-schemas taken from the server's listing, all sharing one process. The model reads only text:
-images, audio and binary resources become a bracketed note saying what was left out.
+schemas taken from the server's listing, all sharing one process. Image content becomes the
+response's images (a vision-language policy sees them; a text-only one gets a note); audio and
+binary resources become a bracketed note saying what was left out.
 """
 
 from __future__ import annotations
@@ -207,16 +208,26 @@ def _root(e: BaseException) -> BaseException:
     return e
 
 
+def result_images(result: mcp_types.CallToolResult) -> list[bytes]:
+    """The encoded images (PNG, JPEG, ...) of a tool result's image blocks, in order."""
+    import base64
+
+    return [base64.b64decode(block.data) for block in result.content if getattr(block, "type", "") == "image"]
+
+
 def render_content(result: mcp_types.CallToolResult) -> tuple[str, int]:
-    """The text the model sees for a tool result, and how many blocks it cannot see."""
+    """The text the model sees for a tool result, and how many blocks it cannot see (images are
+    not counted: they travel as images, `result_images`)."""
     parts, hidden = [], 0
     for block in result.content:
         kind, resource = getattr(block, "type", "?"), getattr(block, "resource", None)
         if kind == "text" or isinstance(getattr(resource, "text", None), str):  # text, or a text resource
             parts.append(block.text if kind == "text" else resource.text)
             continue
+        if kind == "image":
+            continue
         hidden += 1
-        if kind in ("image", "audio"):
+        if kind == "audio":
             what = f"{kind} ({block.mime_type}, ~{len(block.data) * 3 // 4} bytes)"
         elif kind in ("resource_link", "resource"):
             what = f"{kind.replace('_', ' ')} {getattr(block, 'uri', None) or getattr(resource, 'uri', '?')}"
@@ -261,16 +272,18 @@ class McpTool(BaseTool):
             return ToolResponse(self._failure(e), success=False,
                                 metrics={"timeout": timeout, "wall_s": time.monotonic() - start})
         text, hidden = render_content(result)
+        images = result_images(result)
         if result.is_error and not text.lower().startswith("error"):
             text = f"Error from MCP tool {self.tool!r}: {text or 'no details given'}"
         elif not text:
-            text = "(the tool returned no content)"
+            text = "(the tool returned an image)" if images else "(the tool returned no content)"
         truncated = len(text) > self.max_output_chars
         if truncated:
             text = (text[: self.max_output_chars]
                     + f"\n...[output truncated: {len(text)} characters, showing the first {self.max_output_chars}]")
         return ToolResponse(text, success=not result.is_error, metrics={
-            "timeout": False, "wall_s": time.monotonic() - start, "non_text_blocks": hidden, "truncated": truncated})
+            "timeout": False, "wall_s": time.monotonic() - start, "non_text_blocks": hidden, "truncated": truncated,
+            "images": len(images)}, images=images)
 
     def _failure(self, e: Exception) -> str:
         """The observation for a call that produced no result."""

@@ -5,7 +5,8 @@ with attribute access (`tool_schema.function.name`); `create(instance_id=None, *
 `(instance_id, response)` (older versions: the id alone); `execute(instance_id, parameters,
 **kwargs)` returns `(response, step_reward, metrics)`; `calc_reward(instance_id, **kwargs)` and
 `release(instance_id, **kwargs)`. A response is anything with a `text` (verl's ToolResponse), a
-mapping with "text", or a str.
+mapping with "text", or a str; its `image` (one image or a list, as verl's ToolResponse holds
+them) becomes the response's images.
 
 A class named in tools.yaml that does not subclass switchyard's `BaseTool` but has those four
 methods is wrapped in `VerlTool`: the row's `tools_kwargs.<name>` blocks reach their methods
@@ -52,6 +53,13 @@ def response_text(resp: Any) -> str:
     return str(getattr(resp, "text", None) or "")
 
 
+def response_images(resp: Any) -> list[Any]:
+    found = resp.get("image") if isinstance(resp, dict) else getattr(resp, "image", None)
+    if found is None:
+        return []
+    return list(found) if isinstance(found, (list, tuple)) else [found]
+
+
 async def _maybe(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
@@ -82,7 +90,8 @@ class VerlTool(BaseTool):
         got = await _maybe(self.inner.execute(instance_id, arguments, **self._kwargs(instance_id, "execute_kwargs")))
         resp, reward, metrics = (tuple(got) + (0.0, {}))[:3] if isinstance(got, tuple) else (got, 0.0, {})
         numbers = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, bool))}
-        return ToolResponse(response_text(resp), metrics=numbers, reward=float(reward or 0.0))
+        return ToolResponse(response_text(resp), metrics=numbers, reward=float(reward or 0.0),
+                            images=response_images(resp))
 
     async def calc_reward(self, instance_id: str) -> float:
         return float(await _maybe(self.inner.calc_reward(instance_id, **self._kwargs(instance_id, "calc_reward_kwargs")))

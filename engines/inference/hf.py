@@ -34,7 +34,8 @@ from engines.inference.base import (
     check_sleep_level,
     id_list,
 )
-from engines.models import resolve_model
+from engines.inference.sampling import sample
+from engines.models import image_token_layout, is_vision_language, load_pretrained, resolve_model
 
 PREFIX_BLOCK = 16  # tokens per block of the modelled prefix cache (vLLM's default block size)
 PREFIX_LRU_ENTRIES = 100_000
@@ -53,6 +54,7 @@ class _Request:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    pixel_values: torch.Tensor | None = None  # [n, C, H, W]: the images behind the prompt's image tokens
     aborted: bool = False  # set on the loop thread, read by the worker between steps
 
     def output(self) -> GenerateOutput:
@@ -102,6 +104,9 @@ class HFEngine:
         self._weights_freed = False  # parameters are meta tensors (level-2 sleep, not woken yet)
         self.eos_ids: set[int] = set()
         self.max_model_len = 0
+        self.takes_images = False  # a vision-language model (LLaVA-style): generate() takes pixel_values
+        self._image_token: int | None = None
+        self._tokens_per_image = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-engine")
         self._pending: collections.deque[_Request] = collections.deque()
         self._live: dict[str, _Request] = {}
@@ -123,8 +128,10 @@ class HFEngine:
         await asyncio.get_running_loop().run_in_executor(self._pool, self._load)
         self._scheduler = asyncio.create_task(self._schedule(), name=f"hf-engine-scheduler:{self.model_name}")
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
-        """Queue one request and wait for its row to finish; bad prompts fail here, not mid-batch."""
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       pixel_values: Any = None) -> GenerateOutput:
+        """Queue one request and wait for its row to finish; bad prompts fail here, not mid-batch.
+        `pixel_values` ([n, C, H, W]) are the images of a vision-language model's image tokens."""
         if self._scheduler is None:
             raise RuntimeError("HFEngine.generate() called before start(); await engine.start() first")
         if request_id in self._early_aborts:
@@ -138,11 +145,12 @@ class HFEngine:
                                f"update_weights() and call finish_weight_update() before generating")
         prompt_ids = id_list(prompt_ids)
         self._check_prompt(prompt_ids)
+        pixels = self._check_images(prompt_ids, pixel_values)
         gen = None
         if params.seed is not None and params.temperature > 0:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         req = _Request(request_id, list(prompt_ids), params, asyncio.get_running_loop().create_future(), gen,
-                       self._count_cached_prefix(prompt_ids))
+                       self._count_cached_prefix(prompt_ids), pixel_values=pixels)
         self._stats.prompt_tokens += len(prompt_ids)
         self._stats.cached_prompt_tokens += req.cached_prompt_tokens
         self._live[request_id] = req
@@ -236,10 +244,23 @@ class HFEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the model's context of "
                              f"{self.max_model_len}; shorten it")
-        vocab = self.model.config.vocab_size
+        vocab = self.model.config.get_text_config().vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def _check_images(self, prompt_ids: list[int], pixel_values: Any) -> torch.Tensor | None:
+        """The request's pixel values as a tensor, after checking they match its image tokens (a
+        mismatch would fail the whole batched prefill, so it fails this request here)."""
+        n_tokens = prompt_ids.count(self._image_token) if self._image_token is not None else 0
+        n_images = 0 if pixel_values is None else len(pixel_values)
+        if pixel_values is not None and not self.takes_images:
+            raise ValueError(f"{self.model_name} is a text-only model; it takes no pixel_values")
+        if n_tokens != n_images * self._tokens_per_image:
+            raise ValueError(f"the prompt holds {n_tokens} image tokens but {n_images} images came with it; a "
+                             f"{self.model_name} image takes {self._tokens_per_image} tokens (expand each image "
+                             "token, e.g. with agent.vision.Vision.expand)")
+        return None if pixel_values is None else torch.as_tensor(pixel_values, dtype=self.dtype)
 
     def _count_cached_prefix(self, prompt_ids: list[int]) -> int:
         """Leading prompt tokens in 16-token blocks whose whole prefix was seen before (LRU)."""
@@ -302,15 +323,19 @@ class HFEngine:
     # ------------------------------------------------------------------ worker thread
 
     def _load(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         path = resolve_model(self.model_name)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        self.model = load_pretrained(path, self.dtype).to(self.device).eval()
         tokenizer = AutoTokenizer.from_pretrained(path)
+        if is_vision_language(self.model.config):
+            self.takes_images = True
+            self._image_token, self._tokens_per_image = image_token_layout(self.model.config, path)
         eos = [tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)]
         for e in eos:
             self.eos_ids.update(e if isinstance(e, list) else [] if e is None else [e])
-        self.max_model_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        text_config = self.model.config.get_text_config()
+        self.max_model_len = int(getattr(text_config, "max_position_embeddings", 1 << 30))
 
     @torch.inference_mode()
     def _step(self, admitted: list[_Request]) -> list[_Request]:
@@ -348,8 +373,10 @@ class HFEngine:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
+        pixels = [r.pixel_values for r in reqs if r.pixel_values is not None]  # in row order, as the model fills them
+        images = {"pixel_values": torch.cat(pixels).to(self.device)} if pixels else {}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **images)
         if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
             raise NotImplementedError(f"{self.model_name} uses sliding-window attention, which HFEngine's "
                                       f"shared cache does not support; use the vllm backend")
@@ -357,7 +384,7 @@ class HFEngine:
 
     def _advance(self, b: _Batch, logits: torch.Tensor, finished: list[_Request]) -> _Batch | None:
         """Sample one token per row, record it, and cut the rows that are done out of the batch."""
-        tokens, logprobs = _sample(logits.float(), [r.params for r in b.rows],
+        tokens, logprobs = sample(logits.float(), [r.params for r in b.rows],
                                    [r.generator or self._generator for r in b.rows])
         keep = []
         for i, (r, t, lp) in enumerate(zip(b.rows, tokens.tolist(), logprobs.tolist())):
@@ -446,33 +473,6 @@ def _trim_host_heap() -> None:
         return
     if trim is not None:  # glibc only; musl and macOS have no malloc_trim
         trim(0)
-
-
-def _sample(logits: torch.Tensor, params: list[SamplingParams],
-            generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row tokens and their logprobs under log_softmax(logits / T), before top-k/top-p."""
-    temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
-    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-    tokens = logits.argmax(dim=-1)
-    for i, p in enumerate(params):
-        if p.temperature > 0:
-            tokens[i] = _draw(logp[i], p.top_k, p.top_p, generators[i])
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
-
-
-def _draw(logp: torch.Tensor, top_k: int, top_p: float, gen: torch.Generator) -> torch.Tensor:
-    """Sample from one row: top-k first, then top-p over what is left (vLLM's order)."""
-    if top_k < 0 and top_p >= 1.0:
-        return torch.multinomial(logp.exp(), 1, generator=gen)[0]
-    if top_k > 0:
-        vals, idx = logp.topk(min(top_k, logp.numel()))
-    else:
-        vals, idx = logp.sort(descending=True)
-    if top_p < 1.0:
-        probs = vals.softmax(-1)
-        keep = (probs.cumsum(-1) - probs) < top_p  # smallest set reaching top_p; the top token always stays
-        vals, idx = vals[keep], idx[keep]
-    return idx[torch.multinomial(vals.softmax(-1), 1, generator=gen)[0]]
 
 
 def _select(b: _Batch, keep: list[int]) -> _Batch | None:

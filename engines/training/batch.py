@@ -50,11 +50,18 @@ class MicroBatch:
     first: int
     targets: torch.Tensor  # [b, k]
     target_mask: torch.Tensor  # [b, k] bool
+    pixel_values: torch.Tensor | None = None  # [n, C, H, W]: the rows' images, in the order of their image tokens
 
     def to(self, device: torch.device) -> "MicroBatch":
         pos = None if self.position_ids is None else self.position_ids.to(device)
+        pv = None if self.pixel_values is None else self.pixel_values.to(device)
         return MicroBatch(self.rows, self.input_ids.to(device), self.attention_mask.to(device), pos, self.first,
-                          self.targets.to(device), self.target_mask.to(device))
+                          self.targets.to(device), self.target_mask.to(device), pv)
+
+    def model_inputs(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Inputs beyond the token ids a forward pass takes: the images of a vision-language model
+        (in `dtype`, the model's)."""
+        return {} if self.pixel_values is None else {"pixel_values": self.pixel_values.to(dtype or torch.float32)}
 
 
 @dataclass
@@ -84,7 +91,7 @@ class Batch:
     turns: list[list[dict[str, Any]]]
     global_size: int = 0  # > 0: this is one data-parallel rank's shard of a batch of that many rows
     version_segments: list[list[list[int]]] = field(default_factory=list)  # per row: [version, tokens] runs
-
+    pixel_values: list[torch.Tensor | None] = field(default_factory=list)  # per row: [n, C, H, W] or None; [] = none
     def oldest_versions(self) -> list[int | None]:
         """Per row, the oldest weight version that produced any of its model tokens (None: unknown)."""
         out: list[int | None] = []
@@ -116,7 +123,8 @@ class Batch:
                      reward_extra={k: pick(v) for k, v in self.reward_extra.items()},
                      request_ids=pick(self.request_ids), session_ids=pick(self.session_ids), errors=pick(self.errors),
                      turns=pick(self.turns), global_size=global_size or self.total_rows,
-                     version_segments=pick(self.version_segments) if self.version_segments else [])
+                     version_segments=pick(self.version_segments) if self.version_segments else [],
+                     pixel_values=pick(self.pixel_values) if self.pixel_values else [])
 
     @property
     def prompt_width(self) -> int:
@@ -153,9 +161,11 @@ class Batch:
         begin = p - (int(plen.max()) if len(rows) else 0)
         end = max(1, int(rlen.max()) if len(rows) else 0)
         ids = torch.cat([self.prompts[rows, begin:], self.responses[rows, :end]], dim=1)
+        pixels = [self.pixel_values[i] for i in rows.tolist() if self.pixel_values and self.pixel_values[i] is not None]
         return MicroBatch(rows=rows, input_ids=ids, attention_mask=self.attention_mask[rows, begin:p + end],
                           position_ids=self.position_ids[rows, begin:p + end], first=p - begin - 1,
-                          targets=self.responses[rows, :end], target_mask=torch.arange(end)[None, :] < rlen[:, None])
+                          targets=self.responses[rows, :end], target_mask=torch.arange(end)[None, :] < rlen[:, None],
+                          pixel_values=torch.cat(pixels) if pixels else None)
 
     def metrics(self) -> dict[str, float]:
         """Rollout numbers for the step log; rewards and lengths over valid rows only."""
@@ -277,4 +287,13 @@ def pad_outputs(outputs: Sequence[Finished], pad_id: int, group_index: Sequence[
         reward_extra={k: [float(o.reward_extra.get(k, float("nan"))) for o in outputs] for k in keys},
         request_ids=[list(o.request_ids) for o in outputs], session_ids=[o.session_id for o in outputs],
         errors=[o.error for o in outputs], turns=[list(o.turns) for o in outputs],
-        version_segments=[[list(s) for s in getattr(o, "version_segments", [])] for o in outputs])
+        version_segments=[[list(s) for s in getattr(o, "version_segments", [])] for o in outputs],
+        pixel_values=_pixel_values(outputs))
+
+
+def _pixel_values(outputs: Sequence[Any]) -> list[torch.Tensor | None]:
+    """Per row, the pixel values of its images (`multi_modal["pixel_values"]`); [] when no row has any."""
+    found = [(getattr(o, "multi_modal", None) or {}).get("pixel_values") for o in outputs]
+    if all(pv is None for pv in found):
+        return []
+    return [None if pv is None else torch.as_tensor(pv, dtype=torch.float32) for pv in found]

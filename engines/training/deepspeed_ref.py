@@ -53,8 +53,9 @@ class DeepSpeedReference:
     def __init__(self, model: str, dtype: str = "float32", temperature: float = 1.0,
                  micro_batch_size: int = 8) -> None:
         deepspeed = _import_deepspeed()
-        from transformers import AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
+
+        from engines.models import load_pretrained
 
         ensure_process_group()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -72,7 +73,7 @@ class DeepSpeedReference:
         # rank's partition instead of materialising the whole model on every rank. It is global
         # while it lives (every later from_pretrained would be partitioned too), so drop it after.
         hf_ds_config = HfDeepSpeedConfig(config)
-        module = AutoModelForCausalLM.from_pretrained(model, dtype=compute_dtype(dtype))
+        module = load_pretrained(model, compute_dtype(dtype))
         del hf_ds_config
         self.engine, *_ = deepspeed.initialize(model=module, config=config, dist_init_required=False)
         self.engine.eval()

@@ -72,11 +72,14 @@ def load_sharded(path: str, device: torch.device, compute_dtype: torch.dtype,
     built with meta parameters, `prepare`d (trainable flags, checkpointing), sharded, then each
     rank reads only its dim-0 slice of every tensor from the safetensors files."""
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from engines.models import is_vision_language
 
     config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     with _parameters_on_meta():
-        module = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        module = auto.from_config(config, dtype=torch.float32)
     for m in module.modules():  # as load_causal_lm: chat models pad with a real token
         if isinstance(m, torch.nn.Embedding):
             m.padding_idx = None

@@ -26,9 +26,9 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> torch
     their end-of-turn token, which is a real input in every multi-turn trajectory, and HF's
     padding_idx would silently freeze that row's input embedding. Padding positions get no
     gradient anyway (attention and loss masks keep them out)."""
-    from transformers import AutoModelForCausalLM
+    from engines.models import load_pretrained
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model = load_pretrained(path, dtype).to(device)
     for m in model.modules():
         if isinstance(m, torch.nn.Embedding):
             m.padding_idx = None
@@ -41,12 +41,20 @@ def micro_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float,
     asked only for the logits that score targets (`logits_to_keep`), most of the cost saved on CPU."""
     s, k = mb.input_ids.shape[1], mb.targets.shape[1]
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                   logits_to_keep=s - mb.first, use_cache=False).logits[:, :k]
+                   logits_to_keep=s - mb.first, use_cache=False, **mb.model_inputs(_dtype(model))).logits[:, :k]
     if temperature != 1.0:
         logits = logits.float() / temperature
     lp = torch.where(mb.target_mask, logprobs_from_logits(logits, mb.targets.clamp(min=0)), 0)
     ent = torch.where(mb.target_mask, entropy_from_logits(logits), 0) if want_entropy else None
     return lp, ent
+
+
+def _dtype(model: torch.nn.Module) -> torch.dtype:
+    """The model's floating dtype (a wrapper such as a DeepSpeed engine may not say it itself)."""
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def response_logprobs(model: torch.nn.Module, batch: Batch, rows: torch.Tensor, temperature: float,

@@ -208,6 +208,9 @@ class MegatronActor(ActorBase):
         saved: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         results = []
         for mb in micro:
+            if mb.pixel_values is not None:
+                raise NotImplementedError("the megatron actor trains text models only; train a vision-language "
+                                          "model with actor.backend=torch")
             b, s = mb.input_ids.shape
             inp = None
             if prev is not None:

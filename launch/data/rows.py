@@ -119,6 +119,19 @@ def tool_row(data_source: str, system: str, question: str, ground_truth: str, ex
     return row
 
 
+def _part_errors(parts: list[Any], where: str) -> Iterator[str]:
+    """Content parts: {"type": "text", "text": ...}, {"type": "image", "image": ...} or
+    {"type": "image_url", "image_url": {"url": ...}} (images are read when the loop runs)."""
+    for k, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind == "image" and part.get("image") is not None or kind == "image_url" and part.get("image_url"):
+            continue
+        yield (f"key '{where}[{k}]' must be {{type: text, text: ...}}, {{type: image, image: ...}} or "
+               f"{{type: image_url, image_url: {{url: ...}}}}, got {str(part)[:60]!r}")
+
+
 def _row_errors(row: Any, known_agent_names: Collection[str] | None, known_tools: Collection[str] | None,
                 known_interactions: Collection[str] | None) -> Iterator[str]:
     from agent.loop import DEFAULT_AGENT_NAME
@@ -138,8 +151,11 @@ def _row_errors(row: Any, known_agent_names: Collection[str] | None, known_tools
                 yield f"key 'prompt[{j}].role' is {m.get('role')!r}; allowed: {list(MESSAGE_ROLES)}"
             elif m["role"] == "system" and j != 0:
                 yield f"key 'prompt[{j}].role' is 'system' but a system message may only come first"
+            elif isinstance(m.get("content"), list):
+                yield from _part_errors(m["content"], f"prompt[{j}].content")
             elif not isinstance(m.get("content"), str):
-                yield f"key 'prompt[{j}].content' must be a string, got {type(m.get('content')).__name__}"
+                yield (f"key 'prompt[{j}].content' must be a string or a list of parts, got "
+                       f"{type(m.get('content')).__name__}")
         if not any(isinstance(m, Mapping) and m.get("role") == "user" for m in prompt):
             yield "key 'prompt' has no user message; add the question as {'role': 'user', 'content': ...}"
     agent = row.get("agent_name") or DEFAULT_AGENT_NAME

@@ -1,0 +1,281 @@
+"""Images in trajectories: a row's image and a tool's image reach a vision-language policy (the
+built-in tiny-vlm, LLaVA-style) on a real hf engine over the bus; the trajectory stays token-exact
+with the images' tokens as context; the batch carries the pixel values and the actor, given the
+same pixel values, scores the model tokens as the engine sampled them."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from agent.loop import AgentContext
+from agent.tool_agent import ToolAgentLoop
+from agent.tools.chart import BarChartTool
+from test_tool_agent import _server_log, check_against_server
+from vlm_agent import SHORT_REPLIES
+
+SERVER = str(Path(__file__).parent / "fixtures" / "mcp_server.py")
+CHART_SCHEMA = {"type": "function", "function": {
+    "name": "bar_chart", "description": "Draw a bar chart of numbers",
+    "parameters": {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "number"}}},
+                   "required": ["values"]}}}
+
+
+def png_data_url(color: tuple[int, int, int], size: int = 40) -> str:
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (size, size), "white")
+    ImageDraw.Draw(img).ellipse([4, 4, size - 4, size - 4], fill=color)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_row(color: tuple[int, int, int] = (200, 30, 30)) -> dict[str, Any]:
+    return {"prompt": [{"role": "user", "content": [
+        {"type": "image", "image": png_data_url(color)},
+        {"type": "text", "text": "Plot the sizes of the three shapes, then describe the chart."}]}]}
+
+
+def run_loop(addresses: list[str], tools: dict[str, Any], row: dict[str, Any]) -> Any:
+    from agent.vision import Vision
+    from engines.models import load_tokenizer, resolve_model
+    from rollout.client import GenerateClient
+
+    async def go() -> Any:
+        async with GenerateClient(addresses) as client:
+            await client.wait_ready(timeout_s=300)
+            ctx = AgentContext(client, load_tokenizer("tiny-vlm"), tools, {},
+                               {"tool_parser": "vlm_agent.CallEveryTool", "max_assistant_turns": 2,
+                                "max_turn_tokens": 12, "max_response_tokens": 400},
+                               Vision.from_model(resolve_model("tiny-vlm")))
+            # replies end after a few tokens (vlm_agent), drawn with a seed: the same run every time
+            sampling = {"temperature": 1.0, "max_tokens": 12, "seed": 0, **SHORT_REPLIES}
+            return await ToolAgentLoop(ctx).run(sampling, **row, session_id="s0")
+    return asyncio.run(go())
+
+
+def test_a_tool_image_reaches_the_engine_and_the_actor_scores_it_the_same(servers):
+    from engines.models import load_tokenizer, resolve_model
+    from engines.training.batch import pad_outputs
+    from engines.training.hf_model import load_causal_lm, response_logprobs
+
+    srv = servers(1, backend="hf", model="tiny-vlm")
+    tok = load_tokenizer("tiny-vlm")
+    out = run_loop(srv.addresses, {"bar_chart": BarChartTool({}, CHART_SCHEMA)}, image_row())
+    assert out.termination == "max_assistant_turns" and not out.error, out.error
+    check_against_server(out, _server_log(srv.request_logs))  # token-exact, as for text trajectories
+
+    image_id = tok.convert_tokens_to_ids("<image>")
+    ids = out.prompt_ids + out.response_ids
+    mask = [0] * len(out.prompt_ids) + out.response_mask
+    assert ids.count(image_id) == 2 * 16  # the row's image and the tool's chart, 16 tokens each
+    assert all(m == 0 for t, m in zip(ids, mask) if t == image_id)  # image tokens are context, never trained
+    assert out.prompt_ids.count(image_id) == 16
+    assert out.messages[-2]["role"] == "tool" and out.messages[-2]["content"][0] == {"type": "image"}
+    pv = out.multi_modal["pixel_values"]
+    assert pv.shape == (2, 3, 32, 32) and pv.dtype == np.float32
+
+    batch = pad_outputs([out], tok.pad_token_id, [0])
+    assert len(batch.pixel_values) == 1 and tuple(batch.pixel_values[0].shape) == (2, 3, 32, 32)
+    mb = batch.micro_batch(torch.tensor([0]))
+    assert mb.pixel_values is not None and torch.equal(mb.pixel_values, torch.from_numpy(pv))
+
+    model = load_causal_lm(str(resolve_model("tiny-vlm")), torch.float32, torch.device("cpu")).eval()
+    with torch.no_grad():
+        actor = response_logprobs(model, batch, torch.tensor([0]), 1.0, torch.device("cpu"))[0]
+        batch.pixel_values[0] = batch.pixel_values[0].clone()
+        batch.pixel_values[0][1] = 0.0  # the chart the engine saw, replaced by a blank one
+        blind = response_logprobs(model, batch, torch.tensor([0]), 1.0, torch.device("cpu"))[0]
+    m = batch.response_mask[0].bool()
+    engine = batch.rollout_logprobs[0]
+    after_tool = torch.zeros_like(m)
+    after_tool[out.response_ids.index(image_id):] = True  # model tokens generated after seeing the chart
+    # same fp32 weights and pixel values; what is left is batched-vs-single kernels (measured ~1e-6)
+    diff = (actor - engine)[m].abs()
+    assert float(diff.max()) < 1e-4, float(diff.max())
+    # the chart matters: without it the actor scores the second reply's tokens differently
+    changed = (blind - engine)[m & after_tool].abs()
+    assert changed.numel() > 0 and float(changed.max()) > 1e-3, float(changed.max())
+    assert torch.equal(blind[m & ~after_tool], actor[m & ~after_tool])  # before the chart nothing changes
+
+
+def test_an_mcp_image_reaches_the_vlm_as_an_image(servers):
+    from agent.tools.mcp import mcp_tools_from_server
+
+    srv = servers(1, backend="hf", model="tiny-vlm")
+
+    async def tools() -> dict[str, Any]:
+        return await mcp_tools_from_server(sys.executable, [SERVER], include=["picture"])
+
+    found = asyncio.run(tools())
+    try:
+        out = run_loop(srv.addresses, found, image_row((20, 20, 200)))
+    finally:
+        asyncio.run(found["picture"].close())
+    assert out.termination == "max_assistant_turns" and not out.error, out.error
+    check_against_server(out, _server_log(srv.request_logs))
+    tool_msg = out.messages[-2]
+    assert tool_msg["role"] == "tool" and tool_msg["content"][0] == {"type": "image"}, tool_msg
+    assert tool_msg["content"][1]["text"] == "a red dot"  # the caption; the PNG went in as pixels
+    pv = out.multi_modal["pixel_values"]
+    assert pv.shape[0] == 2  # the row's image and the server's PNG
+    # the 1x1 red PNG, resized to 32x32 by the model's processor: every pixel the same red
+    red = pv[1]
+    assert np.allclose(red, red[:, :1, :1]) and red[0, 0, 0] > red[1, 0, 0]
+
+
+def test_one_grpo_step_of_a_vlm_with_an_image_tool_through_train_py(tmp_path: Path, monkeypatch):
+    """Rows with images (content parts, and verl's `images` column with `<image>` placeholders),
+    a tools.yaml with the bar_chart tool, tiny-vlm on an hf engine: one GRPO step, weights pushed."""
+    from test_train import metrics, train
+
+    tests_dir = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+    rows = tmp_path / "rows.jsonl"
+    verl_style = {"prompt": [{"role": "user", "content": "<image>What is drawn? Plot 3 numbers."}],
+                  "images": [{"bytes": None, "path": None}], "agent_name": "vlm_tool_agent"}
+    with rows.open("w") as f:
+        for i, color in enumerate([(200, 30, 30), (30, 200, 30)]):
+            f.write(json.dumps({**image_row(color), "agent_name": "vlm_tool_agent"}) + "\n")
+            png = base64.b64decode(png_data_url(color[::-1]).split(",", 1)[1])
+            path = tmp_path / f"img{i}.png"
+            path.write_bytes(png)
+            f.write(json.dumps({**verl_style, "images": [{"bytes": None, "path": str(path)}]}) + "\n")
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(json.dumps({"tools": [{"class_name": "agent.tools.chart.BarChartTool", "config": {},
+                                            "tool_schema": CHART_SCHEMA}]}))
+    out = tmp_path / "run"
+    proc = train(["model.path=tiny-vlm", "rollout.engine=hf", "sft.enabled=false", "data.task=rows",
+                  f"data.train_path={rows}", "data.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=12",
+                  "trainer.steps=2", f"rollout.tools_config={tools}",
+                  "rollout.agent_loops.vlm_tool_agent=vlm_agent.ShortReplyToolAgent",
+                  "rollout.agent.vlm_tool_agent.tool_parser=vlm_agent.CallEveryTool",
+                  "rollout.agent.vlm_tool_agent.max_assistant_turns=2", f"trainer.output_dir={out}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ms = metrics(out)
+    assert len(ms) == 2, ms
+    for m in ms:
+        assert m["rollout/trajectories"] == 4 and m["rollout/invalid"] == 0, m
+        assert m["rollout/tool_calls"] >= 4, m  # every trajectory's first reply called the chart tool
+        # the actor's logprobs (pixel values from the batch) equal the engine's (pixel values over
+        # the bus); an actor without the images scores image tokens as text and is off by far more
+        assert m["drift/max"] < 1e-4, m
+    assert any(m["actor/grad_norm"] > 0 for m in ms), ms  # a real update, pushed before step 2's rollout
+
+
+class ZoomTool:
+    """A tool written to verl's contract (no switchyard import): its response carries `image`."""
+
+    def __init__(self, config: dict, tool_schema: Any) -> None:
+        self.name = tool_schema.function.name
+
+    async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, dict]:
+        return instance_id or "z0", {}
+
+    async def execute(self, instance_id: str, parameters: dict, **kwargs: Any) -> tuple[dict, float, dict]:
+        from PIL import Image
+
+        return {"text": "zoomed in", "image": [Image.new("RGB", (8, 8), (0, 0, 255))]}, 0.5, {}
+
+    async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
+        return 0.0
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:
+        return None
+
+
+def test_a_verl_contract_tool_image_reaches_the_vlm(servers):
+    from agent.tools.verl_compat import VerlTool
+
+    srv = servers(1, backend="hf", model="tiny-vlm")
+    schema = {"type": "function", "function": {"name": "zoom", "description": "Zoom into the picture",
+                                               "parameters": {"type": "object", "properties": {}}}}
+    out = run_loop(srv.addresses, {"zoom": VerlTool(ZoomTool, {}, schema)}, image_row())
+    assert out.termination == "max_assistant_turns" and not out.error, out.error
+    check_against_server(out, _server_log(srv.request_logs))
+    assert out.messages[-2]["content"] == [{"type": "image"}, {"type": "text", "text": "zoomed in"}]
+    pv = out.multi_modal["pixel_values"]
+    assert pv.shape[0] == 2 and np.allclose(pv[1], pv[1][:, :1, :1])  # the tool's blue square, resized
+    assert pv[1][2, 0, 0] > pv[1][0, 0, 0]  # blue over red (normalized channels)
+
+
+def test_images_are_read_from_every_row_form_and_bad_ones_are_named(tmp_path: Path):
+    from PIL import Image
+
+    from agent.vision import images_in, placeholders_to_parts, to_pil, without_pixels
+
+    img = Image.new("RGB", (5, 3), (1, 2, 3))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    png = buf.getvalue()
+    path = tmp_path / "a.png"
+    path.write_bytes(png)
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    for form in (img, np.asarray(img), png, {"bytes": png}, {"bytes": None, "path": str(path)}, url, str(path)):
+        got = to_pil(form)
+        assert got.size == (5, 3) and got.getpixel((0, 0)) == (1, 2, 3), type(form)
+    with pytest.raises(ValueError, match="neither a data URL nor an existing file"):
+        to_pil("http://example.invalid/cat.png")
+    with pytest.raises(TypeError, match="cannot read an image from a int"):
+        to_pil(7)
+    msgs = placeholders_to_parts([{"role": "user", "content": "<image>left <image> right"}], [img, png])
+    assert [p["type"] for p in msgs[0]["content"]] == ["image", "text", "image", "text"]
+    assert images_in(msgs) == [img, png]
+    assert without_pixels(msgs)[0]["content"][0] == {"type": "image"}
+    with pytest.raises(ValueError, match="2 images but only 1"):
+        placeholders_to_parts([{"role": "user", "content": "<image> one"}], [img, img])
+    with pytest.raises(ValueError, match="more '<image>' placeholders"):
+        placeholders_to_parts([{"role": "user", "content": "<image><image>"}], [img])
+
+
+def test_pixel_values_cross_the_bus_intact_and_malformed_ones_are_refused():
+    from rollout import protocol as P
+
+    pv = np.random.default_rng(0).standard_normal((2, 3, 4, 4)).astype(np.float32)
+    msg = P.Generate(rid="r", prompt_ids=np.arange(1, 5, dtype=np.int32), pixel_values=pv)
+    frames = [bytes(f) for f in msg.encode()]
+    back = P.decode(frames)
+    assert np.array_equal(back.pixel_values, pv) and back.prompt_ids.tolist() == [1, 2, 3, 4]
+    assert P.decode([bytes(f) for f in P.Generate(rid="r", prompt_ids=np.arange(1, 3)).encode()]).pixel_values is None
+    with pytest.raises(P.ProtocolError, match="shape .* needs 96"):
+        P.decode(frames[:2] + [frames[2][:-4]])
+    with pytest.raises(P.ProtocolError, match="2 frames"):
+        P.decode(frames[:2])
+    import msgpack
+    head = msgpack.unpackb(frames[0])
+    with pytest.raises(P.ProtocolError, match="4 positive ints"):
+        P.decode([msgpack.packb({**head, "pv": [2, -3, 4, 4]})] + frames[1:])
+
+
+def test_the_hf_engine_refuses_images_that_do_not_match_the_image_tokens(servers):
+    from rollout.client import GenerateClient, RequestFailed
+
+    srv = servers(1, backend="hf", model="tiny-vlm")
+    pv = np.zeros((1, 3, 32, 32), np.float32)
+
+    async def go() -> None:
+        async with GenerateClient(srv.addresses) as client:
+            await client.wait_ready(timeout_s=300)
+            ok = await client.generate([1, 2] + [49152] * 16 + [3], {"max_tokens": 2}, pixel_values=pv)
+            assert len(ok.token_ids) == 2
+            with pytest.raises(RequestFailed, match="holds 15 image tokens but 1 images"):
+                await client.generate([1, 2] + [49152] * 15 + [3], {"max_tokens": 2}, pixel_values=pv)
+            with pytest.raises(RequestFailed, match="holds 16 image tokens but 0 images"):
+                await client.generate([1, 2] + [49152] * 16, {"max_tokens": 2})
+        async with GenerateClient(echo.addresses) as client:  # an engine without image support says so
+            await client.wait_ready(timeout_s=60)
+            with pytest.raises(RequestFailed, match="does not take images; serve the vision-language model"):
+                await client.generate([1, 2, 3], {"max_tokens": 2}, pixel_values=pv)
+    echo = servers(1, backend="echo", model="echo")
+    asyncio.run(go())
