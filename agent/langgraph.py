@@ -45,6 +45,7 @@ from agent.dotted import import_dotted
 from agent.loop import AgentContext, AgentLoopBase, AgentLoopOutput, Trajectory, new_session_id
 from agent.parsers import ToolParser, get_tool_parser
 from agent.tools.calculator import CalculatorError, safe_eval
+from agent.vision import as_image_url_parts, without_pixels
 
 
 class HistoryEditedError(ValueError):
@@ -82,20 +83,40 @@ def message_to_dict(message: BaseMessage) -> dict[str, Any]:
                     "HumanMessage, AIMessage, ToolMessage or ChatMessage")
 
 
-def _text(message: BaseMessage) -> str:
+def _text(message: BaseMessage) -> str | list[dict[str, Any]]:
+    """The message's text, or its content parts (text and image) when it holds images."""
     if isinstance(message.content, str):
         return message.content
-    parts = []
+    parts: list[dict[str, Any]] = []
     for block in message.content:
+        image = _block_image(block) if isinstance(block, dict) else None
         if isinstance(block, str):
-            parts.append(block)
+            parts.append({"type": "text", "text": block})
         elif isinstance(block, dict) and block.get("type") == "text":
-            parts.append(str(block.get("text", "")))
+            parts.append({"type": "text", "text": str(block.get("text", ""))})
+        elif image is not None:
+            parts.append({"type": "image", "image": image})
         else:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise ValueError(f"{type(message).__name__} has a content block of type {kind!r}; only text can be "
-                             "encoded for a text chat template, so pass text content")
-    return "".join(parts)
+            raise ValueError(f"{type(message).__name__} has a content block of type {kind!r}; only text and images "
+                             "(image_url, or image with base64/url data) can be encoded for the chat template")
+    if not any(p["type"] == "image" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _block_image(block: dict[str, Any]) -> Any:
+    """The image of a langchain image block (OpenAI's image_url; langchain's image with base64 or a
+    data URL), as a data URL `agent.vision.to_pil` reads; None for other blocks."""
+    if block.get("type") == "image_url":
+        url = block.get("image_url")
+        return url.get("url") if isinstance(url, dict) else url
+    if block.get("type") != "image":
+        return None
+    data = block.get("base64") or (block.get("data") if block.get("source_type", "base64") == "base64" else None)
+    if data:
+        return f"data:{block.get('mime_type') or 'image/png'};base64,{data}"
+    return block.get("url") or (block.get("data") if block.get("source_type") == "url" else None)
 
 
 def reply_message(text: str, parser: ToolParser, metadata: Mapping[str, Any] | None = None) -> AIMessage:
@@ -128,6 +149,7 @@ class SwitchyardChatModel(BaseChatModel):
     tool_parser: str = "hermes"
     max_response_tokens: int | None = None
     end_of_turn_id: int | None = None
+    vision: Any = Field(default=None, exclude=True)  # agent.vision.Vision of a vision-language policy
     cache: Any = Field(default=False, exclude=True)  # a cached reply has no tokens to train on
 
     _parser: ToolParser | None = PrivateAttr(default=None)
@@ -216,12 +238,14 @@ class SwitchyardChatModel(BaseChatModel):
         prefix and append only the new ones. The trajectory is unchanged when this raises."""
         incoming = [message_to_dict(m) for m in messages]
         if self._traj is None:
-            self._encoder = ChatEncoder(self.tokenizer, tools=tools, end_of_turn_id=self.end_of_turn_id)
+            self._encoder = ChatEncoder(self.tokenizer, tools=tools, end_of_turn_id=self.end_of_turn_id,
+                                        vision=self.vision)
             self._tools = list(tools) if tools else None
             self._parser = get_tool_parser(self.tool_parser, {  # raw-text formats type values by the schemas
                 str((t.get("function") or t).get("name")): (t.get("function") or t).get("parameters") or {}
                 for t in self._tools or []})
             self._traj = Trajectory(self._encoder.initial(incoming))
+            self._add_images(incoming)
             self._seen = incoming
             return
         if (tools or None) != self._tools:
@@ -254,9 +278,18 @@ class SwitchyardChatModel(BaseChatModel):
                 f"{[m['role'] for m in new]} leave no room below max_response_tokens={self.max_response_tokens}; "
                 "raise the budget or limit the turns (recursion_limit)")
         self._traj.add_context(ids)
+        self._add_images(new)
         self._turns.append({"kind": "context", "roles": [m["role"] for m in new], "tokens": len(ids)})
         self._seen = incoming
         self._unclosed = None
+
+    def _add_images(self, messages: list[dict[str, Any]]) -> None:
+        if self.vision is not None and self._traj is not None:
+            from agent.vision import images_in
+
+            found = images_in(messages)
+            if found:
+                self._traj.add_images(self.vision.pixels(found))
 
     async def _generate_turn(self) -> AIMessage:
         traj, params = self._traj, dict(self.sampling_params)
@@ -268,8 +301,9 @@ class SwitchyardChatModel(BaseChatModel):
                                           f"{self.max_response_tokens} used up; raise it or limit the turns")
             params["max_tokens"] = min(remaining, int(params.get("max_tokens", remaining)))
         t0 = time.perf_counter()
+        pv = traj.all_pixel_values()
         result = await self.client.generate(traj.all_ids(), params, session_id=self.session_id,
-                                            group_id=self.group_id)
+                                            group_id=self.group_id, **({"pixel_values": pv} if pv is not None else {}))
         traj.add_model(result.token_ids, result.logprobs)
         self._unclosed = list(result.token_ids)
         self._versions.append(result.weight_version)
@@ -316,8 +350,9 @@ class SwitchyardChatModel(BaseChatModel):
             response_logprobs=list(t.response_logprobs), reward=float(reward), num_turns=len(self._request_ids),
             termination=termination or self.termination(), turns=list(self._turns),
             weight_versions=list(self._versions), request_ids=list(self._request_ids),
-            reward_extra=dict(reward_extra or {}), messages=self.messages if messages is None else messages,
-            session_id=self.session_id, error=error)
+            reward_extra=dict(reward_extra or {}),
+            messages=without_pixels(self.messages if messages is None else messages),
+            session_id=self.session_id, error=error, multi_modal=t.multi_modal())
 
 
 def _names(tools: list[dict[str, Any]] | None) -> list[str]:
@@ -415,11 +450,12 @@ class LangGraphAgentLoop(AgentLoopBase):
                                                        int(sampling_params.get("max_tokens", self.cfg.max_turn_tokens)))}
         model = SwitchyardChatModel(client=self.client, tokenizer=self.tokenizer, sampling_params=params,
                                     session_id=row.get("session_id") or new_session_id(), group_id=row.get("group_id"),
-                                    tool_parser=self.cfg.tool_parser, max_response_tokens=self.cfg.max_response_tokens)
+                                    tool_parser=self.cfg.tool_parser, max_response_tokens=self.cfg.max_response_tokens,
+                                    vision=self.ctx.vision)
         termination, error, messages = None, "", None
         try:
             graph = self.factory(model)
-            final = await graph.ainvoke({"messages": list(row["prompt"])},
+            final = await graph.ainvoke({"messages": as_image_url_parts(self.prompt_messages(row))},
                                         config={"recursion_limit": self.cfg.recursion_limit})
             if isinstance(final, Mapping) and final.get("messages"):  # the graph's history, for logging
                 messages = [message_to_dict(m) for m in final["messages"]]

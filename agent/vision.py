@@ -174,3 +174,25 @@ def without_pixels(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                                   else p for p in content]}
         out.append(m)
     return out
+
+
+def data_url(x: Any) -> str:
+    """An image (any form `to_pil` reads) as a `data:image/png;base64,` URL; data URLs pass through."""
+    if isinstance(x, str) and x.startswith("data:"):
+        return x
+    buf = io.BytesIO()
+    to_pil(x).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def as_image_url_parts(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages whose image parts are OpenAI `image_url` parts with data URLs: the form chat
+    clients (langchain, the openai package) accept."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list) and has_images([m]):
+            m = {**m, "content": [{"type": "image_url", "image_url": {"url": data_url(part_image(p))}}
+                                  if isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES else p for p in content]}
+        out.append(m)
+    return out

@@ -117,8 +117,10 @@ def test_sync_calls_and_bad_options_are_refused() -> None:
         SwitchyardChatModel(client=None, tokenizer=None, tool_parser="xml")
     with pytest.raises(ValueError, match="stop_token_ids"):
         asyncio.run(model.ainvoke([HumanMessage("hi")], stop=["\n"]))
-    with pytest.raises(ValueError, match="'image_url'"):
-        message_to_dict(HumanMessage(content=[{"type": "image_url", "image_url": {"url": "x"}}]))
+    with pytest.raises(ValueError, match="'audio'"):  # images are encoded (tests/test_multimodal.py), audio not
+        message_to_dict(HumanMessage(content=[{"type": "audio", "base64": "AAAA", "mime_type": "audio/wav"}]))
+    assert message_to_dict(HumanMessage(content=[{"type": "image_url", "image_url": {"url": "x"}}])) == {
+        "role": "user", "content": [{"type": "image", "image": "x"}]}
     assert message_to_dict(HumanMessage(content=["a", {"type": "text", "text": "b"}])) == {"role": "user",
                                                                                       "content": "ab"}
     assert message_to_dict(ToolMessage("4", tool_call_id="c1", name="calculator")) == {

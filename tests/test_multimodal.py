@@ -279,3 +279,39 @@ def test_the_hf_engine_refuses_images_that_do_not_match_the_image_tokens(servers
                 await client.generate([1, 2, 3], {"max_tokens": 2}, pixel_values=pv)
     echo = servers(1, backend="echo", model="echo")
     asyncio.run(go())
+
+
+def test_langgraph_messages_with_image_blocks_reach_the_vlm(servers):
+    pytest.importorskip("langgraph.prebuilt", reason="langgraph is not installed")
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    from agent.langgraph import SwitchyardChatModel
+    from agent.vision import Vision
+    from engines.models import load_tokenizer, resolve_model
+    from rollout.client import GenerateClient
+
+    srv = servers(1, backend="hf", model="tiny-vlm")
+    red, blue = png_data_url((220, 0, 0)), png_data_url((0, 0, 220))
+
+    async def go() -> Any:
+        async with GenerateClient(srv.addresses) as client:
+            await client.wait_ready(timeout_s=300)
+            model = SwitchyardChatModel(client=client, tokenizer=load_tokenizer("tiny-vlm"),
+                                        sampling_params={"temperature": 1.0, "max_tokens": 6, "seed": 1},
+                                        vision=Vision.from_model(resolve_model("tiny-vlm")))
+            first = HumanMessage(content=[  # langchain's own image block, base64 data
+                {"type": "image", "base64": red.split(",", 1)[1], "mime_type": "image/png"},
+                {"type": "text", "text": "What colour is the dot?"}])
+            reply = await model.ainvoke([first])
+            tool = ToolMessage(content=[{"type": "image_url", "image_url": {"url": blue}},  # OpenAI's block
+                                        {"type": "text", "text": "here is another"}], tool_call_id="c1")
+            await model.ainvoke([first, reply, tool])
+            return model.to_agent_loop_output()
+
+    out = asyncio.run(go())
+    check_against_server(out, _server_log(srv.request_logs))
+    pv = out.multi_modal["pixel_values"]
+    assert pv.shape == (2, 3, 32, 32)
+    assert pv[0][0].mean() > pv[0][2].mean() and pv[1][2].mean() > pv[1][0].mean()  # red first, then blue
+    assert (out.prompt_ids + out.response_ids).count(49152) == 32
+    assert out.messages[0]["content"][0] == {"type": "image"}  # the payload is not kept twice
