@@ -68,7 +68,7 @@ async def gateway_for(ctx: AgentContext, cfg: OpenAIAgentConfig) -> Any:
     async with lock:
         if key not in _GATEWAYS:
             gw = Gateway(ctx.client, ctx.tokenizer, model_name=cfg.model_name, tool_parser=cfg.tool_parser,
-                         max_context=cfg.max_context)
+                         max_context=cfg.max_context, vision=ctx.vision)
             await gw.start()
             _GATEWAYS[key] = gw
     return _GATEWAYS[key]

@@ -315,3 +315,49 @@ def test_langgraph_messages_with_image_blocks_reach_the_vlm(servers):
     assert pv[0][0].mean() > pv[0][2].mean() and pv[1][2].mean() > pv[1][0].mean()  # red first, then blue
     assert (out.prompt_ids + out.response_ids).count(49152) == 32
     assert out.messages[0]["content"][0] == {"type": "image"}  # the payload is not kept twice
+
+
+def test_the_openai_gateway_takes_image_url_parts_for_a_vlm(servers):
+    openai = pytest.importorskip("openai")
+    from agent.gateway import Gateway
+    from agent.vision import Vision
+    from engines.models import load_tokenizer, resolve_model
+    from rollout.client import GenerateClient
+
+    srv = servers(1, backend="hf", model="tiny-vlm")
+    tok = load_tokenizer("tiny-vlm")
+    red, blue = png_data_url((220, 0, 0)), png_data_url((0, 0, 220))
+
+    async def go() -> Any:
+        async with GenerateClient(srv.addresses) as client:
+            await client.wait_ready(timeout_s=300)
+            gw = Gateway(client, tok, vision=Vision.from_model(resolve_model("tiny-vlm")))
+            blind = Gateway(client, tok)  # the same model served as if it took no images
+            await gw.start()
+            await blind.start()
+            try:
+                key = gw.open_session()
+                api = openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+                msgs: list[dict[str, Any]] = [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": red}}, {"type": "text", "text": "Colour?"}]}]
+                r = await api.chat.completions.create(model="switchyard", messages=msgs, max_tokens=5, temperature=1.0)
+                msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "user", "content": [{"type": "text", "text": "And this one?"},
+                                                      {"type": "image_url", "image_url": {"url": blue}}]}]
+                await api.chat.completions.create(model="switchyard", messages=msgs, max_tokens=5, temperature=1.0)
+                conv = gw.close_session(key)
+                no = openai.AsyncOpenAI(base_url=blind.base_url, api_key="k", max_retries=0)
+                with pytest.raises(openai.BadRequestError, match="takes none"):
+                    await no.chat.completions.create(model="switchyard", messages=msgs[:1], max_tokens=5)
+                return conv
+            finally:
+                await gw.stop()
+                await blind.stop()
+
+    conv = asyncio.run(go())
+    assert len(conv.segments) == 1  # the second call continued the first: one token-exact trajectory
+    out = conv.segments[0].to_output()
+    check_against_server(out, _server_log(srv.request_logs))
+    pv = out.multi_modal["pixel_values"]
+    assert pv.shape == (2, 3, 32, 32) and pv[0][0].mean() > pv[0][2].mean() and pv[1][2].mean() > pv[1][0].mean()
+    assert (out.prompt_ids + out.response_ids).count(49152) == 32

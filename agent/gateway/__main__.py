@@ -22,12 +22,15 @@ async def serve(args: argparse.Namespace) -> None:
     if not is_loopback(args.host) and not args.api_key:
         raise SystemExit(f"--host {args.host} is beyond loopback: give --api-key KEY (clients send it as "
                          "`Authorization: Bearer KEY`), or bind 127.0.0.1")
+    from agent.vision import Vision
+
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.tokenizer))
+    vision = Vision.from_model(resolve_model(args.tokenizer))
     async with GenerateClient(args.bus) as client:
         await client.wait_ready(timeout_s=args.ready_timeout_s)
         gw = Gateway(client, tokenizer, model_name=args.model_name, tool_parser=args.tool_parser, host=args.host,
                      port=args.port, api_keys=args.api_key, max_inflight=args.max_inflight,
-                     max_context=args.max_context)
+                     max_context=args.max_context, vision=vision)
         url = await gw.start()
         print(f"switchyard gateway: {url} (model {args.model_name!r}, {len(args.bus)} engine(s))", flush=True)
         stop = asyncio.Event()

@@ -49,8 +49,9 @@ class Gateway:
     def __init__(self, client: Any, tokenizer: Any, model_name: str = "switchyard", tool_parser: str = "hermes",
                  host: str = "127.0.0.1", port: int = 0, api_keys: list[str] | None = None, max_inflight: int = 256,
                  max_context: int | None = None, end_of_turn_id: int | None = None,
-                 session_ttl_s: float = 3600.0) -> None:
+                 session_ttl_s: float = 3600.0, vision: Any = None) -> None:
         self.client, self.tokenizer, self.model_name = client, tokenizer, model_name
+        self.vision = vision  # agent.vision.Vision when the model takes images
         self.tool_parser, self.host, self.port = tool_parser, host, port
         self.api_keys = set(api_keys or [])
         self.max_inflight, self.max_context, self.end_of_turn_id = max_inflight, max_context, end_of_turn_id
@@ -93,7 +94,7 @@ class Gateway:
 
     def _conversation(self, session_id: str, sampling: dict[str, Any] | None = None) -> Conversation:
         return Conversation(session_id, self.tokenizer, self.tool_parser, self.end_of_turn_id, self.max_context,
-                            sampling, self._encoders)
+                            sampling, self._encoders, vision=self.vision)
 
     def _prune(self) -> None:
         """Forget sessions clients opened implicitly (by key or header) once idle for session_ttl_s."""

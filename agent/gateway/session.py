@@ -23,6 +23,7 @@ from typing import Any
 
 from agent.chat import ChatEncoder
 from agent.loop import AgentLoopOutput, Trajectory
+from agent.vision import images_in, without_pixels
 from agent.parsers import ParseResult, ToolParser, get_tool_parser
 
 
@@ -38,24 +39,35 @@ DEFAULT_MAX_TOKENS = 1024  # a request without max_tokens, on a gateway that kno
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _text(content: Any, where: str) -> str:
-    """Message content as text: a string, null, or a list of text parts."""
+def _text(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """Message content as text (a string, null, or a list of text parts), or as text and image
+    parts when it holds `image_url` parts (whether the model takes images is checked later)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        out = []
+        out: list[dict[str, Any]] = []
         for part in content:
             if isinstance(part, dict) and part.get("type") in ("text", "input_text") and isinstance(part.get("text"), str):
-                out.append(part["text"])
+                out.append({"type": "text", "text": part["text"]})
+            elif isinstance(part, dict) and part.get("type") == "image_url" and _image_url(part):
+                out.append({"type": "image", "image": _image_url(part)})
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestError(400, f"{where}: content part of type {kind!r} is not supported (text only)",
-                                   param="messages")
-        return "".join(out)
+                raise RequestError(400, f"{where}: content part of type {kind!r} is not supported (text and "
+                                        "image_url)", param="messages")
+        if any(p["type"] == "image" for p in out):
+            return out
+        return "".join(p["text"] for p in out)
     raise RequestError(400, f"{where}: content must be a string, null or a list of text parts, got "
                             f"{type(content).__name__}", param="messages")
+
+
+def _image_url(part: dict[str, Any]) -> str | None:
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    return url if isinstance(url, str) and url else None
 
 
 def _arguments(raw: Any, where: str) -> dict[str, Any]:
@@ -106,7 +118,8 @@ def _key(m: dict[str, Any]) -> tuple:
     empty-vs-null content do not matter)."""
     calls = tuple((c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
                   for c in m.get("tool_calls") or [])
-    return (m["role"], m.get("content") or "", calls)
+    content = m.get("content") or ""
+    return (m["role"], content if isinstance(content, str) else json.dumps(content, sort_keys=True), calls)
 
 
 @dataclass
@@ -153,7 +166,8 @@ class Segment:
             response_logprobs=list(t.response_logprobs), reward=float(reward), num_turns=len(self.request_ids),
             termination=termination or ("length" if self.last_finish == "length" else "stop"),
             turns=list(self.turns), weight_versions=list(self.versions), request_ids=list(self.request_ids),
-            reward_extra=dict(reward_extra or {}), messages=[dict(m) for m in self.held], session_id=session_id)
+            reward_extra=dict(reward_extra or {}), messages=without_pixels(self.held), session_id=session_id,
+            multi_modal=t.multi_modal())
 
 
 class Conversation:
@@ -162,8 +176,9 @@ class Conversation:
     def __init__(self, session_id: str, tokenizer: Any, tool_parser: str = "hermes",
                  end_of_turn_id: int | None = None, max_context: int | None = None,
                  sampling: dict[str, Any] | None = None, encoders: dict[str, ChatEncoder] | None = None,
-                 max_segments: int | None = None) -> None:
+                 max_segments: int | None = None, vision: Any = None) -> None:
         self.session_id, self.tokenizer, self.tool_parser = session_id, tokenizer, tool_parser
+        self.vision = vision  # agent.vision.Vision of a vision-language model: image parts become pixels
         self.encoders = {} if encoders is None else encoders  # shared by a gateway's sessions, by tools
         self.last_used = time.monotonic()
         self.max_segments = max_segments  # sessions nobody trains on keep only their latest segments
@@ -186,8 +201,11 @@ class Conversation:
                 best = seg
         if best is not None:
             new = messages[len(best.held):]
+            pixels = self._pixels(new)  # first: a bad image leaves the segment as it was
             ids = best.encoder.close_assistant_turn(best.unclosed or []) + best.encoder.turn_tokens(new)
             best.traj.add_context(ids)
+            if pixels is not None:
+                best.traj.add_images(pixels)
             best.turns.append({"kind": "context", "roles": [m["role"] for m in new], "tokens": len(ids)})
             best.held = best.held + new
             best.unclosed = None
@@ -196,10 +214,27 @@ class Conversation:
         encoder = self.encoders.get(tools_key)
         if encoder is None:  # measuring the template costs a few renders: once per tool set
             encoder = self.encoders[tools_key] = ChatEncoder(self.tokenizer, tools=tools,
-                                                             end_of_turn_id=self.end_of_turn_id)
+                                                             end_of_turn_id=self.end_of_turn_id, vision=self.vision)
+        pixels = self._pixels(messages)
         seg = Segment(encoder, Trajectory(encoder.initial(messages)), list(messages), tools)
+        if pixels is not None:
+            seg.traj.add_images(pixels)
         self.segments.append(seg)
         return seg
+
+    def _pixels(self, messages: list[dict[str, Any]]) -> Any:
+        """The pixel values of the images in `messages` (None without images); a 400 when the
+        model takes no images or one cannot be read."""
+        found = images_in(messages)
+        if not found:
+            return None
+        if self.vision is None:
+            raise RequestError(400, "the messages hold images but the model takes none (it has no vision tower)",
+                               param="messages")
+        try:
+            return self.vision.pixels(found)
+        except (ValueError, TypeError, OSError) as e:
+            raise RequestError(400, f"an image could not be read: {e}", param="messages") from None
 
     def parser(self, tools: list[dict[str, Any]] | None) -> ToolParser:
         return get_tool_parser(self.tool_parser, {
@@ -232,8 +267,10 @@ class Conversation:
                 keep = {id(x) for x in sorted(self.segments, key=lambda x: (id(x) in fresh, x.updated))[-self.max_segments:]}
                 self.segments = [x for x in self.segments if id(x) in keep]
             t0 = time.perf_counter()
+            pv = seg.traj.all_pixel_values()
+            images = {} if pv is None else {"pixel_values": pv}
             results = await asyncio.gather(*(client.generate(prompt, params, session_id=self.session_id,
-                                                             group_id=self.group_id) for _ in bases))
+                                                             group_id=self.group_id, **images) for _ in bases))
             parser = self.parser(tools)
             replies = []
             for target, result in zip(bases, results):
