@@ -21,12 +21,22 @@ from engines.training.batch import TENSOR_FIELDS, Batch, group_shards
 from rollout.weight_sync import tensor_from_raw, tensor_to_raw
 
 
+def _pixel_fields(batch: Batch) -> dict[str, torch.Tensor]:
+    """A batch's images as two tensors: images per row, and every row's pixel values in order."""
+    if not batch.pixel_values:
+        return {}
+    found = [pv for pv in batch.pixel_values if pv is not None]
+    counts = torch.tensor([0 if pv is None else len(pv) for pv in batch.pixel_values], dtype=torch.long)
+    return {"pixel_counts": counts, "pixel_values": torch.cat(found) if found else torch.zeros(0, 1, 1, 1)}
+
+
 def pack(batch: Batch) -> tuple[torch.Tensor, list[tuple[str, str, list[int]]]]:
     """A shard's tensors as one flat uint8 tensor, and the (name, dtype, shape) to unpack it
-    (each tensor's bytes as `weight_sync.tensor_to_raw` gives them)."""
+    (each tensor's bytes as `weight_sync.tensor_to_raw` gives them); the rows' images too."""
     parts, layout = [], []
-    for name in TENSOR_FIELDS:
-        raw, dtype, shape = tensor_to_raw(getattr(batch, name))
+    fields = {name: getattr(batch, name) for name in TENSOR_FIELDS}
+    for name, tensor in {**fields, **_pixel_fields(batch)}.items():
+        raw, dtype, shape = tensor_to_raw(tensor)
         parts.append(raw)
         layout.append((name, dtype, shape))
     return torch.cat(parts), layout
@@ -44,7 +54,13 @@ def unpack(flat: torch.Tensor, layout: list[tuple[str, str, list[int]]], global_
         tensors[name] = tensor_from_raw(flat[at:at + size].clone(), dtype, shape, name)  # clone: aligned for view
         at += size
     n = int(tensors["prompts"].shape[0])
-    return Batch(**tensors, num_turns=[0] * n, termination=[""] * n, weight_versions=[[] for _ in range(n)],
+    pixels: list[torch.Tensor | None] = []
+    if "pixel_counts" in tensors:
+        counts, flat_pv = tensors.pop("pixel_counts").tolist(), tensors.pop("pixel_values")
+        sizes = [c for c in counts if c]
+        parts = iter(flat_pv.split(sizes) if sizes else ())
+        pixels = [next(parts) if c else None for c in counts]
+    return Batch(**tensors, pixel_values=pixels, num_turns=[0] * n, termination=[""] * n, weight_versions=[[] for _ in range(n)],
                  reward_extra={}, request_ids=[[] for _ in range(n)], session_ids=[""] * n, errors=[""] * n,
                  turns=[[] for _ in range(n)], global_size=global_size)
 
@@ -59,9 +75,6 @@ def hand_out(batch: Batch | None, replica_of: list[int], rank: int, device: torc
     header: list[Any] = [None]
     if rank == 0:
         assert batch is not None
-        if batch.pixel_values:  # the pixel values are not packed for other ranks yet
-            raise NotImplementedError(f"a batch with images trains in one training process today ({len(replica_of)} "
-                                      "here); run launch/train.py as a single process for a vision-language model")
         shards = [batch.shard(rows) for rows in group_shards(batch.group_index, replicas)]
         packed = [pack(s) for s in shards]
         header = [(len(batch), [layout for _, layout in packed])]

@@ -172,6 +172,44 @@ def test_one_grpo_step_of_a_vlm_with_an_image_tool_through_train_py(tmp_path: Pa
         # the bus); an actor without the images scores image tokens as text and is off by far more
         assert m["drift/max"] < 1e-4, m
     assert any(m["actor/grad_norm"] > 0 for m in ms), ms  # a real update, pushed before step 2's rollout
+    from agent.vision import Vision  # the exported model is a vision-language model with its processor
+    from engines.models import load_pretrained
+
+    assert Vision.from_model(out / "hf").tokens_per_image == 16
+    assert type(load_pretrained(out / "hf", torch.float32)).__name__ == "LlavaForConditionalGeneration"
+
+
+def _image_rows(path: Path, n: int) -> Path:
+    with path.open("w") as f:
+        for i in range(n):
+            f.write(json.dumps({**image_row((40 * i % 255, 90, 200)), "agent_name": "vlm_tool_agent"}) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_train_a_vlm_with_the_images_handed_to_both(tmp_path: Path):
+    """torchrun with 2 ranks: rank 0's rollout hands each rank its rows with their pixel values;
+    the sharded actor's logprobs equal the engine's on every rank's rows."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(json.dumps({"tools": [{"class_name": "agent.tools.chart.BarChartTool", "config": {},
+                                            "tool_schema": CHART_SCHEMA}]}))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "launch/train.py",
+           "model.path=tiny-vlm", "rollout.engine=hf", "sft.enabled=false", "data.task=rows",
+           f"data.train_path={_image_rows(tmp_path / 'rows.jsonl', 4)}", "data.prompts_per_step=2", "rollout.n=2",
+           "rollout.max_tokens=12", "trainer.steps=1", f"rollout.tools_config={tools}", "actor.sharding=fsdp",
+           "rollout.agent_loops.vlm_tool_agent=vlm_agent.ShortReplyToolAgent",
+           "rollout.agent.vlm_tool_agent.tool_parser=vlm_agent.CallEveryTool",
+           "rollout.agent.vlm_tool_agent.max_assistant_turns=2", f"trainer.output_dir={out}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(Path(__file__).parent)]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    m = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert m["handoff/rows_local"] == 2 and m["handoff/rows_sent"] == 2, m  # one GRPO group per rank
+    assert m["rollout/tool_calls"] >= 4 and m["drift/max"] < 1e-4, m
 
 
 class ZoomTool:
@@ -361,3 +399,26 @@ def test_the_openai_gateway_takes_image_url_parts_for_a_vlm(servers):
     pv = out.multi_modal["pixel_values"]
     assert pv.shape == (2, 3, 32, 32) and pv[0][0].mean() > pv[0][2].mean() and pv[1][2].mean() > pv[1][0].mean()
     assert (out.prompt_ids + out.response_ids).count(49152) == 32
+
+
+def test_a_batch_shard_carries_its_rows_images_to_another_rank():
+    """What `hand_out` sends another data-parallel rank: the shard's tensors and its rows' images."""
+    from agent.loop import AgentLoopOutput
+    from engines.training.batch import pad_outputs
+    from rollout.handoff import pack, unpack
+
+    def out(n_images: int, seed: int) -> AgentLoopOutput:
+        pv = np.random.default_rng(seed).standard_normal((n_images, 3, 4, 4)).astype(np.float32)
+        return AgentLoopOutput([1, 2, 3], [4, 5], [1, 1], [-0.1, -0.2], 1.0, 1, "stop",
+                               multi_modal={"pixel_values": pv} if n_images else {})
+
+    batch = pad_outputs([out(2, 0), out(0, 1), out(1, 2), out(0, 3)], 0, [0, 0, 1, 1])
+    for rows in (torch.tensor([0, 1, 2, 3]), torch.tensor([1, 2]), torch.tensor([1, 3])):
+        shard = batch.shard(rows)
+        back = unpack(*pack(shard), len(batch))
+        assert len(back.pixel_values) == len(rows)
+        for got, want in zip(back.pixel_values, shard.pixel_values):
+            assert (got is None and want is None) or torch.equal(got, want)
+        assert torch.equal(back.prompts, shard.prompts)
+    plain = pad_outputs([out(0, 0)], 0, [0])
+    assert unpack(*pack(plain), 1).pixel_values == []

@@ -22,8 +22,10 @@ import torch.distributed as dist
 
 
 def _layers(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a transformers causal LM (`model.layers`, `transformer.h`, ...)."""
-    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+    """The decoder layers of a transformers causal LM (`model.layers`, `transformer.h`, ...), or
+    of a LLaVA-style model's language model (its vision tower is sharded as one unit)."""
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers",
+                 "model.language_model.layers"):
         obj: Any = module
         for part in path.split("."):
             obj = getattr(obj, part, None)
@@ -100,7 +102,8 @@ def load_sharded(path: str, device: torch.device, compute_dtype: torch.dtype,
         for f in files:
             with safe_open(str(f), framework="pt") as st:
                 for key in st.keys():
-                    p = params.get(key)
+                    name = _param_name(key, params)
+                    p = params.get(name)
                     if p is None:
                         continue  # e.g. a tied lm_head stored twice
                     local = p.to_local() if is_dtensor(p) else p
@@ -114,12 +117,28 @@ def load_sharded(path: str, device: torch.device, compute_dtype: torch.dtype,
                         raise ValueError(f"{key}: this rank's slice of the checkpoint has shape {tuple(mine.shape)}, "
                                          f"its shard {tuple(local.shape)}; the checkpoint does not match the config")
                     local.copy_(mine)
-                    loaded.add(key)
+                    loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"{path} holds no tensor for {missing[:5]}{' ...' if len(missing) > 5 else ''}; is it "
                          "this model's checkpoint?")
     return module
+
+
+# checkpoint key prefixes of LLaVA-style models as transformers saves them -> the module's names
+LEGACY_PREFIXES = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                   ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."))
+
+
+def _param_name(key: str, params: dict[str, Any]) -> str:
+    """The module parameter a checkpoint key holds (keys saved in a model family's older layout
+    are renamed, as transformers' from_pretrained does)."""
+    if key in params:
+        return key
+    for old, new in LEGACY_PREFIXES:
+        if key.startswith(old) and new + key[len(old):] in params:
+            return new + key[len(old):]
+    return key
 
 
 def is_dtensor(t: torch.Tensor) -> bool:

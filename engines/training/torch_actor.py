@@ -37,6 +37,9 @@ def _dummy_micro() -> MicroBatch:
                       position_ids=None, first=0, targets=ids[:, 1:], target_mask=torch.ones((1, 1), dtype=torch.bool))
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
 class TorchActor(ActorBase):
     def __init__(self, cfg: ActorConfig, model: str, dtype: str = "float32", temperature: float = 1.0,
                  seed: int = 0, progress: bool = True, device: torch.device | None = None) -> None:
@@ -187,6 +190,12 @@ class TorchActor(ActorBase):
             self.module.to(torch.float32)
         if self.rank == 0:
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+            from engines.models import resolve_model
+
+            source = resolve_model(str(self.model_path))
+            for name in PROCESSOR_FILES:  # a vision-language model's image processor goes along
+                if (source / name).is_file():
+                    (path / name).write_bytes((source / name).read_bytes())
 
     def _save_hf_sharded(self, path: Path) -> None:
         import json
