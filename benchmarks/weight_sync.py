@@ -18,6 +18,11 @@ repetition, in alternating order (HF tensors in, engines' parameters out):
                  broadcasts each bucket to a receiving rank (a node's leader), which receives into its
                  slot and feeds 1 or 2 engine processes through shared memory
   collective_2nodes  the same to two leaders (two simulated nodes), one engine each
+and the transports' own floors for the same bytes, with no protocol, checksum or engine:
+  ipc_raw        pyzmq PUSH -> PULL over an ipc socket to another process, bucket-sized frames,
+                 zero-copy sends (what the bus path rides on)
+  gloo_raw       torch.distributed (gloo) broadcast of bucket-sized tensors to one other rank
+                 (what the collective path rides on between nodes here)
 GB/s counts the HF bytes moved. On this box every process shares 2 cores: two engines load in
 parallel only as far as the cores allow.
 
@@ -113,6 +118,88 @@ def _collective_rank(rank: int, world: int, init: str, model: str, addrs: list[l
     if rank == 0:
         Path(out).write_text(json.dumps(times))
     dist.destroy_process_group()
+
+
+def _ipc_sink(addr: str, sizes: list[int], reps: int, q: Any) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.bind(addr)
+    q.put(0.0)
+    for _ in range(reps + 1):
+        for _ in sizes:
+            sock.recv(copy=False)
+        q.put(time.perf_counter())  # CLOCK_MONOTONIC: comparable with the sender's
+    sock.close(linger=0)
+    ctx.term()
+
+
+def ipc_raw(nbytes: int, bucket: int, reps: int, tmp: Path) -> list[float]:
+    """Seconds to move `nbytes` in bucket-sized frames over an ipc PUSH/PULL pair to another process."""
+    import multiprocessing as mp
+
+    import numpy as np
+    import zmq
+
+    sizes = [min(bucket, nbytes - at) for at in range(0, nbytes, bucket)]
+    data = np.ones(nbytes, np.uint8)
+    ctx_mp = mp.get_context("spawn")
+    q = ctx_mp.Queue()
+    addr = f"ipc://{tmp}/raw.sock"
+    proc = ctx_mp.Process(target=_ipc_sink, args=(addr, sizes, reps, q))
+    proc.start()
+    q.get(timeout=120)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(addr)
+    times = []
+    for rep in range(reps + 1):
+        t0, at = time.perf_counter(), 0
+        for n in sizes:
+            sock.send(memoryview(data[at:at + n]), copy=False)
+            at += n
+        done = q.get(timeout=600)
+        if rep:
+            times.append(done - t0)
+    sock.close(linger=0)
+    ctx.term()
+    proc.join()
+    return times
+
+
+def _gloo_rank(rank: int, init: str, nbytes: int, bucket: int, reps: int, out: str) -> None:
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    buf = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else torch.empty(nbytes, dtype=torch.uint8)
+    times = []
+    for rep in range(reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for at in range(0, nbytes, bucket):
+            dist.broadcast(buf[at:at + bucket], 0)
+        dist.barrier()
+        if rep:
+            times.append(time.perf_counter() - t0)
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def gloo_raw(nbytes: int, bucket: int, reps: int, tmp: Path) -> list[float]:
+    """Seconds to broadcast `nbytes` in bucket-sized tensors from rank 0 to rank 1 over gloo."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    out = tmp / "gloo_raw.json"
+    mp.spawn(_gloo_rank, args=(f"file://{tmp}/pgraw", nbytes, bucket, reps, str(out)), nprocs=2, join=True)
+    return json.loads(out.read_text())
 
 
 def collective(model: str, addrs: list[list[str]], bucket: int, reps: int, first_version: int, tmp: Path) -> list[float]:
@@ -222,10 +309,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  ("collective_2nodes", [addrs[:1], addrs[1:]])):
                 times[kind] = collective(str(path), layout, bucket, reps, version + 1, tmp)
                 version += reps + 1
+        times["ipc_raw"] = ipc_raw(nbytes, bucket, reps, tmp)
+        times["gloo_raw"] = gloo_raw(nbytes, bucket, reps, tmp)
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
     ratios = {f"{k}_vs_memcpy": gbps[k] / gbps["memcpy"] for k in gbps if k != "memcpy"}
     ratios.update({f"{p}_2_vs_1_time": gbps[f"{p}_1"] / gbps[f"{p}_2"] for p in ("shm", "bus", "collective")})
     ratios["collective_2nodes_vs_1_time"] = gbps["collective_1"] / gbps["collective_2nodes"]
+    ratios["bus_1_vs_ipc_raw"] = gbps["bus_1"] / gbps["ipc_raw"]
+    ratios["collective_1_vs_gloo_raw"] = gbps["collective_1"] / gbps["gloo_raw"]
     info = machine()
     print(f"\n{'path':>17} | {'median s':>8} | {'GB/s':>7} | vs memcpy   ({info['device']})")
     for k in times:
