@@ -285,11 +285,9 @@ class SwitchyardChatModel(BaseChatModel):
 
     def _add_images(self, messages: list[dict[str, Any]]) -> None:
         if self.vision is not None and self._traj is not None:
-            from agent.vision import images_in
-
-            found = images_in(messages)
-            if found:
-                self._traj.add_images(self.vision.pixels(found))
+            pv = self.vision.pixels_in(messages)
+            if pv is not None:
+                self._traj.add_images(pv)
 
     async def _generate_turn(self) -> AIMessage:
         traj, params = self._traj, dict(self.sampling_params)

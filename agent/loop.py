@@ -83,19 +83,23 @@ class Trajectory:
         self.response_mask: list[int] = []
         self.response_logprobs: list[float] = []
         self.pixel_values: list[Any] = []  # [n, C, H, W] float32 arrays, in the order of the image tokens
+        self._joined: Any = None  # all_pixel_values(), made once per added image turn
 
     def add_images(self, pixel_values: Any) -> None:
         """Pixel values of images whose tokens were (or are about to be) added, in token order."""
         if len(pixel_values):
             self.pixel_values.append(pixel_values)
+            self._joined = None
 
     def all_pixel_values(self) -> Any:
         """Every image's pixel values as one [n, C, H, W] array, or None without images."""
         if not self.pixel_values:
             return None
-        import numpy as np
+        if self._joined is None:
+            import numpy as np
 
-        return self.pixel_values[0] if len(self.pixel_values) == 1 else np.concatenate(self.pixel_values)
+            self._joined = self.pixel_values[0] if len(self.pixel_values) == 1 else np.concatenate(self.pixel_values)
+        return self._joined
 
     def multi_modal(self) -> dict[str, Any]:
         """What `AgentLoopOutput.multi_modal` carries for this trajectory."""
@@ -173,11 +177,9 @@ class AgentLoopBase:
     def add_turn_images(self, traj: Trajectory, messages: Sequence[dict[str, Any]]) -> None:
         """Pixel values of the images in `messages`, whose tokens were just added to `traj`."""
         if self.ctx.vision is not None:
-            from agent.vision import images_in
-
-            found = images_in(messages)
-            if found:
-                traj.add_images(self.ctx.vision.pixels(found))
+            pv = self.ctx.vision.pixels_in(messages)
+            if pv is not None:
+                traj.add_images(pv)
 
     async def generate(self, traj: Trajectory, sampling_params: dict[str, Any], session_id: str,
                        group_id: str | None, turns: list[dict[str, Any]]) -> "GenerateResult":

@@ -62,6 +62,11 @@ class Vision:
                 out.append(t)
         return out
 
+    def pixels_in(self, messages: Iterable[dict[str, Any]]) -> np.ndarray | None:
+        """Pixel values of the images in `messages`, in token order; None when they hold none."""
+        found = images_in(messages)
+        return self.pixels(found) if found else None
+
     def pixels(self, images: Sequence[Any]) -> np.ndarray:
         """[n, C, H, W] float32 pixel values of `images` (any form `to_pil` takes)."""
         if not images:
@@ -146,20 +151,6 @@ def placeholders_to_parts(messages: Sequence[dict[str, Any]], images: Sequence[A
     if left:
         raise ValueError(f"the row has {len(images)} images but only {len(images) - len(left)} {placeholder!r} "
                          "placeholders in its messages; put one where each image goes")
-    return out
-
-
-def text_only(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages with image parts replaced by a note, for a model that takes no images."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            text = "".join(p.get("text", "") if p.get("type") == "text" else
-                           "[image omitted: the model takes no images]" if p.get("type") in IMAGE_PART_TYPES else ""
-                           for p in content if isinstance(p, dict))
-            m = {**m, "content": text}
-        out.append(m)
     return out
 
 

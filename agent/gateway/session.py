@@ -23,7 +23,7 @@ from typing import Any
 
 from agent.chat import ChatEncoder
 from agent.loop import AgentLoopOutput, Trajectory
-from agent.vision import images_in, without_pixels
+from agent.vision import images_in, part_image, without_pixels
 from agent.parsers import ParseResult, ToolParser, get_tool_parser
 
 
@@ -51,8 +51,9 @@ def _text(content: Any, where: str) -> str | list[dict[str, Any]]:
         for part in content:
             if isinstance(part, dict) and part.get("type") in ("text", "input_text") and isinstance(part.get("text"), str):
                 out.append({"type": "text", "text": part["text"]})
-            elif isinstance(part, dict) and part.get("type") == "image_url" and _image_url(part):
-                out.append({"type": "image", "image": _image_url(part)})
+            elif isinstance(part, dict) and part.get("type") == "image_url" and isinstance(part_image(part), str) \
+                    and part_image(part):
+                out.append({"type": "image", "image": part_image(part)})
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise RequestError(400, f"{where}: content part of type {kind!r} is not supported (text and "
@@ -62,12 +63,6 @@ def _text(content: Any, where: str) -> str | list[dict[str, Any]]:
         return "".join(p["text"] for p in out)
     raise RequestError(400, f"{where}: content must be a string, null or a list of text parts, got "
                             f"{type(content).__name__}", param="messages")
-
-
-def _image_url(part: dict[str, Any]) -> str | None:
-    url = part.get("image_url")
-    url = url.get("url") if isinstance(url, dict) else url
-    return url if isinstance(url, str) and url else None
 
 
 def _arguments(raw: Any, where: str) -> dict[str, Any]:
@@ -225,14 +220,13 @@ class Conversation:
     def _pixels(self, messages: list[dict[str, Any]]) -> Any:
         """The pixel values of the images in `messages` (None without images); a 400 when the
         model takes no images or one cannot be read."""
-        found = images_in(messages)
-        if not found:
+        if not images_in(messages):
             return None
         if self.vision is None:
             raise RequestError(400, "the messages hold images but the model takes none (it has no vision tower)",
                                param="messages")
         try:
-            return self.vision.pixels(found)
+            return self.vision.pixels_in(messages)
         except (ValueError, TypeError, OSError) as e:
             raise RequestError(400, f"an image could not be read: {e}", param="messages") from None
 
