@@ -88,9 +88,9 @@ class RolloutConfig:
                              "colocated engines sleep through it; set rollout.placement=split (or cpu), or staleness=0")
         if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.engine_cores):
             raise ValueError(f"rollout.engine_cores={self.engine_cores!r} must list core numbers (integers >= 0)")
-        if self.in_process and (self.engine not in ("hf",) or self.num_engines != 1 or self.weight_path == "bus"):
-            raise ValueError(f"rollout.in_process=true serves one hf engine from the trainer's process (got engine "
-                             f"{self.engine!r}, num_engines={self.num_engines}, weight_path={self.weight_path!r}); vLLM "
-                             "and SGLang run their engine core in processes of their own, so they take shared memory")
+        if self.in_process and (self.engine not in ("hf", "vllm") or self.num_engines != 1 or self.weight_path == "bus"):
+            raise ValueError(f"rollout.in_process=true serves one hf or vllm engine from the trainer's process (got "
+                             f"engine {self.engine!r}, num_engines={self.num_engines}, weight_path={self.weight_path!r}); "
+                             "SGLang runs its scheduler in processes of its own, so it takes shared memory")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")

@@ -21,6 +21,10 @@ from typing import Any, Iterable
 import torch
 
 
+# the backend that serves an engine kind from this process, where it differs from the separate one
+IN_PROCESS_BACKENDS = {"vllm": "vllm_inproc"}
+
+
 @dataclass
 class LocalLoad:
     """A weight update from the process that hosts an EngineServer (InProcessEngine): the tensors by
@@ -57,6 +61,7 @@ class InProcessEngine:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
             self._loop = loop
+            backend = IN_PROCESS_BACKENDS.get(backend, backend)
             self.server = EngineServer(make_engine(backend, model, **options), addresses, engine_id, request_log)
 
             async def serve() -> None:

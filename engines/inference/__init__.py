@@ -14,6 +14,7 @@ from engines.inference.base import Engine, EngineDeadError, EngineStats, Generat
 BACKENDS: dict[str, str] = {
     "hf": "engines.inference.hf:HFEngine",
     "vllm": "engines.inference.vllm:VLLMEngine",
+    "vllm_inproc": "engines.inference.vllm_inproc:VLLMInProcessEngine",  # rollout.in_process=true
     "sglang": "engines.inference.sglang:SGLangEngine",
     "echo": "engines.inference.echo:EchoEngine",
 }

