@@ -256,6 +256,10 @@ def check_world_size(cfg: Config, world: int) -> None:
     if world % (a.tp * a.pp):
         raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} does not divide the {world} ranks; start "
                           f"torchrun with a multiple of {a.tp * a.pp} processes")
+    if cfg.rollout.in_process and cfg.rollout.engine == "vllm" and world > 1:
+        raise ConfigError(f"rollout.in_process=true with rollout.engine=vllm needs a trainer of one process (this "
+                          f"run has {world}): vLLM would take the ranks' torch.distributed world as its own; set "
+                          "rollout.in_process=false (the engine then runs in a process of its own) or start one process")
     dp = world // (a.tp * a.pp)
     if mini < dp:
         raise ConfigError(f"actor.ppo_mini_batch_size (or data.prompts_per_step x rollout.n) = {mini} "

@@ -119,6 +119,17 @@ def test_drift_is_tiny_with_fp32_hf_engine_after_every_shared_memory_sync(tmp_pa
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
 
+def test_vllm_in_the_trainers_process_needs_one_trainer_process(tmp_path: Path):
+    """vLLM takes an existing torch.distributed world as its own, so several ranks fail before any model
+    loads (WORLD_SIZE is what torchrun sets; the check reads it before the process group starts)."""
+    env = {**_env(tmp_path / "cache"), "WORLD_SIZE": "2"}
+    proc = subprocess.run([sys.executable, "launch/train.py", "rollout.in_process=true"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "rollout.in_process=true with rollout.engine=vllm" in proc.stderr \
+        and "(this run has 2)" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "cache").exists()
+
+
 def test_too_little_shared_memory_falls_back_to_the_bus_with_a_warning(tmp_path: Path):
     out = tmp_path / "run"  # two 64 GiB buckets fit no shared-memory directory here
     proc = train([*TINY, "trainer.steps=1", "sft.enabled=false", f"trainer.output_dir={out}",
