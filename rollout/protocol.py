@@ -305,8 +305,9 @@ class WeightsBucket(Message):
     """A size-bounded group of HF-named tensors, one raw frame each, with a checksum over them.
 
     With `shm` set the bytes are not in the message: they lie in a shared-memory slot on the
-    engine's node (`rollout.shm`: path, byte offsets and sizes of each tensor, total bytes), the
-    checksum covers the slot's `total` bytes, and `frames` is empty."""
+    engine's node (`rollout.shm`: path, byte offsets and sizes of each tensor, total bytes) or in a
+    buffer on the sender's device named by its memory handle instead of a path (`rollout.handles`),
+    the checksum covers the slot's `total` bytes, and `frames` is empty."""
 
     TYPE: ClassVar[str] = "weights_bucket"
     NUM_FRAMES: ClassVar[int] = -1
@@ -318,7 +319,7 @@ class WeightsBucket(Message):
     crc: int = 0
     frames: list[bytes | memoryview] = field(default_factory=list)
     alg: str = "crc32"  # which CHECKSUMS entry `crc` is
-    shm: dict[str, Any] | None = None  # {"path", "offsets", "sizes", "total"}: the bytes are in shared memory
+    shm: dict[str, Any] | None = None  # {"path" or "handle", "offsets", "sizes", "total"}: bytes not in frames
 
     def header(self) -> dict[str, Any]:
         head = {"rid": self.rid, "ver": self.version, "idx": self.index, "names": self.names,
@@ -335,10 +336,11 @@ class WeightsBucket(Message):
         names, dtypes, shapes = list(head["names"]), list(head["dtypes"]), list(head["shapes"])
         shm = head.get("shm")
         if shm is not None:
-            if frames or not isinstance(shm, dict) or not {"path", "offsets", "sizes", "total"} <= shm.keys() \
+            if frames or not isinstance(shm, dict) or not {"offsets", "sizes", "total"} <= shm.keys() \
+                    or not ("path" in shm) ^ ("handle" in shm) \
                     or not len(names) == len(dtypes) == len(shapes) == len(shm["offsets"]) == len(shm["sizes"]):
-                raise ProtocolError(f"weights bucket in shared memory must carry no frames and one offset and size "
-                                    f"per name ({len(names)} names, {len(frames)} frames, shm {shm!r:.200})")
+                raise ProtocolError(f"weights bucket in shared memory must carry no frames, a path or a handle, and "
+                                    f"one offset and size per name ({len(names)} names, {len(frames)} frames, shm {shm!r:.200})")
         elif not len(names) == len(dtypes) == len(shapes) == len(frames):
             raise ProtocolError(f"weights bucket lists {len(names)} names, {len(dtypes)} dtypes, "
                                 f"{len(shapes)} shapes and carries {len(frames)} tensor frames")

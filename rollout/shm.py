@@ -158,6 +158,12 @@ class ShmSlots:
     def ref(self, i: int, offsets: list[int], sizes: list[int], total: int) -> dict[str, Any]:
         return {"path": str(self.paths[i]), "offsets": offsets, "sizes": sizes, "total": total}
 
+    def checksum(self, i: int, total: int) -> tuple[str, int]:
+        """The checksum a bucket in slot `i` carries: (algorithm, value) over its first `total` bytes."""
+        from rollout.protocol import DEFAULT_CHECKSUM, checksum
+
+        return DEFAULT_CHECKSUM, checksum([memoryview(self.buffer(i, total).numpy())], DEFAULT_CHECKSUM)
+
     def close(self) -> None:
         for i in range(self.count):
             self._drop(i)
@@ -176,12 +182,20 @@ class ShmReader:
         self.dir = (directory or shm_dir()).resolve()
         self.keep = keep
         self._maps: dict[str, mmap.mmap] = {}
+        self._handles: Any = None  # rollout.handles.HandleReader, for buckets named by memory handle
 
     def flat(self, ref: dict[str, Any]) -> "torch.Tensor":
-        """The referenced slot's bytes as a flat uint8 tensor (a view of the shared file)."""
+        """The referenced slot's bytes as a flat uint8 tensor (a view of the shared file, or of a
+        buffer opened by its handle: rollout/handles.py)."""
         import torch
 
         from rollout.protocol import ProtocolError
+
+        if "handle" in ref:
+            from rollout.handles import HandleReader
+
+            self._handles = self._handles or HandleReader()
+            return self._handles.flat(ref)
 
         path = Path(str(ref.get("path", "")))
         if path.parent.resolve() != self.dir or not path.name.startswith(PREFIX):
@@ -209,6 +223,8 @@ class ShmReader:
     def release(self) -> None:
         """Unmap every slot (after a commit): the engine's RSS then counts only its own memory, and a
         slot the sender replaced is let go. A map some tensor still views is kept until next time."""
+        if self._handles is not None:
+            self._handles.release()
         for path, mm in list(self._maps.items()):
             try:
                 mm.close()

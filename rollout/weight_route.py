@@ -1,6 +1,7 @@
 """How a run's weights reach its engines, by placement: the part of `RolloutPlane` that pushes a
 new version after each update (`route`, `push_weights`). One node: rank 0 packs each bucket into a
-shared-memory slot its node's engines map (`rollout.shm`). Several nodes: rank 0 broadcasts each
+shared-memory slot its node's engines map (`rollout.shm`), or, colocated on one GPU, hands them CUDA IPC
+handles of each bucket (`rollout.handles`). Several nodes: rank 0 broadcasts each
 bucket to every node's leader (`rollout.weight_sync.relay_push`), which feeds its engines the same
 way. `rollout.weight_path=bus`: frames over the sockets."""
 
@@ -39,12 +40,24 @@ class WeightRoutes:
         the node's engines map), `collective` (several nodes: rank 0 broadcasts buckets to each node's
         leader, which feeds its engines through shared memory), or `bus` (frames over the sockets;
         rollout.weight_path=bus), or `in_process` (rollout.in_process: the engine is served from this
-        process and takes the tensors by reference)."""
+        process and takes the tensors by reference), or `ipc` (colocated on one GPU: CUDA IPC handles
+        of each bucket, `rollout.handles`)."""
         if self.cfg.in_process:
             return "in_process"
         if self.cfg.weight_path == "bus" or self._no_room:
             return "bus"
-        return "collective" if self.nodes > 1 else "shm"
+        if self.nodes > 1:
+            return "collective"
+        return "ipc" if self._engines_on_my_gpu() else "shm"
+
+    def _engines_on_my_gpu(self) -> bool:
+        """Colocated on one GPU node with every engine on rank 0's GPU: buckets go by CUDA IPC handle
+        (`rollout.handles`) and never leave the device. Written for GPUs, not run here."""
+        placement = getattr(self, "placement", None)
+        if placement != "colocated" or not torch.cuda.is_available() or not self.engines:
+            return False
+        mine = (torch.cuda.current_device(),)
+        return all(tuple(e.devices) == mine for e in self.engines)
 
     def _check_shm_room(self) -> None:
         """Shared memory must hold two buckets (a container's /dev/shm is often 64 MiB): one node falls
@@ -92,10 +105,14 @@ class WeightRoutes:
                 from rollout.shm import ShmSlots
 
                 self.slots = ShmSlots()
+            elif route == "ipc" and self.slots is None:  # written for GPUs, not run here
+                from rollout.handles import HandleSlots
+
+                self.slots = HandleSlots(torch.device("cuda", torch.cuda.current_device()))
             bar = tqdm(named, desc="weight sync", unit="tensor", leave=False)
             report = self.control.run(push_weights(
                 self.control.client, bar, version, bucket_bytes=self.cfg.weight_bucket_mb << 20, preempt=preempt,
-                slots=self.slots if route == "shm" else None, dtype=self.engine_dtype()))
+                slots=self.slots if route in ("shm", "ipc") else None, dtype=self.engine_dtype()))
             sent = report.bytes
         seconds = time.perf_counter() - t0
         if self.rank == 0:

@@ -110,9 +110,15 @@ def tensors_from_bucket(bucket: WeightsBucket, slots: "ShmReader | None" = None)
         if slots is None:
             raise ProtocolError("this receiver does not map shared memory; send the bucket's frames")
         flat = slots.flat(bucket.shm)
-        got = checksum([memoryview(flat.numpy())], bucket.alg)
+        if bucket.alg == "sum64":  # a buffer opened by handle: checked on its own device (rollout/handles.py)
+            from rollout.handles import sum64
+
+            got = sum64(flat)
+        else:
+            got = checksum([memoryview(flat.numpy())], bucket.alg)
         if got != bucket.crc:
-            raise ProtocolError(f"weights bucket {bucket.index} of version {bucket.version} in {bucket.shm['path']} "
+            where = bucket.shm.get("path") or "a buffer opened by handle"
+            raise ProtocolError(f"weights bucket {bucket.index} of version {bucket.version} in {where} "
                                 f"failed its checksum ({bucket.alg} {got:#x} != {bucket.crc:#x}); resend the bucket")
         return list(zip(bucket.names, views(flat, bucket.dtypes, bucket.shapes, bucket.shm["offsets"],
                                             bucket.shm["sizes"], bucket.names)))
@@ -137,12 +143,9 @@ def shm_bucket(slots: "ShmSlots", i: int, tensors: list[tuple[str, "torch.Tensor
     that carries only the slot's name, for engines on this node (`rollout.shm`)."""
     ref = slots.pack(i, tensors, dtype)
     dtypes, shapes = ref.pop("dtypes"), ref.pop("shapes")
+    alg, crc = slots.checksum(i, ref["total"])
     return WeightsBucket(version=version, index=index, names=[n for n, _ in tensors], dtypes=dtypes, shapes=shapes,
-                         crc=slot_checksum(slots, i, ref["total"]), alg=DEFAULT_CHECKSUM, shm=ref)
-
-
-def slot_checksum(slots: "ShmSlots", i: int, total: int) -> int:
-    return checksum([memoryview(slots.buffer(i, total).numpy())], DEFAULT_CHECKSUM)
+                         crc=crc, alg=alg, shm=ref)
 
 
 @dataclass
@@ -197,7 +200,8 @@ async def push_weights(client: "GenerateClient", named: Iterable[tuple[str, "tor
         for task in window:  # a failed bucket: the others are not waited for
             task.cancel()
     acks = await commit(client, version, buckets, len(begun), timeout_s, engines)
-    return SyncReport(version, len(acks), buckets, nbytes, time.perf_counter() - t0, "shm" if slots else "bus")
+    return SyncReport(version, len(acks), buckets, nbytes, time.perf_counter() - t0,
+                      getattr(slots, "kind", "shm") if slots else "bus")
 
 
 async def commit(client: "GenerateClient", version: int, buckets: int, begun: int, timeout_s: float = 600.0,

@@ -176,3 +176,68 @@ def test_collective_relay_loads_both_nodes_and_commits_all_or_nothing(tmp_path):
         assert r["v2_engine_version"] == 1, r  # neither engine bumped
     assert "failed its checksum" in ranks[1]["v2_error"]  # rank 1 says why; rank 0 points at the other node
     assert "another node failed" in ranks[0]["v2_error"]
+
+
+def test_sum64_changes_with_any_flipped_byte():
+    from rollout.handles import sum64
+
+    flat = torch.randint(0, 256, (1003,), dtype=torch.uint8)  # 125 words and a 3-byte tail
+    base = sum64(flat)
+    for i in (0, 7, 8, 500, 999, 1000, 1002):
+        flat[i] ^= 1
+        assert sum64(flat) != base, i
+        flat[i] ^= 1
+    assert sum64(flat) == base and sum64(flat[:0]) == 0
+
+
+def test_buckets_by_memory_handle_load_every_engine_and_a_flipped_byte_is_refused(servers):
+    """The colocated-GPU path (CUDA IPC handles of a flat bucket), run here on CPU: the same code opens
+    torch's file-backed shared memory by its handle. Both engine processes open the trainer's buffer,
+    check its sum64 and serve the new weights exactly; one flipped byte is refused by every engine
+    and the version is not committed; a handle of another kind is refused."""
+    import pytest
+
+    from rollout import protocol as P
+    from rollout.client import RequestFailed
+    from rollout.handles import HandleSlots
+
+    srv = servers(2, backend="hf", model="tiny-llama")
+    new = tiny_llama(load_tokenizer("tiny-llama"), seed=12)
+    prompt = list(range(60, 90))
+    slots = HandleSlots("cpu")
+
+    async def greedy(client):
+        return [await client.generate(prompt, {"max_tokens": 6, "temperature": 0, "ignore_eos": True},
+                                      session_id=f"g{i}") for i in range(4)]
+
+    async def main():
+        async with GenerateClient(srv.addresses) as client:
+            await client.wait_ready(timeout_s=300)
+            report = await push_weights(client, new.state_dict().items(), version=1, bucket_bytes=1 << 20, slots=slots)
+            before = await greedy(client)
+            await client.broadcast(P.WeightsBegin(version=2))
+            bucket = shm_bucket(slots, 0, [("model.norm.weight", torch.zeros(new.config.hidden_size))], 2, 0)
+            assert bucket.alg == "sum64" and "handle" in bucket.shm and "path" not in bucket.shm
+            slots.buffer(0, bucket.shm["total"])[5] ^= 1  # one byte flipped after the checksum was taken
+            with pytest.raises(RequestFailed, match="failed its checksum"):
+                await client.broadcast(bucket)
+            bucket.shm = {**bucket.shm, "handle": {"tpu": [1]}}
+            with pytest.raises(RequestFailed, match="neither a cpu nor a cuda handle"):
+                await client.broadcast(bucket)
+            with pytest.raises(RequestFailed, match="commit of version 2 with 1 buckets, but 0"):
+                await client.broadcast(P.WeightsCommit(version=2, num_buckets=1))
+            rest = [(n, t) for n, t in new.state_dict().items() if n != "model.norm.weight"]
+            await push_weights(client, rest, version=2, bucket_bytes=1 << 20, slots=slots)
+            return report, before, await greedy(client), await client.broadcast(P.LoadRequest())
+
+    report, before, after, status = asyncio.run(main())
+    assert report.path == "handle" and report.engines == 2 and report.buckets > 1
+    with torch.no_grad():
+        ids = torch.tensor([prompt + before[0].token_ids])
+        logp = torch.log_softmax(new(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+    for r in before:  # the engines' logprobs equal the model's: the bytes arrived intact
+        assert r.weight_version == 1 and r.token_ids == logp.argmax(-1).tolist()
+        assert torch.allclose(torch.tensor(r.logprobs), logp.max(-1).values, atol=1e-4)
+    assert [(r.token_ids, r.logprobs) for r in after] == [(r.token_ids, r.logprobs) for r in before]
+    assert [s.weight_version for s in status] == [2, 2]
+    slots.close()
