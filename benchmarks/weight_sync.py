@@ -13,6 +13,8 @@ repetition, in alternating order (HF tensors in, engines' parameters out):
   shm_1, shm_2   `push_weights` with shared-memory slots (`rollout/shm.py`) into 1 or 2 engine
                  processes: the bucket is packed once into a slot, each engine maps it, checks its
                  xxh3 and copies it into its parameters; only the header crosses the socket
+  handle_1/2     `push_weights` with buffers opened by handle (`rollout/handles.py`; here torch's
+                 file-backed CPU shared memory, CUDA IPC on a GPU), checked with sum64
   bus_1, bus_2   `push_weights` with frames over the ZMQ bus (two buckets in flight)
   collective_1/2 `relay_buckets` under torch.distributed (gloo): rank 0 holds the tensors and
                  broadcasts each bucket to a receiving rank (a node's leader), which receives into its
@@ -52,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, machine, result_line, servers, write_result  # noqa: E402
 
 
-PATHS = ["memcpy", "reshard", "in_process", "shm_1", "shm_2", "bus_1", "bus_2"]
+PATHS = ["memcpy", "reshard", "in_process", "shm_1", "shm_2", "handle_1", "handle_2", "bus_1", "bus_2"]
 
 
 def synthetic_model(gb: float, out: Path) -> Path:
@@ -276,6 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from engines.models import resolve_model
     from parallel.reshard import DecoderLayout, hf_to_megatron, iter_megatron_to_hf
     from rollout.client import GenerateClient
+    from rollout.handles import HandleSlots
     from rollout.shm import ShmSlots
     from rollout.weight_sync import load_into_engine, push_weights
 
@@ -313,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 torch.cuda.synchronize()
 
         engine = HFEngine(str(path))
-        slots = ShmSlots()
+        slots, handles = ShmSlots(), HandleSlots(device)
         times: dict[str, list[float]] = {k: [] for k in PATHS}
         version = 0
         with servers("hf", str(path), 2, tmp) as addrs:
@@ -335,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 version += 1
                                 path_kind, n = kind.split("_")
                                 await push_weights(client, zip(state, sources), version, bucket,
-                                                   slots=slots if path_kind == "shm" else None,
+                                                   slots={"shm": slots, "handle": handles}.get(path_kind),
                                                    engines=list(range(int(n))))
                             if rep:
                                 times[kind].append(time.perf_counter() - t0)
@@ -346,6 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
             version = asyncio.run(run_all())
             slots.close()
+            handles.close()
             # one node leader feeding 1 or 2 engines (the layout of one node), and two leaders of 1 each (two nodes)
             for kind, layout in (("collective_1", [addrs[:1]]), ("collective_2", [addrs]),
                                  ("collective_2nodes", [addrs[:1], addrs[1:]])):
@@ -357,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         times["gloo_raw"] = gloo_raw(nbytes, bucket, reps, tmp)
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
     ratios = {f"{k}_vs_memcpy": gbps[k] / gbps["memcpy"] for k in gbps if k != "memcpy"}
-    ratios.update({f"{p}_2_vs_1_time": gbps[f"{p}_1"] / gbps[f"{p}_2"] for p in ("shm", "bus", "collective")})
+    ratios.update({f"{p}_2_vs_1_time": gbps[f"{p}_1"] / gbps[f"{p}_2"] for p in ("shm", "handle", "bus", "collective")})
     ratios["collective_2nodes_vs_1_time"] = gbps["collective_1"] / gbps["collective_2nodes"]
     ratios["bus_1_vs_ipc_raw"] = gbps["bus_1"] / gbps["ipc_raw"]
     ratios["collective_1_vs_gloo_raw"] = gbps["collective_1"] / gbps["gloo_raw"]

@@ -69,8 +69,9 @@ def test_routing_small_run(tmp_path):
 def test_weight_sync_small_run(tmp_path):
     last, report = _run("benchmarks/weight_sync.py", ["--quick", "--reps", "1"], tmp_path)
     assert last.startswith("RESULT reshard_vs_memcpy=")
-    assert set(report["gb_per_s"]) == {"memcpy", "reshard", "in_process", "shm_1", "shm_2", "bus_1", "bus_2",
-                                       "collective_1", "collective_2", "collective_2nodes", "ipc_raw", "gloo_raw"}
+    assert set(report["gb_per_s"]) == {"memcpy", "reshard", "in_process", "shm_1", "shm_2", "handle_1", "handle_2",
+                                       "bus_1", "bus_2", "collective_1", "collective_2", "collective_2nodes", "ipc_raw",
+                                       "gloo_raw"}
     assert all(v > 0 for v in report["gb_per_s"].values()) and report["tp"] == 2
 
 
