@@ -233,9 +233,10 @@ def vllm_paths(model: str, named: list[tuple[str, Any]], bucket: int, reps: int,
     from rollout.weight_sync import load_into_engine, push_weights
 
     times: dict[str, list[float]] = {"vllm_in_process": [], "vllm_shm": []}
-    engine, slots = make_engine("vllm_inproc", model), ShmSlots()
+    options = {"max_model_len": 1024}  # within any model's positions here (the synthetic llama has 2048)
+    engine, slots = make_engine("vllm_inproc", model, **options), ShmSlots()
     (tmp / "vllm").mkdir(exist_ok=True)
-    with servers("vllm", model, 1, tmp / "vllm") as addrs:
+    with servers("vllm", model, 1, tmp / "vllm", options) as addrs:
         async def run() -> None:
             await engine.start()
             version = first_version
