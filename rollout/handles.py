@@ -106,14 +106,15 @@ class HandleReader:
         if not isinstance(handle, dict) or len(handle) != 1 or next(iter(handle)) not in ("cpu", "cuda"):
             raise ProtocolError(f"weights bucket handle {handle!r} is neither a cpu nor a cuda handle")
         kind, args = next(iter(handle.items()))
-        key = bytes(args[1]) if kind == "cpu" else bytes(args[1]) + int(args[3]).to_bytes(8, "little")
-        buf = self._open.get(key)
-        if buf is None:
-            try:
+        try:
+            key = bytes(args[1]) if kind == "cpu" else bytes(args[1]) + int(args[3]).to_bytes(8, "little")
+            buf = self._open.get(key)
+            if buf is None:
                 buf = _open(kind, args)
-            except (RuntimeError, TypeError, ValueError, IndexError) as e:
-                raise ProtocolError(f"cannot open the weights bucket's {kind} handle ({e}); the sender must be "
-                                    "on this node and keep the buffer until the bucket is acked") from e
+        except (RuntimeError, TypeError, ValueError, IndexError) as e:
+            raise ProtocolError(f"cannot open the weights bucket's {kind} handle ({e}); the sender must be "
+                                "on this node and keep the buffer until the bucket is acked") from e
+        if key not in self._open:
             if len(self._open) >= self.keep:
                 self._open.pop(next(iter(self._open)))
             self._open[key] = buf

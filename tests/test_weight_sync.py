@@ -224,6 +224,9 @@ def test_buckets_by_memory_handle_load_every_engine_and_a_flipped_byte_is_refuse
             bucket.shm = {**bucket.shm, "handle": {"tpu": [1]}}
             with pytest.raises(RequestFailed, match="neither a cpu nor a cuda handle"):
                 await client.broadcast(bucket)
+            bucket.shm = {**bucket.shm, "handle": {"cpu": [b"/no/manager.sock", b"/no_such_buffer", 64]}}
+            with pytest.raises(RequestFailed, match="cannot open the weights bucket's cpu handle"):
+                await client.broadcast(bucket)
             with pytest.raises(RequestFailed, match="commit of version 2 with 1 buckets, but 0"):
                 await client.broadcast(P.WeightsCommit(version=2, num_buckets=1))
             rest = [(n, t) for n, t in new.state_dict().items() if n != "model.norm.weight"]

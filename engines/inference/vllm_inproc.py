@@ -175,7 +175,11 @@ class VLLMInProcessEngine(VLLMEngine):
             return
         step = out.outputs[0]
         ids = list(step.token_ids)
-        reply.lps += self._sampled_logprobs(out.request_id, ids, step.logprobs)
+        try:
+            reply.lps += self._sampled_logprobs(out.request_id, ids, step.logprobs)
+        except RuntimeError as e:  # this request fails, the others go on
+            reply.done.set_exception(e)
+            return
         reply.ids += ids
         reply.cached = max(reply.cached, int(getattr(out, "num_cached_tokens", 0) or 0))
         if out.finished:
