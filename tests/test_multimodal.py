@@ -157,7 +157,7 @@ def test_one_grpo_step_of_a_vlm_with_an_image_tool_through_train_py(tmp_path: Pa
                                             "tool_schema": CHART_SCHEMA}]}))
     out = tmp_path / "run"
     proc = train(["model.path=tiny-vlm", "rollout.engine=hf", "sft.enabled=false", "data.task=rows",
-                  f"data.train_path={rows}", "data.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=12",
+                  f"data.train_path={rows}", "data.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=48",
                   "trainer.steps=2", f"rollout.tools_config={tools}",
                   "rollout.agent_loops.vlm_tool_agent=vlm_agent.ShortReplyToolAgent",
                   "rollout.agent.vlm_tool_agent.tool_parser=vlm_agent.CallEveryTool",
@@ -167,7 +167,10 @@ def test_one_grpo_step_of_a_vlm_with_an_image_tool_through_train_py(tmp_path: Pa
     assert len(ms) == 2, ms
     for m in ms:
         assert m["rollout/trajectories"] == 4 and m["rollout/invalid"] == 0, m
-        assert m["rollout/tool_calls"] >= 4, m  # every trajectory's first reply called the chart tool
+        # every trajectory's first reply called the chart tool: a reply ends at its first token id
+        # divisible by 4, so one that runs into max_tokens (48) without one has odds 0.75^48 ~ 1e-6
+        # (at 12 tokens they were 3%, and one run in a clean CI met them)
+        assert m["rollout/tool_calls"] >= 4, m
         # the actor's logprobs (pixel values from the batch) equal the engine's (pixel values over
         # the bus); an actor without the images scores image tokens as text and is off by far more
         assert m["drift/max"] < 1e-4, m
@@ -200,7 +203,7 @@ def test_two_fsdp_ranks_train_a_vlm_with_the_images_handed_to_both(tmp_path: Pat
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "launch/train.py",
            "model.path=tiny-vlm", "rollout.engine=hf", "sft.enabled=false", "data.task=rows",
            f"data.train_path={_image_rows(tmp_path / 'rows.jsonl', 4)}", "data.prompts_per_step=2", "rollout.n=2",
-           "rollout.max_tokens=12", "trainer.steps=1", f"rollout.tools_config={tools}", "actor.sharding=fsdp",
+           "rollout.max_tokens=48", "trainer.steps=1", f"rollout.tools_config={tools}", "actor.sharding=fsdp",
            "rollout.agent_loops.vlm_tool_agent=vlm_agent.ShortReplyToolAgent",
            "rollout.agent.vlm_tool_agent.tool_parser=vlm_agent.CallEveryTool",
            "rollout.agent.vlm_tool_agent.max_assistant_turns=2", f"trainer.output_dir={out}"]
