@@ -54,20 +54,19 @@ def test_push_weights_reaches_every_engine(servers):
         assert torch.allclose(torch.tensor(r.logprobs), logp.max(-1).values, atol=1e-4)
 
 
-def test_shared_memory_path_loads_every_engine_and_refuses_a_flipped_byte(servers):
-    """Buckets in shared-memory slots: only their names cross the socket; both engines load the
-    same slot, serve the new weights exactly; a slot with one flipped byte is refused by every
-    engine and the version is not committed; a slot outside the shared-memory prefix is refused."""
+def _slots_into_two_engines(servers, slots, seed: int, refusals: list[tuple[dict, str]]):
+    """Version 1 through `slots` into two hf engines; then version 2 begins with one bucket whose slot
+    has a byte flipped after its checksum (refused), the same bucket with each `refusals` change to
+    its reference (refused with the message matched), a commit that must fail, and the rest of the
+    model as version 2. Checks what every slot kind must do; returns the push report."""
     import pytest
 
     from rollout import protocol as P
     from rollout.client import RequestFailed
-    from rollout.shm import ShmSlots, shm_dir
 
     srv = servers(2, backend="hf", model="tiny-llama")
-    new = tiny_llama(load_tokenizer("tiny-llama"), seed=11)
+    new = tiny_llama(load_tokenizer("tiny-llama"), seed=seed)
     prompt = list(range(60, 90))
-    slots = ShmSlots()
 
     async def greedy(client):
         return [await client.generate(prompt, {"max_tokens": 6, "temperature": 0, "ignore_eos": True},
@@ -83,18 +82,19 @@ def test_shared_memory_path_loads_every_engine_and_refuses_a_flipped_byte(server
             slots.buffer(0, bucket.shm["total"])[5] ^= 1  # one byte flipped after the checksum was taken
             with pytest.raises(RequestFailed, match="failed its checksum"):
                 await client.broadcast(bucket)
-            bucket.shm = {**bucket.shm, "path": "/etc/hostname"}
-            with pytest.raises(RequestFailed, match="only .* files are mapped"):
-                await client.broadcast(bucket)
+            for change, match in refusals:
+                bucket.shm = {**bucket.shm, **change}
+                with pytest.raises(RequestFailed, match=match):
+                    await client.broadcast(bucket)
             with pytest.raises(RequestFailed, match="commit of version 2 with 1 buckets, but 0"):
                 await client.broadcast(P.WeightsCommit(version=2, num_buckets=1))
             # the engines hold admission until a version commits: version 2 again, all but the norm weight
             rest = [(n, t) for n, t in new.state_dict().items() if n != "model.norm.weight"]
             await push_weights(client, rest, version=2, bucket_bytes=1 << 20, slots=slots)
-            return report, before, await greedy(client), await client.broadcast(P.LoadRequest())
+            return report, bucket, before, await greedy(client), await client.broadcast(P.LoadRequest())
 
-    report, before, after, status = asyncio.run(main())
-    assert report.path == "shm" and report.engines == 2 and report.buckets > 1
+    report, bucket, before, after, status = asyncio.run(main())
+    assert report.engines == 2 and report.buckets > 1
     assert {r.engine_id for r in before} == {"e0", "e1"}
     with torch.no_grad():
         ids = torch.tensor([prompt + before[0].token_ids])
@@ -105,6 +105,18 @@ def test_shared_memory_path_loads_every_engine_and_refuses_a_flipped_byte(server
     # the refused bucket's zeros never reached the norm weight
     assert [(r.token_ids, r.logprobs) for r in after] == [(r.token_ids, r.logprobs) for r in before]
     assert [s.weight_version for s in status] == [2, 2]
+    return report, bucket
+
+
+def test_shared_memory_path_loads_every_engine_and_refuses_a_flipped_byte(servers):
+    """Buckets in shared-memory slots: only their names cross the socket; both engines load the
+    same slot, serve the new weights exactly; a slot with one flipped byte is refused by every
+    engine and the version is not committed; a slot outside the shared-memory prefix is refused."""
+    from rollout.shm import ShmSlots, shm_dir
+
+    slots = ShmSlots()
+    report, _ = _slots_into_two_engines(servers, slots, 11, [({"path": "/etc/hostname"}, "only .* files are mapped")])
+    assert report.path == "shm"
     mine = sorted(p.name for p in shm_dir().glob(f"switchyard-wb-{__import__('os').getpid()}-*"))
     assert len(mine) == 2  # double buffered
     slots.close()
@@ -194,53 +206,13 @@ def test_buckets_by_memory_handle_load_every_engine_and_a_flipped_byte_is_refuse
     """The colocated-GPU path (CUDA IPC handles of a flat bucket), run here on CPU: the same code opens
     torch's file-backed shared memory by its handle. Both engine processes open the trainer's buffer,
     check its sum64 and serve the new weights exactly; one flipped byte is refused by every engine
-    and the version is not committed; a handle of another kind is refused."""
-    import pytest
-
-    from rollout import protocol as P
-    from rollout.client import RequestFailed
+    and the version is not committed; a handle of another kind, or one that cannot be opened, is refused."""
     from rollout.handles import HandleSlots
 
-    srv = servers(2, backend="hf", model="tiny-llama")
-    new = tiny_llama(load_tokenizer("tiny-llama"), seed=12)
-    prompt = list(range(60, 90))
     slots = HandleSlots("cpu")
-
-    async def greedy(client):
-        return [await client.generate(prompt, {"max_tokens": 6, "temperature": 0, "ignore_eos": True},
-                                      session_id=f"g{i}") for i in range(4)]
-
-    async def main():
-        async with GenerateClient(srv.addresses) as client:
-            await client.wait_ready(timeout_s=300)
-            report = await push_weights(client, new.state_dict().items(), version=1, bucket_bytes=1 << 20, slots=slots)
-            before = await greedy(client)
-            await client.broadcast(P.WeightsBegin(version=2))
-            bucket = shm_bucket(slots, 0, [("model.norm.weight", torch.zeros(new.config.hidden_size))], 2, 0)
-            assert bucket.alg == "sum64" and "handle" in bucket.shm and "path" not in bucket.shm
-            slots.buffer(0, bucket.shm["total"])[5] ^= 1  # one byte flipped after the checksum was taken
-            with pytest.raises(RequestFailed, match="failed its checksum"):
-                await client.broadcast(bucket)
-            bucket.shm = {**bucket.shm, "handle": {"tpu": [1]}}
-            with pytest.raises(RequestFailed, match="neither a cpu nor a cuda handle"):
-                await client.broadcast(bucket)
-            bucket.shm = {**bucket.shm, "handle": {"cpu": [b"/no/manager.sock", b"/no_such_buffer", 64]}}
-            with pytest.raises(RequestFailed, match="cannot open the weights bucket's cpu handle"):
-                await client.broadcast(bucket)
-            with pytest.raises(RequestFailed, match="commit of version 2 with 1 buckets, but 0"):
-                await client.broadcast(P.WeightsCommit(version=2, num_buckets=1))
-            rest = [(n, t) for n, t in new.state_dict().items() if n != "model.norm.weight"]
-            await push_weights(client, rest, version=2, bucket_bytes=1 << 20, slots=slots)
-            return report, before, await greedy(client), await client.broadcast(P.LoadRequest())
-
-    report, before, after, status = asyncio.run(main())
-    assert report.path == "handle" and report.engines == 2 and report.buckets > 1
-    with torch.no_grad():
-        ids = torch.tensor([prompt + before[0].token_ids])
-        logp = torch.log_softmax(new(ids).logits[0, len(prompt) - 1:-1].float(), -1)
-    for r in before:  # the engines' logprobs equal the model's: the bytes arrived intact
-        assert r.weight_version == 1 and r.token_ids == logp.argmax(-1).tolist()
-        assert torch.allclose(torch.tensor(r.logprobs), logp.max(-1).values, atol=1e-4)
-    assert [(r.token_ids, r.logprobs) for r in after] == [(r.token_ids, r.logprobs) for r in before]
-    assert [s.weight_version for s in status] == [2, 2]
+    report, bucket = _slots_into_two_engines(servers, slots, 12, [
+        ({"handle": {"tpu": [1]}}, "neither a cpu nor a cuda handle"),
+        ({"handle": {"cpu": [b"/no/manager.sock", b"/no_such_buffer", 64]}},
+         "cannot open the weights bucket's cpu handle")])
+    assert report.path == "handle" and bucket.alg == "sum64" and "handle" in bucket.shm and "path" not in bucket.shm
     slots.close()
