@@ -77,7 +77,7 @@ def main() -> None:
     half = len(cores) // 2
     slices = [cores[:half], cores[half:2 * half]]
     model = "tiny-llama" if args.quick else "smollm2-135m-instruct"
-    common = [f"model.path={model}", "rollout.engine=hf", "rollout.n=4", "rollout.max_tokens=64", "sft.enabled=false",
+    common = [f"model.path={model}", "data.val_path=null", "rollout.engine=hf", "rollout.n=4", "rollout.max_tokens=64", "sft.enabled=false",
               f"trainer.steps={args.steps}", "trainer.export_hf=false", "actor.trainable=[model.norm.]",
               "trainer.save_every=1000"]
     report: dict[str, Any] = {"machine": machine(), "model": model, "params": {

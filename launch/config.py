@@ -55,6 +55,10 @@ class ModelConfig:
 class DataConfig:
     task: str = "arithmetic"  # arithmetic (procedural, no download) | gsm8k (jsonl/hub) | rows (verl rows file)
     train_path: str | None = None  # task=gsm8k: GSM8K jsonl; task=rows: jsonl/json/parquet rows
+    # held-out rows for validation (launch/validation.py): "test" = the task's own test split (arithmetic:
+    # generated, disjoint from training by expression; gsm8k from the hub id), or a file of verl rows
+    # or raw GSM8K records (jsonl/json/parquet); None = no validation
+    val_path: str | None = None
     prompts_per_step: int = 8
     seed: int = 0
     agent_name: str = "tool_agent"  # for generated rows (arithmetic, gsm8k); rows files carry their own
@@ -67,6 +71,13 @@ class DataConfig:
         _positive("data", self, "prompts_per_step", "max_operand", "num_ops")
         if self.task == "rows" and not self.train_path:
             raise ConfigError("data.train_path is required when data.task=rows (a jsonl/json/parquet file of rows)")
+        if self.val_path == "test" and self.task == "rows":
+            raise ConfigError("data.val_path=test means the task's own test split, and data.task=rows has none; give "
+                              "a file of held-out rows (data.val_path=path/to/val.jsonl)")
+        if self.val_path == "test" and self.task == "gsm8k" and self.train_path != "openai/gsm8k":
+            raise ConfigError(f"data.val_path=test with data.task=gsm8k reads the hub's test split only when "
+                              f"data.train_path=openai/gsm8k (got {self.train_path!r}); give the GSM8K test file "
+                              "instead (data.val_path=path/to/gsm8k/test.jsonl)")
 
 
 @dataclass
@@ -101,6 +112,34 @@ class SFTConfig:
 
 
 @dataclass
+class ValConfig:
+    """How validation samples (launch/validation.py): greedy with one sample by default; `n` samples
+    at a temperature > 0 give pass@k and mean@k. A sample passes when its reward >= pass_threshold."""
+
+    n: int = 1
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    max_rows: int | None = None  # at most this many rows (the arithmetic test split makes 200 by default)
+    pass_threshold: float = 1.0
+    records: bool = True  # write every sample to output_dir/val/step_N.jsonl
+    timeout_s: float = 3600.0  # longest a validation may take before the run fails naming it
+
+    def __post_init__(self) -> None:
+        _positive("val", self, "n")
+        if self.max_rows is not None:
+            _positive("val", self, "max_rows")
+        if not (self.temperature == 0 or 0.01 <= self.temperature <= 100):
+            raise ConfigError(f"val.temperature={self.temperature} must be 0 (greedy) or in [0.01, 100]")
+        if self.n > 1 and self.temperature == 0:
+            raise ConfigError(f"val.n={self.n} greedy samples would all be the same; set val.temperature > 0 "
+                              "(e.g. 1.0) for pass@k, or val.n=1")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"val.top_p={self.top_p} must be in (0, 1]")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"val.timeout_s={self.timeout_s} must be > 0 (seconds)")
+
+
+@dataclass
 class TrainerConfig:
     steps: int = 20
     output_dir: str = "runs/cpu_demo"
@@ -110,9 +149,15 @@ class TrainerConfig:
     wandb_project: str | None = None  # metrics go to wandb too when set
     export_hf: bool = True  # write output_dir/hf (safetensors) at the end
     collective_timeout_s: float = 3600.0  # longest wait of a rank in a collective: cover the longest rollout
+    # validation on data.val_path: every val_every steps (0 = only after the last step), and before the
+    # first step when val_before_train; the last step is always validated
+    val_every: int = 0
+    val_before_train: bool = True
 
     def __post_init__(self) -> None:
         _positive("trainer", self, "steps", "save_every")
+        if self.val_every < 0:
+            raise ConfigError(f"trainer.val_every={self.val_every} must be >= 0 (0 = validate after the last step only)")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"trainer.collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds)")
 
@@ -127,6 +172,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    val: ValConfig = field(default_factory=ValConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -48,6 +48,10 @@ class MetricsLogger:
             return []
         return [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]
 
+    def logged(self, step: int, key: str) -> bool:
+        """Whether a line of `step` with `key` is in the file already (a resumed run skips it)."""
+        return any(h.get("step") == step and h.get(key) is not None for h in self.history())
+
     def close(self) -> None:
         if self._wandb is not None:
             self._wandb.finish()
@@ -65,9 +69,12 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def plot_rewards(history: list[dict[str, Any]], path: Path, key: str = "reward/mean") -> Path | None:
-    """The reward curve of a run as a PNG; None when matplotlib is missing or nothing was logged."""
+def plot_rewards(history: list[dict[str, Any]], path: Path, key: str = "reward/mean",
+                 val_key: str | None = None) -> Path | None:
+    """The reward curve of a run as a PNG, with the held-out accuracy (`val_key`) as points where
+    it was validated; None when matplotlib is missing or nothing was logged."""
     points = [(r["step"], r[key]) for r in history if r.get(key) is not None]
+    val = [(r["step"], r[val_key]) for r in history if val_key and r.get(val_key) is not None]
     if not points:
         return None
     try:
@@ -84,6 +91,8 @@ def plot_rewards(history: list[dict[str, Any]], path: Path, key: str = "reward/m
     if len(values) >= 5:
         avg = [sum(values[max(0, i - 4):i + 1]) / len(values[max(0, i - 4):i + 1]) for i in range(len(values))]
         ax.plot(steps, avg, label="5-step mean")
+    if val:
+        ax.plot(*zip(*val), marker="s", linestyle="--", color="tab:green", label=f"{val_key} (held out)")
     ax.set_xlabel("RL step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
@@ -94,15 +103,21 @@ def plot_rewards(history: list[dict[str, Any]], path: Path, key: str = "reward/m
     return path
 
 
-def summarize(logger: MetricsLogger, key: str) -> dict[str, Any]:
-    """The run's closing numbers: mean `key` over the first and last five steps, the plot, the file."""
+def summarize(logger: MetricsLogger, key: str, val_key: str | None = None) -> dict[str, Any]:
+    """The run's closing numbers: mean `key` over the first and last five steps, `val_key` before
+    the first step (val_before) and at the last validation (val_after), the plot, the file."""
     hist = [h for h in logger.history() if h.get(key) is not None]
     summary: dict[str, Any] = {}
     if hist:
         first, last = hist[:5], hist[-5:]
         summary = {"steps": len(hist), "reward_first5": sum(h[key] for h in first) / len(first),
                    "reward_last5": sum(h[key] for h in last) / len(last)}
-    png = plot_rewards(logger.history(), logger.path.parent / "reward_curve.png", key=key)
+    val = [h for h in logger.history() if val_key and h.get(val_key) is not None]
+    if val and val[0]["step"] == 0:
+        summary["val_before"] = val[0][val_key]
+    if val and val[-1]["step"] > 0:
+        summary["val_after"] = val[-1][val_key]
+    png = plot_rewards(logger.history(), logger.path.parent / "reward_curve.png", key=key, val_key=val_key)
     summary["plot"] = str(png) if png else None
     summary["metrics"] = str(logger.path)
     return summary

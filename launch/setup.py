@@ -18,6 +18,7 @@ class Run:
     rank: int
     barrier: Callable[[], None]
     rows: list[dict[str, Any]]
+    val_rows: list[dict[str, Any]]  # held-out rows (data.val_path), [] without validation
     stream: Any
     tools: dict[str, Any]
     model_dir: str
@@ -36,7 +37,7 @@ def setup(cfg: Config) -> Run:
     from engines.models import resolve_model
     from engines.training import make_actor
     from engines.training.reference import make_reference
-    from launch.data import training_rows
+    from launch.data import training_rows, validation_rows
     from launch.data.rows import RowStream
     from parallel.mesh import init_distributed
     from rollout.plane import RolloutPlane
@@ -47,9 +48,15 @@ def setup(cfg: Config) -> Run:
     try:  # a bad row, a missing file, a bad generator knob
         tools = load_tools(tools_path) if tools_path else {}
         inter = load_interactions(inter_path) if inter_path else {}
-        rows = training_rows(cfg.data, AgentLoopRegistry(r.agent_loops).names, list(tools), list(inter))
+        names = AgentLoopRegistry(r.agent_loops).names
+        rows = training_rows(cfg.data, names, list(tools), list(inter))
     except (OSError, ValueError) as e:
         raise ConfigError(f"data: {e}") from None
+    try:
+        val_rows = (validation_rows(cfg.data, cfg.val.max_rows, names, list(tools), list(inter))
+                    if cfg.data.val_path else [])
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.val_path={cfg.data.val_path!r}: {e}") from None
     if r.placement == "split" and not torch.cuda.is_available():
         raise ConfigError("rollout.placement='split' puts engines on GPUs of their own and this machine has none; "
                           "use rollout.placement=cpu (engines on core slices) or colocated (they also sleep)")
@@ -81,4 +88,4 @@ def setup(cfg: Config) -> Run:
         stream: Any = CurriculumStream(rows, cfg.data.curriculum, seed=cfg.data.seed)
     else:
         stream = RowStream(rows, seed=cfg.data.seed)
-    return Run(rank, barrier, rows, stream, tools, model_dir, actor, ref, plane)
+    return Run(rank, barrier, rows, val_rows, stream, tools, model_dir, actor, ref, plane)

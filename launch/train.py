@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from launch.config import Config, ConfigError, load_config  # noqa: E402
 
 REWARD_KEY = "rollout/reward_mean"
-CONSOLE_KEYS = (REWARD_KEY, "rollout/tool_calls_per_trajectory", "rollout/response_length_mean", "drift/mean",
+VAL_KEY = "val/accuracy"
+CONSOLE_KEYS = (REWARD_KEY, VAL_KEY, "rollout/tool_calls_per_trajectory", "rollout/response_length_mean", "drift/mean",
                 "actor/pg_loss", "time/rollout_s", "time/update_s", "time/step_s")
 
 
@@ -43,6 +44,7 @@ def train(cfg: Config) -> dict[str, Any]:
         print(f"resuming from {latest} (step {start}, data position {stream.position})", flush=True)
     overlap = cfg.rollout.staleness > 0  # asynchronous RL: rollout runs on through updates
     logger = MetricsLogger(out, cfg.trainer.wandb_project, resume_step=start) if rank == 0 else None
+    validator = _validator(cfg, run) if rank == 0 and run.val_rows else None
     try:
         plane.start_engines(out)
         if latest is None and cfg.sft.enabled:
@@ -57,6 +59,9 @@ def train(cfg: Config) -> dict[str, Any]:
             # a resumed run's weights are the checkpoint's version (fresh engines are at 0): no gap
             version = max(version, 1) if latest is not None else version + 1
             plane.push_weights(actor.named_hf_weights(), version)
+        if validator is not None and logger is not None and cfg.trainer.val_before_train and start == 0 \
+                and not logger.logged(0, VAL_KEY):  # once: not again after a kill during step 1
+            logger.log(0, _validate(validator, plane, 0, version), console=(VAL_KEY,))
         if overlap:
             plane.start_async(stream, cfg.data.prompts_per_step, rollout_state)
         for step in range(start + 1, cfg.trainer.steps + 1):
@@ -87,13 +92,15 @@ def train(cfg: Config) -> dict[str, Any]:
                             "data/index": stream.position[1], **plane.last_sync})
             if overlap:
                 metrics.update({"time/update_start_t": t_update, "time/update_end_t": time.time()})
+            if validator is not None and validator.due(step, cfg.trainer.steps, cfg.trainer.val_every):
+                metrics.update(_validate(validator, plane, step, version))  # logged with the step: once per step
             if logger is not None:
                 logger.log(step, metrics, console=CONSOLE_KEYS)
             if step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
                 save_run(ckpt, step, actor, stream, version, rank, sharded, barrier,
                          rollout=plane.rollout_state() if rank == 0 else None)
             barrier()
-        summary = summarize(logger, REWARD_KEY) if logger is not None else {}
+        summary = summarize(logger, REWARD_KEY, VAL_KEY) if logger is not None else {}
         if cfg.trainer.export_hf:
             actor.save_hf(out / "hf")  # every rank: a sharded actor gathers to rank 0, which writes
             if logger is not None:
@@ -107,6 +114,23 @@ def train(cfg: Config) -> dict[str, Any]:
         plane.close()
         if logger is not None:
             logger.close()
+
+
+def _validator(cfg: Config, run: Any) -> Any:
+    from engines.models import load_tokenizer
+    from launch.validation import Validator
+
+    return Validator(run.val_rows, cfg.val, cfg.rollout.max_tokens, Path(cfg.trainer.output_dir),
+                     load_tokenizer(run.model_dir))
+
+
+def _validate(validator: Any, plane: Any, step: int, version: int) -> dict[str, Any]:
+    """Rank 0: validate the weights of `version` after `step` steps; its records go to val/step_N.jsonl."""
+    from launch.validation import describe
+
+    metrics = validator.run(plane, f"step_{step}", version)
+    print(describe(metrics, f"validation after step {step}"), flush=True)
+    return metrics
 
 
 def _exit_with_launcher(every_s: float = 1.0) -> None:

@@ -67,6 +67,7 @@ class AsyncRollout:
         self.cond = threading.Condition()
         self.ready: collections.deque[Group] = collections.deque()
         self.running: dict[int, Group] = {}  # manager call id -> group
+        self.aside: dict[int, list[AgentLoopOutput | None]] = {}  # call id -> outputs of run_aside (never trained)
         self.again: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()  # rows to redo first
         self.training = False  # set by the trainer around its update, for the overlap count
         self.unpushed = 0  # batches taken whose weights are not in the engines yet
@@ -97,6 +98,8 @@ class AsyncRollout:
                     for call, index, out in done:
                         group = self.running.get(call)
                         if group is None:
+                            if call in self.aside:
+                                self.aside[call][index] = out
                             continue
                         group.outputs[index] = out
                         if all(o is not None for o in group.outputs):
@@ -134,6 +137,30 @@ class AsyncRollout:
         call = self.manager.submit([row], weight_version=None, n=self.n)
         self.running[call] = Group(row_id, row, [None] * self.n, submitted_t=time.time())
         self.counts["groups_submitted"] += 1
+
+    def run_aside(self, rows: list[dict[str, Any]], sampling: dict[str, Any], n: int, weight_version: int | None,
+                  timeout_s: float) -> list[AgentLoopOutput]:
+        """`n` samples of every row on the same workers while rollout runs on (validation): the
+        outputs come back here, in input order, and never enter the buffer."""
+        with self.cond:
+            call = self.manager.submit(rows, weight_version=weight_version, sampling=sampling, n=n)
+            outputs: list[AgentLoopOutput | None] = [None] * (len(rows) * n)
+            self.aside[call] = outputs
+        deadline = time.monotonic() + timeout_s
+        try:
+            with self.cond:
+                while any(o is None for o in outputs):
+                    if self.error is not None:
+                        raise RuntimeError(f"the rollout feeder failed: {self.error!r}") from self.error
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{sum(o is None for o in outputs)} of {len(outputs)} trajectories set "
+                                           f"aside (validation) did not finish in {timeout_s:.0f} s; check the engines "
+                                           "and the agent workers' logs, or raise val.timeout_s")
+                    self.cond.wait(timeout=1.0)
+        finally:
+            with self.cond:
+                self.aside.pop(call, None)
+        return [o for o in outputs if o is not None]
 
     # ------------------------------------------------------------------ the trainer's side
     def take(self, version: int, timeout_s: float = 24 * 3600.0) -> Taken:
@@ -181,7 +208,8 @@ class AsyncRollout:
             "async/first_submit_t": min(g.submitted_t for g in picked),
             "async/last_finish_t": max(g.finished_t for g in picked),
             **{f"async/{k}": float(v) for k, v in sorted(counts.items())},
-            "async/token_versions": dict(sorted(tokens.items())), "data/rows": [g.row_id for g in picked]}
+            "async/token_versions": dict(sorted(tokens.items())), "data/rows": [g.row_id for g in picked],
+            "data/row_uids": [g.row.get("uid") for g in picked]}
         return Taken(outputs, [i for i, g in enumerate(picked) for _ in g.outputs], [g.row_id for g in picked], metrics)
 
     # ------------------------------------------------------------------ checkpoints

@@ -256,8 +256,9 @@ class AgentLoopManager:
 
     def generate_outputs(self, rows: Sequence[Mapping[str, Any]], weight_version: int | None = None,
                          sampling: Mapping[str, Any] | None = None, n: int | None = None,
-                         timeout_s: float | None = None) -> list[AgentLoopOutput]:
-        """The unpadded outputs, in input order (row i's samples at i*n .. i*n+n-1)."""
+                         timeout_s: float | None = None, desc: str = "rollout") -> list[AgentLoopOutput]:
+        """The unpadded outputs, in input order (row i's samples at i*n .. i*n+n-1); `desc` names
+        the progress bar."""
         if self._broken:
             raise RuntimeError(f"this AgentLoopManager is unusable: {self._broken}. close() it and start a new one")
         if self.pad_id is None:
@@ -279,7 +280,7 @@ class AgentLoopManager:
         total = len(rows) * n
         found: list[AgentLoopOutput | None] = [None] * total
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
-        with tqdm(total=total, desc="rollout", unit="traj", disable=not self.cfg.progress) as bar:
+        with tqdm(total=total, desc=desc, unit="traj", disable=not self.cfg.progress) as bar:
             for w, msg in self._dispatch(call, chunks, sampling, weight_version, deadline):
                 if msg.get("call") != call:
                     continue  # left over from an earlier call that raised

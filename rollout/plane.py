@@ -305,7 +305,7 @@ class RolloutPlane(WeightRoutes):
         if self.rank == 0:
             from engines.training.batch import equal_rewards, filter_overlong, pad_outputs
 
-            n, want, kept, dropped = self.cfg.n, len(rows), [], 0
+            n, want, kept, kept_rows, dropped = self.cfg.n, len(rows), [], [], 0
             for attempt in range(MAX_SAMPLING_ROUNDS):
                 outs = self.manager.generate_outputs(rows, weight_version=weight_version)
                 for i in range(len(rows)):
@@ -316,6 +316,7 @@ class RolloutPlane(WeightRoutes):
                         dropped += 1
                     else:
                         kept.append(group)
+                        kept_rows.append(rows[i])
                 if len(kept) >= want or more_rows is None or not self.cfg.dynamic_sampling:
                     break
                 rows = more_rows(want - len(kept))
@@ -325,12 +326,20 @@ class RolloutPlane(WeightRoutes):
                                    "for the model, or the reward is constant: check it, or turn dynamic_sampling off")
             batch = pad_outputs([o for g in kept for o in g], self.manager.pad_id,
                                 [i for i, g in enumerate(kept) for _ in g])
-            metrics = batch.metrics()
+            metrics = {**batch.metrics(), "data/row_uids": [r.get("uid") for r in kept_rows]}
             if self.cfg.dynamic_sampling:
                 metrics.update({"rollout/filtered_groups": float(dropped), "rollout/sampling_rounds": attempt + 1.0})
             if self.cfg.overlong_filter:
                 metrics.update(filter_overlong(batch))
         return self._hand_out(batch, metrics)
+
+    def validate(self, rows: list[dict[str, Any]], sampling: dict[str, Any], n: int, weight_version: int,
+                 timeout_s: float) -> list[Any]:
+        """Rank 0: `n` samples of every held-out row on the training engines and workers, returned
+        to the caller only (beside a running asynchronous rollout too: `AsyncRollout.run_aside`)."""
+        if self.feeder is not None:
+            return self.feeder.run_aside(rows, sampling, n, weight_version, timeout_s)
+        return self.manager.generate_outputs(rows, weight_version, sampling, n, timeout_s, desc="validation")
 
     # ------------------------------------------------------------------ asynchronous RL
     def start_async(self, stream: Any, prompts_per_step: int, state: dict[str, Any] | None = None) -> None:

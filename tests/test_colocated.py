@@ -63,7 +63,7 @@ def test_sleep_frees_the_weights_and_wake_plus_sync_restores_identical_outputs(s
 
 def test_colocated_training_run_sleeps_engines_through_the_update(tmp_path: Path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "launch/train.py", "model.path=tiny-llama", "rollout.engine=hf", "data.prompts_per_step=2",
+    cmd = [sys.executable, "launch/train.py", "model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "data.prompts_per_step=2",
            "rollout.n=2", "rollout.max_tokens=24", "sft.enabled=false", "trainer.steps=3",
            "rollout.placement=colocated", f"trainer.output_dir={out}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,

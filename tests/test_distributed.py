@@ -77,7 +77,7 @@ def test_ddp_update_and_zero3_reference_match_one_process(tmp_path: Path):
 @needs_deepspeed
 def test_torchrun_two_ranks_runs_grpo_steps(tmp_path: Path):
     out = tmp_path / "run"
-    proc = torchrun(["launch/train.py", "model.path=tiny-llama", "rollout.engine=hf", "data.prompts_per_step=2",
+    proc = torchrun(["launch/train.py", "model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "data.prompts_per_step=2",
                      "rollout.n=2", "rollout.max_tokens=24", "trainer.steps=2", "sft.steps=2", "sft.batch_size=4",
                      "reference.backend=deepspeed", "algorithm.loss.kl_coef=0.01", f"trainer.output_dir={out}"],
                     env={"HF_HUB_OFFLINE": "1"})
@@ -135,7 +135,7 @@ def test_gpu_style_process_group_fsdp_bf16_runs_and_resumes(tmp_path: Path):
     here x = gloo as CPU torch has no NCCL) carries every reduction of a real run: the FSDP actor
     in bf16, the ZeRO-3 reference with a KL penalty, the batch handoff, metrics; then a resume."""
     out = tmp_path / "run"
-    args = ["launch/train.py", "model.path=tiny-llama", "rollout.engine=hf", "data.prompts_per_step=2", "rollout.n=2",
+    args = ["launch/train.py", "model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "data.prompts_per_step=2", "rollout.n=2",
             "rollout.max_tokens=24", "sft.steps=2", "sft.batch_size=4", "actor.sharding=fsdp", "model.dtype=bfloat16",
             "reference.backend=deepspeed", "algorithm.loss.kl_coef=0.01", f"trainer.output_dir={out}"]
     env = {"HF_HUB_OFFLINE": "1", "SWITCHYARD_PG_BACKEND": "cpu:gloo,cuda:gloo"}

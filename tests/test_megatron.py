@@ -165,7 +165,7 @@ def ref_tok(model: Path):
 def test_trainer_with_megatron_tp2_runs_and_resumes(tmp_path: Path, dtype: str):
     """bfloat16: bf16 parameters with fp32 main weights and grads, which the checkpoint keeps."""
     out = tmp_path / "run"
-    args = ["launch/train.py", "model.path=tiny-llama", f"model.dtype={dtype}", "rollout.engine=hf",
+    args = ["launch/train.py", "model.path=tiny-llama", "data.val_path=null", f"model.dtype={dtype}", "rollout.engine=hf",
             "data.prompts_per_step=2", "rollout.n=2",
             "rollout.max_tokens=24", "sft.steps=2", "sft.batch_size=4", "actor.backend=megatron", "actor.tp=2",
             "actor.trainable=[]", "reference.backend=deepspeed", "algorithm.loss.kl_coef=0.01",

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "launch" / "slurm" / "local_cluster.sh"
 SBATCH = REPO / "launch" / "slurm" / "train.sbatch"
 NODES = 2
-TINY = ["model.path=tiny-llama", "rollout.engine=hf", "rollout.num_engines=1", "rollout.num_workers=0",
+TINY = ["model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "rollout.num_engines=1", "rollout.num_workers=0",
         "data.task=arithmetic", "data.prompts_per_step=4", "rollout.n=2", "rollout.max_tokens=24",
         "sft.enabled=false", "trainer.steps=2"]
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["model.path=tiny-llama", "rollout.engine=hf", "data.prompts_per_step=2", "rollout.n=2",
+TINY = ["model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "data.prompts_per_step=2", "rollout.n=2",
         "rollout.max_tokens=24", "sft.steps=2", "sft.batch_size=4"]
 
 
@@ -57,6 +57,10 @@ def metrics(out: Path) -> list[dict]:
     (["rollout.staleness=1", "rollout.placement=colocated"], "rollout.staleness=1 needs engines"),
     (["rollout.engine_cores=[x]"], "rollout.engine_cores"),
     (["algorithm.loss.off_policy=importance"], "off_policy='importance'"),
+    (["val.n=4"], "val.n=4 greedy samples would all be the same"),
+    (["trainer.val_every=-1"], "trainer.val_every=-1"),
+    (["data.task=rows", "data.train_path=rows.jsonl"], "data.val_path=test means the task's own test split"),
+    (["data.val_path=/nonexistent/val.jsonl"], "data.val_path='/nonexistent/val.jsonl'"),
 ])
 def test_bad_config_values_fail_before_any_model_loads(tmp_path: Path, override: list[str], key: str):
     cache = tmp_path / "cache"
@@ -210,7 +214,7 @@ def test_default_config_runs_on_smollm2_with_vllm(tmp_path: Path, path: str):
     each step's weights arrived: the SFT warm-up alone moves the engine's logprobs further."""
     out = tmp_path / "run"
     proc = train(["trainer.steps=2", "sft.steps=2", "data.prompts_per_step=2", f"trainer.output_dir={out}",
-                  f"rollout.in_process={str(path == 'in_process').lower()}"], timeout=1200)
+                  f"rollout.in_process={str(path == 'in_process').lower()}", "val.max_rows=8"], timeout=1200)
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = metrics(out)
     assert [m["step"] for m in rows] == [1, 2]
@@ -220,6 +224,8 @@ def test_default_config_runs_on_smollm2_with_vllm(tmp_path: Path, path: str):
                for m in rows), rows
     summary = next(line for line in proc.stdout.splitlines() if line.startswith("SUMMARY"))
     assert "plot=" in summary and (out / "reward_curve.png").exists()
+    assert "val_before=" in summary and "val_after=" in summary, summary  # the demo's held-out accuracy
+    assert sorted(p.name for p in (out / "val").iterdir()) == ["step_0.jsonl", "step_2.jsonl"]
 
     from transformers import AutoModelForCausalLM
 

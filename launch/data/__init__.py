@@ -37,16 +37,45 @@ def training_rows(data: Any, agent_names: Sequence[str], tools: Sequence[str], i
                   ) -> list[dict[str, Any]]:
     """The rows a run trains on, for the `data:` config section, each checked against the loops,
     tools and interactions the run has (a bad row fails here, before any model loads)."""
-    from launch.data.rows import validate_rows
-
     if data.task == "arithmetic":
-        from launch.data.arithmetic import ArithmeticConfig, arithmetic_rows
+        from launch.data.arithmetic import arithmetic_rows
 
-        acfg = ArithmeticConfig(max_value=data.max_operand, min_ops=data.num_ops, max_ops=data.num_ops)
-        rows = arithmetic_rows(4096, "train", data.seed, acfg)
+        rows = arithmetic_rows(4096, "train", data.seed, _arithmetic_config(data))
     else:
         rows = rows_from_source(str(data.train_path), "train")
+    return _checked(rows, data, agent_names, tools, interactions)
+
+
+def validation_rows(data: Any, max_rows: int | None, agent_names: Sequence[str], tools: Sequence[str],
+                    interactions: Sequence[str]) -> list[dict[str, Any]]:
+    """The held-out rows of `data.val_path` (at most `max_rows`): "test" is the task's own test
+    split (arithmetic: `max_rows` or 200 problems with the training knobs, disjoint from training
+    by expression; gsm8k: the hub's test split), anything else a file as `rows_from_source` reads
+    it. Checked like the training rows."""
+    if data.val_path == "test" and data.task == "arithmetic":
+        from launch.data.arithmetic import arithmetic_rows
+
+        rows = arithmetic_rows(max_rows or 200, "test", data.seed, _arithmetic_config(data))
+    else:
+        source = str(data.train_path) if data.val_path == "test" else str(data.val_path)
+        rows = rows_from_source(source, "test", n=max_rows)
+    if not rows:
+        raise ValueError(f"data.val_path={data.val_path!r} holds no rows")
+    return _checked(rows, data, agent_names, tools, interactions)
+
+
+def _arithmetic_config(data: Any) -> "ArithmeticConfig":
+    from launch.data.arithmetic import ArithmeticConfig
+
+    return ArithmeticConfig(max_value=data.max_operand, min_ops=data.num_ops, max_ops=data.num_ops)
+
+
+def _checked(rows: list[dict[str, Any]], data: Any, agent_names: Sequence[str], tools: Sequence[str],
+             interactions: Sequence[str]) -> list[dict[str, Any]]:
+    from launch.data.rows import row_uid, validate_rows
+
     for r in rows:  # generated rows take data.agent_name; a rows file's own agent_name wins
+        r.setdefault("uid", row_uid(r))  # the row's id in metrics and validation records
         if data.task == "rows":
             r.setdefault("agent_name", data.agent_name)
         else:
@@ -55,4 +84,4 @@ def training_rows(data: Any, agent_names: Sequence[str], tools: Sequence[str], i
     return rows
 
 
-__all__ = ["rows_from_source", "training_rows"]
+__all__ = ["rows_from_source", "training_rows", "validation_rows"]

@@ -231,6 +231,15 @@ def validate_rows(rows: Sequence[Any], known_agent_names: Collection[str] | None
         print(notice, file=sys.stderr, flush=True)
 
 
+def row_uid(row: Mapping[str, Any]) -> str:
+    """A row's identity by content: a short hash of its prompt messages, so the same question has
+    the same id in the training data and in a validation set, whichever file it came from."""
+    import hashlib
+
+    text = json.dumps(row.get("prompt"), sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 class RowStream:
     """Rows in a seeded, shuffled order, epoch after epoch, with a position that a checkpoint
     saves so a resumed run continues with exactly the next row: nothing repeated, nothing skipped.
