@@ -219,13 +219,13 @@ class ToolAgentLoop(AgentLoopBase):
                         termination = "token_budget"
                         break
                     state = State.GENERATING
-            tool_reward = sum([await tools[n].calc_reward(i) for n, i in instances.items()])
+            tool_reward = sum([await tools[n].calc_reward(i) for n, i in instances.items()])  # raising: an error
             inter_score = await interaction.calculate_score(inter_id) if interaction is not None else None
             reward, reward_extra = self._score(row, last_text, stats, termination, tool_reward, inter_score,
                                                sum(step_rewards))
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # a broken trajectory is reported, not allowed to fail the batch
+        except BaseException as e:  # a broken trajectory is reported (SystemExit from a tool's create too)
             log.exception("trajectory %s failed in state %s", session_id, state.value)
             termination, error = "error", f"{type(e).__name__}: {e}"
         finally:
@@ -306,7 +306,9 @@ class ToolAgentLoop(AgentLoopBase):
         timeout = float(tool.config.get("timeout_s", self.cfg.tool_timeout_s))
         try:  # hard deadline; a tool seen blocking the loop moves to a thread (agent/tools/guard.py)
             resp = await call_tool(tool, instances[call.name], call.arguments, timeout)
-        except Exception as e:
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a tool cannot end its worker: SystemExit is a failed call
             return ToolResponse(f"Error: tool {call.name!r} failed: {type(e).__name__}: {e}", False)
         return resp if isinstance(resp, ToolResponse) else ToolResponse(str(resp))
 
@@ -324,10 +326,14 @@ class ToolAgentLoop(AgentLoopBase):
         for name, iid in instances.items():
             try:
                 await tools[name].release(iid)
-            except Exception:
+            except asyncio.CancelledError:
+                raise
+            except BaseException:
                 log.exception("tool %r: release(%s) failed", name, iid)
         if interaction is not None and inter_id is not None:
             try:
                 await interaction.finalize(inter_id)
-            except Exception:
+            except asyncio.CancelledError:
+                raise
+            except BaseException:
                 log.exception("interaction finalize(%s) failed", inter_id)

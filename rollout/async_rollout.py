@@ -177,7 +177,7 @@ class AsyncRollout:
                 if not self.ready:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"no finished rollout group in {timeout_s:.0f}s; check the engines and "
-                                           "the agent workers' logs")
+                                           "the agent workers' logs (the deadline is rollout.step_timeout_s)")
                     self.cond.wait(timeout=1.0)
                     continue
                 group = self.ready.popleft()

@@ -48,6 +48,7 @@ class RolloutConfig:
     tools_config: str | None = "launch/configs/tools_calculator.yaml"
     interaction_config: str | None = None
     startup_timeout_s: float = 900.0
+    step_timeout_s: float = 3600.0  # the longest one step's rollout may take before the run fails naming it
     weight_bucket_mb: int = 64
     # how weights reach the engines: auto = through shared memory on the sender's node, by collective
     # broadcast to the other nodes' leaders (rollout.plane.route); bus = as frames over the sockets
@@ -92,5 +93,7 @@ class RolloutConfig:
             raise ValueError(f"rollout.in_process=true serves one hf or vllm engine from the trainer's process (got "
                              f"engine {self.engine!r}, num_engines={self.num_engines}, weight_path={self.weight_path!r}); "
                              "SGLang runs its scheduler in processes of its own, so it takes shared memory")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"rollout.step_timeout_s={self.step_timeout_s} must be > 0 (seconds)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")

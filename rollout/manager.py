@@ -183,7 +183,8 @@ class AgentLoopManager:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"agent workers {sorted(workers)} did not finish {what} in time; check their "
-                               f"logs and that the engines at {self.cfg.addresses} answer")
+                               f"logs and that the engines at {self.cfg.addresses} answer (a run's deadline per "
+                               "step is rollout.step_timeout_s)")
         conns = {self._results[w]: w for w in workers}
         sentinels = {self._procs[w].sentinel: w for w in workers}
         got: list[tuple[int, dict[str, Any]]] = []

@@ -307,7 +307,7 @@ class RolloutPlane(WeightRoutes):
 
             n, want, kept, kept_rows, dropped = self.cfg.n, len(rows), [], [], 0
             for attempt in range(MAX_SAMPLING_ROUNDS):
-                outs = self.manager.generate_outputs(rows, weight_version=weight_version)
+                outs = self.manager.generate_outputs(rows, weight_version, timeout_s=self.cfg.step_timeout_s)
                 for i in range(len(rows)):
                     group = outs[i * n:(i + 1) * n]
                     if record is not None:
@@ -365,7 +365,7 @@ class RolloutPlane(WeightRoutes):
         if self.rank == 0:
             from engines.training.batch import pad_outputs
 
-            taken = self.feeder.take(weight_version)
+            taken = self.feeder.take(weight_version, timeout_s=self.cfg.step_timeout_s)
             batch = pad_outputs(taken.outputs, self.manager.pad_id, taken.group_index)
             metrics = {**batch.metrics(), **taken.metrics}
             if self.cfg.overlong_filter:

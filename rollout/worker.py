@@ -106,7 +106,9 @@ class AgentWorker:
             try:
                 out = await self.registry.get(name)(self.contexts[name]).run(dict(sampling), **row)
                 out.check()
-            except Exception as e:  # one broken trajectory is flagged in the batch, not fatal to it
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # one broken trajectory (SystemExit included) is flagged, not fatal
                 log.exception("worker %d: trajectory %s (%s) failed", self.index, row.get("session_id"), name)
                 out = self._error_output(row, e)
             t1 = time.time_ns()
@@ -119,7 +121,7 @@ class AgentWorker:
                                                              out, row, t0, t1)
         emit({"op": "result", "index": item["index"], "output": dataclasses.asdict(out)})
 
-    def _error_output(self, row: Mapping[str, Any], err: Exception) -> AgentLoopOutput:
+    def _error_output(self, row: Mapping[str, Any], err: BaseException) -> AgentLoopOutput:
         from agent.chat import ChatEncoder
 
         try:  # keep the prompt so the row still lines up with its group

@@ -13,6 +13,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+@pytest.fixture(scope="session")
+def tool_caller(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama taught to call the calculator (tests/tool_model.py), trained once per session."""
+    if not (GSM8K / "train.jsonl").exists():
+        pytest.skip(f"GSM8K jsonl not found in {GSM8K}")
+    from tool_model import train_tool_caller
+
+    return train_tool_caller(tmp_path_factory.mktemp("tool-caller") / "model", GSM8K / "train.jsonl")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 

@@ -26,7 +26,7 @@ from agent.tools.calculator import safe_eval  # noqa: E402
 from rollout.client import GenerateClient  # noqa: E402
 from test_chat import HERMES_TEMPLATE  # noqa: E402
 from test_tool_agent import _server_log, _tokenizer, check_against_server  # noqa: E402
-from tool_model import gsm8k_rows, train_tool_caller  # noqa: E402
+from tool_model import gsm8k_rows  # noqa: E402
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 needs_gsm8k = pytest.mark.skipif(not (GSM8K / "test.jsonl").exists(), reason=f"GSM8K jsonl not found in {GSM8K}")
@@ -34,11 +34,6 @@ needs_gsm8k = pytest.mark.skipif(not (GSM8K / "test.jsonl").exists(), reason=f"G
 CALCULATOR_OPENAI = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
-
-
-@pytest.fixture(scope="module")
-def tool_caller(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_tool_caller(tmp_path_factory.mktemp("model") / "tool-caller", GSM8K / "train.jsonl")
 
 
 def _calculator_results(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:

@@ -20,20 +20,11 @@ import yaml
 from agent.loop import AgentLoopBase, AgentLoopOutput, Trajectory
 from engines.training.batch import Batch, pad_outputs
 from rollout.manager import AgentLoopManager, ManagerConfig, WorkerCrashed
-from tool_model import CALCULATOR_SCHEMA, gsm8k_rows, train_tool_caller
+from tool_model import CALCULATOR_SCHEMA, gsm8k_rows
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 needs_gsm8k = pytest.mark.skipif(not (GSM8K / "test.jsonl").exists(), reason=f"GSM8K jsonl not found in {GSM8K}")
 TOOL_AGENT = {"max_assistant_turns": 3, "max_turn_tokens": 48, "max_response_tokens": 256}
-
-
-@pytest.fixture(scope="module")
-def tool_caller(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # shared by every module of the session that trains it this way (training takes a while)
-    out = tmp_path_factory.getbasetemp() / "shared-tool-caller"
-    if not (out / "config.json").exists():
-        train_tool_caller(out, GSM8K / "train.jsonl")
-    return out
 
 
 def tools_yaml(tmp: Path) -> Path:

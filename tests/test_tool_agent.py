@@ -16,15 +16,10 @@ from agent.tool_agent import ToolAgentLoop
 from agent.tools import BaseTool, ToolResponse
 from agent.tools.calculator import CalculatorTool
 from rollout.client import GenerateClient
-from tool_model import CALCULATOR_SCHEMA, gsm8k_rows, train_tool_caller
+from tool_model import CALCULATOR_SCHEMA, gsm8k_rows
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 pytestmark = pytest.mark.skipif(not (GSM8K / "test.jsonl").exists(), reason=f"GSM8K jsonl not found in {GSM8K}")
-
-
-@pytest.fixture(scope="module")
-def tool_caller(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_tool_caller(tmp_path_factory.mktemp("model") / "tool-caller", GSM8K / "train.jsonl")
 
 
 def _server_log(paths: list[Path]) -> dict[str, dict[str, Any]]:

@@ -19,14 +19,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train import REPO, _env, _wait_for, metrics  # noqa: E402
-from tool_model import gsm8k_rows, train_tool_caller  # noqa: E402
+from tool_model import gsm8k_rows  # noqa: E402
 
 from agent.loop import AgentLoopOutput  # noqa: E402
 from launch.data.rows import row_uid  # noqa: E402
 from launch.validation import ks_for, pass_at_k, summarize  # noqa: E402
 
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
-needs_gsm8k = pytest.mark.skipif(not (GSM8K / "test.jsonl").exists(), reason=f"GSM8K jsonl not found in {GSM8K}")
 
 
 def test_pass_at_k_matches_a_hand_computation():
@@ -71,16 +70,11 @@ def test_summary_per_data_source_from_known_rewards():
 
 # ---------------------------------------------------------------------------- through launch/train.py
 @pytest.fixture(scope="module")
-def task(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A calculator-calling tiny llama (shared with other modules), 32 training rows of GSM8K's
-    train split and 12 held-out rows of its test split, in the rows format."""
-    if not (GSM8K / "test.jsonl").exists():
-        pytest.skip(f"GSM8K jsonl not found in {GSM8K}")
-    model = tmp_path_factory.getbasetemp() / "shared-tool-caller"
-    if not (model / "config.json").exists():
-        train_tool_caller(model, GSM8K / "train.jsonl")
+def task(tmp_path_factory: pytest.TempPathFactory, tool_caller: Path) -> dict[str, Path]:
+    """The calculator-calling tiny llama, 32 training rows of GSM8K's train split and 12 held-out
+    rows of its test split, in the rows format."""
     tmp = tmp_path_factory.mktemp("val-task")
-    files = {"model": model}
+    files = {"model": tool_caller}
     for name, split, n in (("train", "train", 32), ("val", "test", 12)):
         files[name] = tmp / f"{name}.jsonl"
         files[name].write_text("".join(json.dumps(r) + "\n" for r in gsm8k_rows(GSM8K / f"{split}.jsonl", n)))

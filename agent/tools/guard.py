@@ -58,6 +58,20 @@ class _TimedSteps:
                 error = e
 
 
+class ToolExited(RuntimeError):
+    """A tool raised a BaseException that is not an Exception (SystemExit from argparse or sys.exit,
+    KeyboardInterrupt, GeneratorExit): its call failed. Left as it was, it would end the agent
+    worker's event loop, and with it every trajectory of the worker."""
+
+
+def contained(e: BaseException) -> BaseException:
+    """What a tool's exception becomes: cancellation stays cancellation, an Exception stays itself,
+    any other BaseException becomes ToolExited naming it."""
+    if isinstance(e, (asyncio.CancelledError, Exception)):
+        return e
+    return ToolExited(f"{type(e).__name__}({', '.join(map(repr, e.args))}) raised in the tool")
+
+
 def _in_thread(tool: BaseTool, instance_id: str, arguments: dict[str, Any]) -> concurrent.futures.Future:
     done: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -65,7 +79,7 @@ def _in_thread(tool: BaseTool, instance_id: str, arguments: dict[str, Any]) -> c
         try:
             result, error = asyncio.run(tool.execute(instance_id, arguments)), None
         except BaseException as e:
-            result, error = None, e
+            result, error = None, contained(e)
         try:  # an abandoned call's future is already cancelled: nobody waits for the answer
             done.set_exception(error) if error is not None else done.set_result(result)
         except concurrent.futures.InvalidStateError:
@@ -94,7 +108,10 @@ async def call_tool(tool: BaseTool, instance_id: str, arguments: dict[str, Any],
         timed = _TimedSteps(tool.execute(instance_id, arguments))
 
         async def on_loop() -> Any:
-            return await timed
+            try:
+                return await timed
+            except BaseException as e:  # SystemExit in a task would end the worker's event loop
+                raise contained(e) from e
 
         task = asyncio.ensure_future(on_loop())
     t0 = time.perf_counter()
