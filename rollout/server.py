@@ -244,12 +244,12 @@ class EngineServer:
                 f"{self._gated[identity]} of this peer's requests already wait for the engine (asleep, updating "
                 f"or behind a weight version); the cap is {self.max_gated_per_peer}")))
             return
-        async with self._gate:  # held while sleeping, mid weight update, or behind the wanted version
-            self._gated[identity] += 1
-            open_ = lambda: (not self._sleeping and not self._updating and not self._weights_freed  # noqa: E731
-                             and self.weight_version >= msg.min_weight_version)
-            deadline = time.monotonic() + self.gate_timeout_s
-            try:
+        self._gated[identity] += 1  # counted before the lock is awaited, so a burst cannot pass the cap
+        try:
+            async with self._gate:  # held while sleeping, mid weight update, or behind the wanted version
+                open_ = lambda: (not self._sleeping and not self._updating and not self._weights_freed  # noqa: E731
+                                 and self.weight_version >= msg.min_weight_version)
+                deadline = time.monotonic() + self.gate_timeout_s
                 while not open_():
                     if identity in self._heartbeats and \
                             time.monotonic() - self._heartbeats[identity] > self.peer_timeout_s:
@@ -265,14 +265,14 @@ class EngineServer:
                         await asyncio.wait_for(self._gate.wait_for(open_), min(1.0, self.peer_timeout_s / 2))
                     except asyncio.TimeoutError:
                         pass
-            finally:
-                self._gated[identity] -= 1
-                if self._gated[identity] <= 0:
-                    del self._gated[identity]
-            if self._generating == 0:
-                self._busy_since = time.monotonic()
-            self._generating += 1
-            self._idle.clear()
+        finally:
+            self._gated[identity] -= 1
+            if self._gated[identity] <= 0:
+                del self._gated[identity]
+        if self._generating == 0:  # no await since the gate opened: the weight path sees this at once
+            self._busy_since = time.monotonic()
+        self._generating += 1
+        self._idle.clear()
         key = (identity, msg.rid)
         self._running.add(key)
         try:

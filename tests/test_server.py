@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import zmq
@@ -195,6 +196,45 @@ def test_one_peer_cannot_park_more_than_the_cap():
 
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(main(tmp))
+
+
+def test_a_burst_from_one_peer_holds_at_most_the_cap():
+    """10,000 requests sent at once behind a weight version the engine does not have: the count rises
+    before a request waits for the gate's lock, so at most the default cap (4096) is held and the
+    rest are refused at once (before, all 10,000 were held)."""
+    from engines.inference.echo import EchoEngine
+    from rollout.server import MAX_GATED_PER_PEER, EngineServer
+
+    async def main(tmp: str) -> tuple[int, int, int]:
+        server = EngineServer(EchoEngine(), f"ipc://{tmp}/burst.sock", "e0", gate_timeout_s=60)
+        running = asyncio.create_task(server.run())
+        await server.wait_bound()
+        async with GenerateClient([f"ipc://{tmp}/burst.sock"]) as client:
+            await client.wait_ready(timeout_s=30)
+            burst = [asyncio.ensure_future(client.generate([1, 2], {"max_tokens": 2}, min_weight_version=9))
+                     for _ in range(10_000)]
+            deadline, seen = time.monotonic() + 60, -1
+            while time.monotonic() < deadline:  # until the refusals stop coming (the held never answer)
+                await asyncio.sleep(1.0)
+                now = sum(b.done() for b in burst)
+                if now == seen and now >= 10_000 - MAX_GATED_PER_PEER:
+                    break
+                seen = now
+            done = [b for b in burst if b.done()]
+            refused = sum(isinstance(d.exception(), RequestFailed) and d.exception().code == "too_many_waiting"
+                          for d in done)
+            held = (await client.status(0)).stats["gated"]
+            for b in burst:
+                b.cancel()
+        server.stop()
+        await asyncio.wait_for(running, 30)
+        return refused, held, len(done)
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        refused, held, done = asyncio.run(main(tmp))
+    assert held == MAX_GATED_PER_PEER and refused == 10_000 - MAX_GATED_PER_PEER == done, (held, refused, done)
 
 
 def test_requests_of_a_peer_that_went_away_are_dropped():
