@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 
 from agent.gateway import Gateway  # noqa: E402
 from gateway_agent import chat_rounds  # noqa: E402
-from test_tool_agent import GSM8K, _server_log, _tokenizer, check_against_server, tool_caller  # noqa: E402,F401
+from test_tool_agent import GSM8K, _server_log, _tokenizer, check_against_server  # noqa: E402
 from test_tool_agent_states import ScriptedClient, tok  # noqa: E402,F401
 from tool_model import SYSTEM, gsm8k_rows  # noqa: E402
 

@@ -12,7 +12,7 @@ import pytest
 
 from agent.traces import TraceConfig, TrajectoryTracer, should_trace
 from rollout.manager import AgentLoopManager, ManagerConfig
-from test_manager import GSM8K, TOOL_AGENT, needs_gsm8k, tool_caller, tools_yaml, unpad  # noqa: F401 (fixture)
+from test_manager import GSM8K, TOOL_AGENT, needs_gsm8k, tools_yaml, unpad
 from tool_model import gsm8k_rows
 
 REPO = Path(__file__).resolve().parents[1]
