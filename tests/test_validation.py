@@ -192,3 +192,17 @@ def test_kill_9_and_resume_neither_repeat_nor_skip_a_validation(task: dict[str, 
     assert [m["step"] for m in rows if "val/accuracy" in m] == [0, 1, 2, 3, 4]  # each once
     assert [m["step"] for m in rows] == [0, 1, 2, 3, 4]
     assert sorted(p.name for p in (out / "val").iterdir()) == [f"step_{i}.jsonl" for i in range(5)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--checkpoint", "/nonexistent/step_000001"], "has no state.pt"),
+    (["data.val_path=null"], "data.val_path is not set"),
+    (["--out"], "--out needs a value"),
+    (["--bogus"], "unknown option '--bogus'"),
+    (["val.n=3"], "val.n=3 greedy samples would all be the same"),
+])
+def test_the_evaluator_refuses_bad_input_before_any_model_loads(tmp_path: Path, args: list[str], message: str):
+    proc = subprocess.run([sys.executable, "launch/evaluate.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**_env(), "SWITCHYARD_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "cache").exists()
