@@ -120,14 +120,28 @@ def tensors_from_bucket(bucket: WeightsBucket, slots: "ShmReader | None" = None)
             where = bucket.shm.get("path") or "a buffer opened by handle"
             raise ProtocolError(f"weights bucket {bucket.index} of version {bucket.version} in {where} "
                                 f"failed its checksum ({bucket.alg} {got:#x} != {bucket.crc:#x}); resend the bucket")
-        return list(zip(bucket.names, views(flat, bucket.dtypes, bucket.shapes, bucket.shm["offsets"],
-                                            bucket.shm["sizes"], bucket.names)))
+        return finite(list(zip(bucket.names, views(flat, bucket.dtypes, bucket.shapes, bucket.shm["offsets"],
+                                                   bucket.shm["sizes"], bucket.names))),
+                      f"weights bucket {bucket.index} of version {bucket.version}")
     got = checksum(bucket.frames, bucket.alg)
     if got != bucket.crc:
         raise ProtocolError(f"weights bucket {bucket.index} of version {bucket.version} failed its "
                             f"checksum ({bucket.alg} {got:#x} != {bucket.crc:#x}); resend the bucket")
-    return [(name, tensor_from_raw(frame, dtype, shape, name, copy=False))
-            for name, dtype, shape, frame in zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.frames)]
+    return finite([(name, tensor_from_raw(frame, dtype, shape, name, copy=False))
+                   for name, dtype, shape, frame in zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.frames)],
+                  f"weights bucket {bucket.index} of version {bucket.version}")
+
+
+def finite(tensors: list[tuple[str, "torch.Tensor"]], where: str) -> list[tuple[str, "torch.Tensor"]]:
+    """`tensors`, or a ProtocolError naming the first floating tensor with a NaN or an infinity:
+    an engine never serves weights a diverged update produced (on every weight path)."""
+    for name, t in tensors:
+        if t.is_floating_point() and t.numel() and not bool(t.isfinite().all()):
+            bad = int((~t.isfinite()).sum())
+            raise ProtocolError(f"{where}: tensor {name!r} holds {bad} NaN or infinite value(s); the update that "
+                                "made them diverged (lower actor.lr, set actor.grad_clip); the bucket is refused and "
+                                "the version's commit fails")
+    return tensors
 
 
 def iter_buckets(named: Iterable[tuple[str, "torch.Tensor"]], version: int,
@@ -223,7 +237,7 @@ async def load_into_engine(engine: Any, named: Iterable[tuple[str, "torch.Tensor
     t0 = time.perf_counter()
     buckets = total = 0
     for tensors in bucket_by_size(named, bucket_bytes):
-        await engine.update_weights(tensors)
+        await engine.update_weights(finite(tensors, f"in-process weights bucket {buckets}"))
         buckets += 1
         total += sum(_nbytes(t) for _, t in tensors)
     await engine.finish_weight_update()

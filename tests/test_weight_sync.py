@@ -216,3 +216,34 @@ def test_buckets_by_memory_handle_load_every_engine_and_a_flipped_byte_is_refuse
          "cannot open the weights bucket's cpu handle")])
     assert report.path == "handle" and bucket.alg == "sum64" and "handle" in bucket.shm and "path" not in bucket.shm
     slots.close()
+
+
+def test_weights_with_a_nan_are_refused_naming_the_tensor(servers):
+    """A diverged update's NaN never reaches an engine: over the bus and through shared memory the
+    bucket is refused naming the tensor, and the in-process path checks the same way."""
+    import pytest
+
+    from rollout.client import RequestFailed
+    from rollout.protocol import ProtocolError
+    from rollout.shm import ShmSlots
+    from rollout.weight_sync import finite
+
+    srv = servers(1, backend="hf", model="tiny-llama")
+    bad = {n: t.clone() for n, t in tiny_llama(load_tokenizer("tiny-llama"), seed=3).state_dict().items()}
+    bad["model.norm.weight"][3] = float("nan")
+    slots = ShmSlots()
+
+    async def main():
+        async with GenerateClient(srv.addresses) as client:
+            await client.wait_ready(timeout_s=300)
+            for version, via in ((1, None), (2, slots)):
+                with pytest.raises(RequestFailed, match="tensor 'model.norm.weight' holds 1 NaN or infinite"):
+                    await push_weights(client, bad.items(), version=version, bucket_bytes=1 << 20, slots=via)
+
+    try:
+        asyncio.run(main())
+    finally:
+        slots.close()
+    with pytest.raises(ProtocolError, match="tensor 'b' holds 2 NaN or infinite"):
+        finite([("a", torch.ones(3)), ("b", torch.tensor([1.0, float("inf"), float("-inf")]))], "here")
+    assert finite([("ids", torch.arange(3))], "here")  # integer tensors have nothing to check
