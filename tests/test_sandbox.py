@@ -273,3 +273,31 @@ def test_auto_refuses_without_isolation_unless_unsafe_is_asked(monkeypatch: pyte
         make()
     assert make(allow_unsafe=True).isolation == "rlimits"
     assert make(isolation="rlimits").isolation == "rlimits"
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_bwrap_runs_an_interpreter_in_a_venv_under_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A venv under /tmp (as CI and many users have): its interpreter is bound over the sandbox's
+    own /tmp, so `bwrap` works and `auto` picks it; without bubblewrap, the fallback is logged."""
+    import logging
+    import subprocess
+    import sys
+
+    import agent.tools.python_sandbox as sandbox
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    assert python.startswith("/tmp/")
+    for isolation in ("bwrap", "auto"):
+        tool = make(isolation=isolation, python=python)
+        assert tool.isolation == "bwrap"
+        r = run(tool, "import sys, os; print(sys.prefix, os.getuid(), os.path.exists('/etc/passwd'))")
+        assert r.success and r.text.split() == [str(venv), "65534", "False"], r.text
+    if os.geteuid() == 0:  # root: namespaces are the next strongest
+        which = shutil.which
+        monkeypatch.setattr(sandbox.shutil, "which", lambda name: None if name == "bwrap" else which(name))
+        with caplog.at_level(logging.WARNING, logger="switchyard"):
+            assert make().isolation == "namespaces"  # (pytest's 0700 tmp dirs hide the venv from its uid)
+        assert "weaker than bwrap" in caplog.text and "bwrap is not installed" in caplog.text

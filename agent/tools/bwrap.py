@@ -27,8 +27,9 @@ CGROUP_V2 = Path("/sys/fs/cgroup")  # unified, when it has cgroup.controllers
 
 def interpreter_roots(python: str) -> list[str]:
     """The directories the interpreter needs, outside /usr (e.g. a pyenv or venv prefix)."""
-    roots = set()
-    for p in (sys.base_prefix, sys.prefix, str(Path(os.path.realpath(python)).parents[1])):
+    roots = set()  # a venv's own prefix (its pyvenv.cfg) and the tree its symlinked interpreter lives in
+    for p in (sys.base_prefix, sys.prefix, str(Path(python).absolute().parents[1]),
+              str(Path(os.path.realpath(python)).parents[1])):
         p = os.path.realpath(p)
         if not p.startswith("/usr/") and p != "/usr" and os.path.isdir(p):
             roots.add(p)
@@ -49,10 +50,11 @@ def bwrap_argv(python: str, main_py: str, disk_bytes: int, env: dict[str, str]) 
             argv += ["--symlink", os.readlink(target), target]
         elif os.path.isdir(target):
             argv += ["--ro-bind", target, target]
-    for root in interpreter_roots(python):
-        argv += ["--ro-bind", root, root]
+    # the tmpfs mounts first: an interpreter under /tmp (a venv there) is then bound on top of them
     argv += ["--size", str(16 << 20), "--tmpfs", "/tmp",
              "--size", str(disk_bytes), "--tmpfs", "/work", "--ro-bind", main_py, "/work/main.py", "--chdir", "/work"]
+    for root in interpreter_roots(python):
+        argv += ["--ro-bind", root, root]
     for k, v in env.items():
         argv += ["--setenv", k, v]
     return argv + ["--", python]

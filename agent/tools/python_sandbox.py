@@ -172,6 +172,11 @@ class PythonTool(BaseTool):
                 problem = probe()
                 if problem is None:
                     self.isolation = mode
+                    if problems:  # auto settled for less than bwrap: say why, once, at start-up
+                        log.warning("PythonTool runs model code with isolation: %s, weaker than bwrap (%s)", mode,
+                                    "; ".join(f"{k}: {v.strip()[-300:]}" for k, v in problems.items()))
+                    else:
+                        log.info("PythonTool isolation: %s", mode)
                     return
                 problems[mode] = problem
         if wanted != "rlimits" and not c.get("allow_unsafe", False):
