@@ -155,6 +155,7 @@ def worker_main(index: int, cfg_dict: dict[str, Any], experiment_id: str | None,
                  results: Connection) -> None:
     """Entry point of a worker process: one event loop for the process's whole life."""
     import os
+    import sys
     import threading
 
     from rollout.manager import ManagerConfig
@@ -173,6 +174,12 @@ def worker_main(index: int, cfg_dict: dict[str, Any], experiment_id: str | None,
         loop.run_until_complete(_serve(index, ManagerConfig(**cfg_dict), experiment_id, tasks, results))
     finally:  # not asyncio.run: it would wait for abandoned tool calls that ignore cancellation
         loop.close()
+    # everything is closed and flushed; a thread a tool abandoned (an executor's: not a daemon) would
+    # hold the interpreter's exit until it ends, so leave now
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 async def _serve(index: int, cfg: "ManagerConfig", experiment_id: str | None, tasks: Connection,

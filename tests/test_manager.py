@@ -13,11 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 import yaml
 
 from agent.loop import AgentLoopBase, AgentLoopOutput, Trajectory
+from agent.tools import BaseTool, ToolResponse
 from engines.training.batch import Batch, pad_outputs
 from rollout.manager import AgentLoopManager, ManagerConfig, WorkerCrashed
 from tool_model import CALCULATOR_SCHEMA, gsm8k_rows
@@ -206,6 +208,41 @@ def test_killed_worker_raises_instead_of_hanging(servers):
         mgr.close()
     assert time.monotonic() - t0 < 20  # the busy survivor is stopped promptly, not waited for
     assert mgr.worker_pids == []
+
+
+class _StuckTool(BaseTool):
+    async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResponse:
+        await asyncio.to_thread(time.sleep, 90)  # a thread of the tool's own executor, stuck long after
+        return ToolResponse("late")
+
+
+class StuckToolLoop(AgentLoopBase):
+    """One call of a tool that outlives its 1 s deadline in a thread of its own, then a finished trajectory."""
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        from agent.tools.guard import call_tool
+
+        tool = _StuckTool({}, {"type": "function", "function": {"name": "stuck", "parameters": {}}})
+        resp = await call_tool(tool, await tool.create(), {}, timeout_s=1.0)
+        assert resp.metrics.get("timeout"), resp.text
+        return AgentLoopOutput([1, 2], [3], [1], [-0.5], 1.0, 1, "stop", session_id=row["session_id"])
+
+
+def test_closing_does_not_wait_for_a_stuck_tool_thread(servers):
+    srv = servers(1, backend="echo", model="tiny-llama")
+    cfg = ManagerConfig(addresses=srv.addresses, tokenizer="tiny-llama", num_workers=1, n=1,
+                        agent_loops={"stuck": f"{__name__}.StuckToolLoop"}, progress=False)
+    mgr = AgentLoopManager(cfg).start()
+    try:
+        outs = mgr.generate_outputs([{"agent_name": "stuck", "prompt": [{"role": "user", "content": "q"}]}],
+                                    timeout_s=60)
+        assert [o.termination for o in outs] == ["stop"]
+        pid = mgr.worker_pids[0]
+    finally:
+        t0 = time.monotonic()
+        mgr.close()
+    assert time.monotonic() - t0 < 10  # the worker exits at once: abandoned threads do not hold it (was 30 s)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_in_process_workers_pad_and_flag_failed_trajectories(servers):
