@@ -208,9 +208,9 @@ class GenerateClient:
                             type(e).__name__)
                 failed.add(engine)
                 continue
-            if isinstance(reply, P.Error) and reply.code == "engine_dead":
-                log.warning("engine %d died serving %s (%s); re-issuing", engine, rid, reply.message)
-                self._down(engine, "engine reported itself dead")
+            if isinstance(reply, P.Error) and reply.code in ("engine_dead", "engine_stopping"):
+                log.warning("engine %d is gone serving %s (%s); re-issuing", engine, rid, reply.message)
+                self._down(engine, f"engine reported {reply.code}")
                 failed.add(engine)
                 continue
             if isinstance(reply, P.Error):

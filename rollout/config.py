@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.traces import TraceConfig
+from engines.inference import ENGINES, ROLLOUT_ENGINES  # the engine registry: one entry per backend
 from rollout.router import POLICIES  # the router owns the policy names
 
-ENGINES = ("vllm", "hf", "sglang")
 WEIGHT_PATHS = ("auto", "bus")
 PLACEMENTS = ("auto", "cpu", "colocated", "split")  # see parallel/mesh.py; auto = colocated on GPUs, else cpu
 
@@ -71,7 +71,7 @@ class RolloutConfig:
     tracing: TraceConfig = field(default_factory=TraceConfig)
 
     def __post_init__(self) -> None:
-        _choice("engine", self.engine, ENGINES)
+        _choice("engine", self.engine, ROLLOUT_ENGINES)
         _choice("policy", self.policy, POLICIES)
         _choice("placement", self.placement, PLACEMENTS)
         _choice("weight_path", self.weight_path, WEIGHT_PATHS)
@@ -89,10 +89,12 @@ class RolloutConfig:
                              "colocated engines sleep through it; set rollout.placement=split (or cpu), or staleness=0")
         if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.engine_cores):
             raise ValueError(f"rollout.engine_cores={self.engine_cores!r} must list core numbers (integers >= 0)")
-        if self.in_process and (self.engine not in ("hf", "vllm") or self.num_engines != 1 or self.weight_path == "bus"):
-            raise ValueError(f"rollout.in_process=true serves one hf or vllm engine from the trainer's process (got "
+        if self.in_process and (ENGINES[self.engine].in_process is None or self.num_engines != 1
+                                or self.weight_path == "bus"):
+            able = [k for k, v in ENGINES.items() if v.rollout and v.in_process]
+            raise ValueError(f"rollout.in_process=true serves one engine of {able} from the trainer's process (got "
                              f"engine {self.engine!r}, num_engines={self.num_engines}, weight_path={self.weight_path!r}); "
-                             "SGLang runs its scheduler in processes of its own, so it takes shared memory")
+                             "the others (SGLang) run their schedulers in processes of their own and take shared memory")
         if not self.step_timeout_s > 0:
             raise ValueError(f"rollout.step_timeout_s={self.step_timeout_s} must be > 0 (seconds)")
         if not 0 < self.top_p <= 1:

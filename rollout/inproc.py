@@ -21,10 +21,6 @@ from typing import Any, Iterable
 import torch
 
 
-# the backend that serves an engine kind from this process, where it differs from the separate one
-IN_PROCESS_BACKENDS = {"vllm": "vllm_inproc"}
-
-
 @dataclass
 class LocalLoad:
     """A weight update from the process that hosts an EngineServer (InProcessEngine): the tensors by
@@ -53,7 +49,7 @@ class InProcessEngine:
         self._thread.start()
 
     def _main(self) -> None:
-        from engines.inference import make_engine
+        from engines.inference import ENGINES, make_engine
         from rollout.server import EngineServer
 
         backend, model, addresses, engine_id, options, request_log = self._args
@@ -61,7 +57,7 @@ class InProcessEngine:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
             self._loop = loop
-            backend = IN_PROCESS_BACKENDS.get(backend, backend)
+            backend = ENGINES[backend].in_process or backend  # e.g. vllm's engine core in this process
             self.server = EngineServer(make_engine(backend, model, **options), addresses, engine_id, request_log)
 
             async def serve() -> None:

@@ -74,3 +74,17 @@ def read_endpoints(path: str | Path, proc: subprocess.Popen, timeout_s: float, l
                                f"{log_file}")
         time.sleep(0.05)
     return list(json.loads(path.read_text()))
+
+
+def parse_options(pairs: list[str]) -> dict[str, Any]:
+    """The server's `--option key=value` pairs back into engine options (values as JSON, else text)."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--option {pair!r}: expected key=value, e.g. --option max_batch_size=32")
+        try:
+            options[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            options[key] = raw
+    return options

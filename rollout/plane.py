@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
+from engines.inference import ENGINES
 from engines.training.batch import Batch
 from rollout.config import RolloutConfig
 from rollout.weight_route import WeightRoutes
 
 MAX_SAMPLING_ROUNDS = 10  # dynamic sampling: rollout rounds a synchronous step may take to fill its batch
-ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {"vllm": {}, "hf": {"max_batch_size": 64}, "sglang": {}}
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class RolloutPlane(WeightRoutes):
         tmp = Path(tempfile.mkdtemp(prefix="switchyard-"))  # mode 0700: the ipc sockets' trust boundary
         self.tmp_dirs.append(tmp)  # removed by close()
         keys_file = self.keys.write(tmp / "bus_keys.json") if self.keys is not None else None
-        options = {**ENGINE_DEFAULTS.get(cfg.engine, {}), "dtype": self.dtype, **cfg.engine_options}
+        options = {**ENGINES[cfg.engine].defaults, "dtype": self.dtype, **cfg.engine_options}
         host = bind_host(cfg.bind_host) if tcp else None
         started = []
         for i, slot in enumerate(slots):

@@ -30,10 +30,12 @@ from engines.inference import Engine, EngineDeadError, SamplingParams, make_engi
 from rollout import protocol as P
 from rollout.auth import CONTROL_ROLES, AuthError, BusKeys, needs_auth, role_of, secure_server, zap_handler
 from rollout.inproc import LocalLoad
+from rollout.launcher import parse_options
 
 log = logging.getLogger("switchyard.server")
 GATE_TIMEOUT_S = 1800.0  # longest a generate waits for the engine to wake, finish an update or load its version
 MAX_GATED_PER_PEER = 4096
+STOP_TIMEOUT_S = 5.0  # how long a stopping server waits for its tasks before it closes the engine anyway
 PEER_TIMEOUT_S = 30.0  # a heartbeating peer silent this long is gone
 CONTROL = (P.Sleep, P.Wake, P.WeightsBegin, P.WeightsBucket, P.WeightsCommit)  # the trainer's messages only
 
@@ -119,9 +121,16 @@ class EngineServer:
         self._bound.set()
         await self._stop.wait()
         await asyncio.sleep(0.05)  # let queued replies (e.g. engine_dead errors) leave
-        for t in [*tasks, *self._inflight.values()]:
+        await self._set_gate()  # requests held at the gate wake, see the stop, answer and leave
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while self._gated and time.monotonic() < deadline:  # before any is cancelled mid-way through the lock
+            await asyncio.sleep(0.01)
+        left = [*tasks, *self._inflight.values()]
+        for t in left:
             t.cancel()
-        await asyncio.gather(*tasks, *self._inflight.values(), return_exceptions=True)
+        stuck = (await asyncio.wait(left, timeout=STOP_TIMEOUT_S))[1] if left else set()
+        if stuck:  # never wait on: a dead trainer's engine must give its memory back
+            log.warning("%d task(s) still running %g s after the stop; closing the engine", len(stuck), STOP_TIMEOUT_S)
         await self.engine.close()
         for sock in self._socks:
             sock.close(0)
@@ -247,8 +256,9 @@ class EngineServer:
         self._gated[identity] += 1  # counted before the lock is awaited, so a burst cannot pass the cap
         try:
             async with self._gate:  # held while sleeping, mid weight update, or behind the wanted version
-                open_ = lambda: (not self._sleeping and not self._updating and not self._weights_freed  # noqa: E731
-                                 and self.weight_version >= msg.min_weight_version)
+                open_ = lambda: self._stop.is_set() or (  # noqa: E731
+                    not self._sleeping and not self._updating and not self._weights_freed
+                    and self.weight_version >= msg.min_weight_version)
                 deadline = time.monotonic() + self.gate_timeout_s
                 while not open_():
                     if identity in self._heartbeats and \
@@ -265,6 +275,10 @@ class EngineServer:
                         await asyncio.wait_for(self._gate.wait_for(open_), min(1.0, self.peer_timeout_s / 2))
                     except asyncio.TimeoutError:
                         pass
+                if self._stop.is_set():
+                    self._reply(identity, P.Error(rid=msg.rid, code="engine_stopping", message=(
+                        f"engine {self.engine_id} is shutting down; the request was not run")))
+                    return
         finally:
             self._gated[identity] -= 1
             if self._gated[identity] <= 0:
@@ -427,19 +441,6 @@ async def _watch_parent(pid: int, server: EngineServer, every_s: float = 1.0) ->
     server.stop()
 
 
-def _parse_options(pairs: list[str]) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--option {pair!r}: expected key=value, e.g. --option max_batch_size=32")
-        try:
-            options[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            options[key] = raw
-    return options
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Serve one inference engine on the switchyard bus.")
     ap.add_argument("--backend", default="hf", help="hf | vllm | sglang | echo")
@@ -463,7 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     cores = os.environ.get("SWITCHYARD_ENGINE_CORES")
     if cores and hasattr(os, "sched_setaffinity"):  # this engine's slice of the box, before any thread starts
         os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
-    engine = make_engine(args.backend, args.model, **_parse_options(args.option))
+    engine = make_engine(args.backend, args.model, **parse_options(args.option))
     keys = BusKeys.read(args.keys) if args.keys else None
     server = EngineServer(engine, args.address, args.engine_id or args.address[0], args.request_log, keys,
                           gate_timeout_s=args.gate_timeout_s, peer_timeout_s=args.peer_timeout_s)

@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from agent.loop import DEFAULT_AGENT_NAME, AgentContext, AgentLoopOutput, AgentLoopRegistry
+from agent.tools.processes import install, kill_all, kill_owned, owned_by
 from agent.traces import TrajectoryTracer
 from rollout.auth import ClientKeys
 from rollout.client import GenerateClient
@@ -65,6 +66,7 @@ class AgentWorker:
         self._trace_pool: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
+        install()  # processes a trajectory's tools start are recorded under it (agent/tools/processes.py)
         from agent.interactions.registry import load_interactions
         from agent.tools.registry import load_tools
         from agent.vision import Vision
@@ -101,16 +103,20 @@ class AgentWorker:
                        emit: Callable[[dict[str, Any]], None]) -> None:
         row = item["row"]
         name = row.get("agent_name") or DEFAULT_AGENT_NAME
+        owner = str(row.get("session_id") or f"item-{id(item)}")
         async with self.sem:
             t0 = time.time_ns()
             try:
-                out = await self.registry.get(name)(self.contexts[name]).run(dict(sampling), **row)
+                with owned_by(owner):  # the processes its tools start end with it
+                    out = await self.registry.get(name)(self.contexts[name]).run(dict(sampling), **row)
                 out.check()
             except asyncio.CancelledError:
                 raise
             except BaseException as e:  # one broken trajectory (SystemExit included) is flagged, not fatal
                 log.exception("worker %d: trajectory %s (%s) failed", self.index, row.get("session_id"), name)
                 out = self._error_output(row, e)
+            finally:
+                kill_owned(owner)
             t1 = time.time_ns()
         assert self.client is not None
         segments = self.client.take_segments(str(row.get("session_id", "")))
@@ -133,7 +139,9 @@ class AgentWorker:
                                error=f"{type(err).__name__}: {err}")
 
     async def close(self) -> None:
-        """Close the client, every tool and interaction that has a close(), and flush traces."""
+        """Close the client, every tool and interaction that has a close(), flush traces, and kill
+        the processes trajectories left."""
+        kill_all()
         for obj in [*self.tools.values(), *self.interactions.values()]:
             close = getattr(obj, "close", None)
             if callable(close):

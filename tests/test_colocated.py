@@ -1,7 +1,7 @@
 """Colocated engines on CPU: a level-2 sleep really gives the weights' memory back (the engine
 process's RSS falls by at least their size), generation is held while asleep and until the next
 weight version commits, and after wake + sync the engine answers exactly as before for the same
-seed. Then the same through `launch/train.py` with `rollout.placement=colocated`."""
+seed (logprobs to fp32 rounding). Then the same through `launch/train.py` with `rollout.placement=colocated`."""
 
 from __future__ import annotations
 
@@ -56,8 +56,10 @@ def test_sleep_frees_the_weights_and_wake_plus_sync_restores_identical_outputs(s
     before, awake, asleep, held1, held2, status, after, again = asyncio.run(main())
     assert awake - asleep >= _weights_mb(model_dir), (awake, asleep, _weights_mb(model_dir))
     assert held1 and held2 and status.stats["weights_freed"] and not status.stats["sleeping"]
-    for out in (after, again):  # same seed, same weights: the same tokens and logprobs
-        assert out.token_ids == before.token_ids and out.logprobs == before.logprobs
+    for out in (after, again):  # same seed, same weights: the same tokens, logprobs to fp32 rounding
+        # (the reloaded weights sit at new addresses, which can change a kernel's summation order: 1e-6 seen)
+        assert out.token_ids == before.token_ids
+        assert max(abs(a - b) for a, b in zip(out.logprobs, before.logprobs)) < 1e-5, (out.logprobs, before.logprobs)
         assert out.weight_version == 1
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import logging
 import threading
 import time
@@ -85,7 +86,8 @@ def _in_thread(tool: BaseTool, instance_id: str, arguments: dict[str, Any]) -> c
         except concurrent.futures.InvalidStateError:
             pass
 
-    threading.Thread(target=run, name=f"tool-{tool.name}", daemon=True).start()
+    # the call's context goes with it: processes it starts are its trajectory's (agent/tools/processes.py)
+    threading.Thread(target=contextvars.copy_context().run, args=(run,), name=f"tool-{tool.name}", daemon=True).start()
     return done
 
 

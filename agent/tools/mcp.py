@@ -21,6 +21,7 @@ binary resources become a bracketed note saying what was left out.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import subprocess
@@ -121,7 +122,9 @@ class McpSession:
         if conn is None or conn.loop is not loop or conn.stop.is_set() or \
                 (conn.ready.done() and conn.ready.exception() is not None):
             conn = self._conn = _Connection(loop, ready=loop.create_future())
-            conn.task = loop.create_task(self._own(conn), name=f"mcp-session {self.command_line}")
+            # an empty context: the server is shared by every trajectory, not the one that started it
+            conn.task = contextvars.Context().run(loop.create_task, self._own(conn),
+                                                  name=f"mcp-session {self.command_line}")
             self._owners = {t for t in self._owners if not t.done() and t.get_loop() is loop} | {conn.task}
             self.starts += 1
         # shielded: a caller that gives up (timeout) must not abort a start-up others wait for

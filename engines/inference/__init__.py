@@ -7,17 +7,31 @@ without vLLM or SGLang installed.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from engines.inference.base import Engine, EngineDeadError, EngineStats, GenerateOutput, SamplingParams
 
-BACKENDS: dict[str, str] = {
-    "hf": "engines.inference.hf:HFEngine",
-    "vllm": "engines.inference.vllm:VLLMEngine",
-    "vllm_inproc": "engines.inference.vllm_inproc:VLLMInProcessEngine",  # rollout.in_process=true
-    "sglang": "engines.inference.sglang:SGLangEngine",
-    "echo": "engines.inference.echo:EchoEngine",
+@dataclass(frozen=True)
+class EngineSpec:
+    """One inference backend: where its class lives and what a run may ask of it. Adding a backend
+    is its module plus one entry here; config validation, placement and the in-process path read it."""
+
+    target: str  # "module:Class", imported only when the backend is asked for
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # options a run starts it with (engine_options win)
+    in_process: str | None = None  # the backend serving it from the trainer's process (rollout.in_process); None: no
+    rollout: bool = True  # offered as rollout.engine (false: benchmarks and the in-process variants only)
+
+
+ENGINES: dict[str, EngineSpec] = {
+    "hf": EngineSpec("engines.inference.hf:HFEngine", {"max_batch_size": 64}, in_process="hf"),
+    "vllm": EngineSpec("engines.inference.vllm:VLLMEngine", in_process="vllm_inproc"),
+    "vllm_inproc": EngineSpec("engines.inference.vllm_inproc:VLLMInProcessEngine", rollout=False),
+    "sglang": EngineSpec("engines.inference.sglang:SGLangEngine"),  # its scheduler runs in processes of its own
+    "echo": EngineSpec("engines.inference.echo:EchoEngine", rollout=False),
 }
+BACKENDS: dict[str, str] = {name: spec.target for name, spec in ENGINES.items()}
+ROLLOUT_ENGINES: tuple[str, ...] = tuple(name for name, spec in ENGINES.items() if spec.rollout)
 
 
 def make_engine(backend: str, model: str, **options: Any) -> Engine:
@@ -35,4 +49,4 @@ def make_engine(backend: str, model: str, **options: Any) -> Engine:
     return getattr(module, cls_name)(model=model, **options)
 
 
-__all__ = ["BACKENDS", "Engine", "EngineDeadError", "EngineStats", "GenerateOutput", "SamplingParams", "make_engine"]
+__all__ = ["BACKENDS", "ENGINES", "ROLLOUT_ENGINES", "Engine", "EngineSpec", "EngineDeadError", "EngineStats", "GenerateOutput", "SamplingParams", "make_engine"]
