@@ -19,7 +19,7 @@ from agent.dotted import import_class
 if TYPE_CHECKING:
     from agent.interactions.base import BaseInteraction
     from agent.tools.base import BaseTool
-    from rollout.client import GenerateClient, GenerateResult
+    from rollout.bus.client import GenerateClient, GenerateResult
 
 # Why a trajectory ended. Trainers may treat the budget/turn-limit ones as truncation.
 TERMINATIONS = ("stop", "length", "max_assistant_turns", "max_user_turns", "token_budget", "interaction_done",

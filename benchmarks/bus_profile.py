@@ -67,7 +67,7 @@ def summarize(path: Path, top: int) -> dict[str, Any]:
 
 
 async def loop(address: str, requests: int, prompt: np.ndarray) -> list[float]:
-    from rollout.client import GenerateClient
+    from rollout.bus.client import GenerateClient
 
     lat = []
     async with GenerateClient([address]) as client:
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if shutil.which("py-spy") is None:
         raise SystemExit("bus_profile needs py-spy on PATH: pip install py-spy")
-    from rollout.launcher import start_server_process
+    from rollout.bus.launcher import start_server_process
 
     prompt = np.arange(PROMPT_TOKENS, dtype=np.int32) % 30000
     with tempfile.TemporaryDirectory(prefix="sy-prof-") as tmp_dir:

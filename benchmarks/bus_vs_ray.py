@@ -115,7 +115,7 @@ async def run_levels(address: str, actor: Any, levels: list[tuple[int, int]], wa
     """Validate every side, then per level: warm up and time the bus, Ray, then bare pyzmq."""
     from bare_zmq import BareClient
 
-    from rollout.client import GenerateClient
+    from rollout.bus.client import GenerateClient
 
     bare = BareClient(bare_address)
     async with GenerateClient([address]) as client:
@@ -164,7 +164,7 @@ def main() -> None:
     signal.alarm(int(args.timeout))
     t_start = time.perf_counter()
 
-    from rollout.launcher import start_server_process
+    from rollout.bus.launcher import start_server_process
 
     tmp = Path(tempfile.mkdtemp(prefix="switchyard-bus-vs-ray-"))
     address, server_log = f"ipc://{tmp}/echo0.sock", tmp / "server.log"

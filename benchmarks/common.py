@@ -111,7 +111,7 @@ def calculator_workload(gsm8k_dir: str | None, base: str, steps: int, n: int) ->
 def servers(backend: str, model: str, n: int, tmp: Path, options: dict[str, Any] | None = None) -> Iterator[list[str]]:
     """n EngineServers on ipc sockets, each on its own slice of the cores; stopped on exit."""
     from parallel.mesh import cpu_slices
-    from rollout.launcher import start_server_process
+    from rollout.bus.launcher import start_server_process
 
     cores = cpu_slices(n)
     procs, addrs = [], []

@@ -54,7 +54,7 @@ async def measure(address: str, url: str, counts: dict[int, int]) -> dict[str, A
     from transformers import AutoTokenizer
 
     from engines.models import resolve_model
-    from rollout.client import GenerateClient
+    from rollout.bus.client import GenerateClient
 
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny-llama"))
     prompt = list(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
@@ -97,7 +97,7 @@ def main() -> None:
     if args.requests:
         counts = {c: args.requests for c in counts}
 
-    from rollout.launcher import start_server_process
+    from rollout.bus.launcher import start_server_process
 
     tmp = Path(tempfile.mkdtemp(prefix="switchyard-gw-"))
     address = f"ipc://{tmp}/echo0.sock"

@@ -32,8 +32,8 @@ from common import RESULTS, calculator_workload, machine, result_line, servers, 
 from agent.loop import AgentContext  # noqa: E402
 from agent.tool_agent import ToolAgentLoop  # noqa: E402
 from agent.tools.calculator import CalculatorTool  # noqa: E402
-from rollout.client import GenerateClient  # noqa: E402
-from rollout.router import POLICIES  # noqa: E402
+from rollout.bus.client import GenerateClient  # noqa: E402
+from rollout.bus.router import POLICIES  # noqa: E402
 
 ORDER = ("round_robin", "least_loaded", "sticky", "sticky_group")
 

@@ -41,7 +41,7 @@ from agent.tool_agent import ToolAgentLoop  # noqa: E402
 from agent.tools.base import ToolResponse  # noqa: E402
 from agent.tools.calculator import CalculatorTool  # noqa: E402
 from async_workload import RoundsLoop  # noqa: E402
-from rollout.client import GenerateClient  # noqa: E402
+from rollout.bus.client import GenerateClient  # noqa: E402
 
 LATENCIES = (0.0, 0.1, 0.5, 1.0, 2.0)
 MODES = ("async", "sync")

@@ -10,10 +10,10 @@ repetition, in alternating order (HF tensors in, engines' parameters out):
   memcpy         copy every HF tensor's bytes into preallocated tensors of the same sizes
   reshard        Megatron shards -> HF tensors (TP gather, fused QKV and gate/up split), streamed
   in_process     `load_into_engine` into the hf engine in this process (no bytes, no checksum)
-  shm_1, shm_2   `push_weights` with shared-memory slots (`rollout/shm.py`) into 1 or 2 engine
+  shm_1, shm_2   `push_weights` with shared-memory slots (`rollout/weights/shm.py`) into 1 or 2 engine
                  processes: the bucket is packed once into a slot, each engine maps it, checks its
                  xxh3 and copies it into its parameters; only the header crosses the socket
-  handle_1/2     `push_weights` with buffers opened by handle (`rollout/handles.py`; here torch's
+  handle_1/2     `push_weights` with buffers opened by handle (`rollout/weights/handle.py`; here torch's
                  file-backed CPU shared memory, CUDA IPC on a GPU), checked with sum64
   bus_1, bus_2   `push_weights` with frames over the ZMQ bus (two buckets in flight)
   collective_1/2 `relay_buckets` under torch.distributed (gloo): rank 0 holds the tensors and
@@ -94,8 +94,8 @@ def _collective_rank(rank: int, world: int, init: str, model: str, addrs: list[l
     import torch.distributed as dist
 
     from rollout.plane import _Control
-    from rollout.shm import ShmSlots
-    from rollout.weight_sync import commit_everywhere, relay_buckets, relay_push
+    from rollout.weights.shm import ShmSlots
+    from rollout.weights.collective import commit_everywhere, relay_buckets, relay_push
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -228,9 +228,10 @@ def vllm_paths(model: str, named: list[tuple[str, Any]], bucket: int, reps: int,
     """The same tensors into vLLM, alternating: by reference into an engine core in this process, and
     through shared-memory slots into a vLLM EngineServer process (each: begin, buckets, commit)."""
     from engines.inference import make_engine
-    from rollout.client import GenerateClient
-    from rollout.shm import ShmSlots
-    from rollout.weight_sync import load_into_engine, push_weights
+    from rollout.bus.client import GenerateClient
+    from rollout.weights.shm import ShmSlots
+    from rollout.weights.inproc import load_into_engine
+    from rollout.weights.bus import push_weights
 
     times: dict[str, list[float]] = {"vllm_in_process": [], "vllm_shm": []}
     options = {"max_model_len": 1024}  # within any model's positions here (the synthetic llama has 2048)
@@ -278,10 +279,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from engines.inference.hf import HFEngine
     from engines.models import resolve_model
     from parallel.reshard import DecoderLayout, hf_to_megatron, iter_megatron_to_hf
-    from rollout.client import GenerateClient
-    from rollout.handles import HandleSlots
-    from rollout.shm import ShmSlots
-    from rollout.weight_sync import load_into_engine, push_weights
+    from rollout.bus.client import GenerateClient
+    from rollout.weights.handle import HandleSlots
+    from rollout.weights.shm import ShmSlots
+    from rollout.weights.inproc import load_into_engine
+    from rollout.weights.bus import push_weights
 
     reps = args.reps or (3 if args.quick else 5)
     bucket = args.bucket_mb << 20

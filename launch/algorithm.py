@@ -13,7 +13,7 @@ import torch
 from engines.training.batch import Batch
 from engines.training.config import ActorConfig
 from engines.training.losses import kl_penalty
-from rollout.advantages import compute_advantages
+from engines.training.advantages import ESTIMATORS, compute_advantages
 
 
 def _over_ranks(sums: list[float], top: float, shard: bool) -> tuple[list[float], float]:
@@ -62,7 +62,7 @@ def learn(batch: Batch, actor: Any, ref: Any, algorithm: Any, actor_cfg: ActorCo
         metrics["kl_in_reward"] = kl_sum / max(rows, 1.0)
 
     # 3. advantages; invalid rows are groups of their own (advantage 0, no effect on siblings)
-    kwargs = {"norm_by_std": algorithm.norm_by_std} if algorithm.advantage == "grpo" else {}
+    kwargs = {name: getattr(algorithm, name) for name in ESTIMATORS[algorithm.advantage].options}
     adv = compute_advantages(algorithm.advantage, rewards, mask, group_index=batch.group_labels(), **kwargs)
 
     # 4. the update

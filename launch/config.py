@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engines.training.advantages import ESTIMATORS
 from engines.training.config import DTYPES, ActorConfig
 from launch.data.curriculum import CurriculumConfig
 from engines.training.losses import LossConfig
@@ -23,7 +24,6 @@ from rollout.config import RolloutConfig
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "launch" / "configs" / "cpu_demo.yaml"
 TASKS = ("arithmetic", "gsm8k", "rows")
-ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
 
 
 class ConfigError(ValueError):
@@ -95,7 +95,7 @@ class AlgorithmConfig:
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
-        _choice("algorithm", "advantage", self.advantage, ADVANTAGES)
+        _choice("algorithm", "advantage", self.advantage, tuple(ESTIMATORS))
 
 
 @dataclass

@@ -5,13 +5,14 @@ tree (`launch/config.py`) puts it under `rollout`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from agent.traces import TraceConfig
 from engines.inference import ENGINES, ROLLOUT_ENGINES  # the engine registry: one entry per backend
-from rollout.router import POLICIES  # the router owns the policy names
+from rollout.bus.router import POLICIES  # the router owns the policy names
 
 WEIGHT_PATHS = ("auto", "bus")
+START_METHODS = ("spawn", "forkserver")  # agent worker processes; fork is unsafe in a trainer
 PLACEMENTS = ("auto", "cpu", "colocated", "split")  # see parallel/mesh.py; auto = colocated on GPUs, else cpu
 
 
@@ -99,3 +100,44 @@ class RolloutConfig:
             raise ValueError(f"rollout.step_timeout_s={self.step_timeout_s} must be > 0 (seconds)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+
+
+@dataclass
+class ManagerConfig:
+    """addresses: EngineServer addresses. tokenizer: model name or directory whose tokenizer the
+    loops use (`engines.models.resolve_model`). num_workers: agent processes; 0 runs the loops on
+    an event loop thread inside this process (tests, debugging). agent_configs: per agent_name,
+    the mapping a loop gets as `AgentContext.config`. agent_loops: extra {name: "pkg.mod.Class"}.
+    max_concurrent: trajectories in flight per worker."""
+
+    addresses: list[str]
+    tokenizer: str
+    num_workers: int = 2
+    n: int = 1
+    sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 1.0, "max_tokens": 256})
+    agent_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    agent_loops: dict[str, str] = field(default_factory=dict)
+    tools_config: str | None = None
+    interaction_config: str | None = None
+    policy: str = "sticky_group"
+    tracing: TraceConfig = field(default_factory=TraceConfig)
+    max_concurrent: int = 128
+    start_method: str = "spawn"
+    ready_timeout_s: float = 300.0
+    progress: bool = True
+    bus_keys: dict[str, str] | None = None  # rollout.bus.auth.ClientKeys fields, for engines on tcp addresses
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tracing, Mapping):
+            self.tracing = TraceConfig(**self.tracing)
+        if not self.addresses:
+            raise ValueError("rollout.addresses is empty; give the EngineServer addresses, e.g. ['ipc:///tmp/e0.sock']")
+        for name, value, low in (("num_workers", self.num_workers, 0), ("n", self.n, 1),
+                                 ("max_concurrent", self.max_concurrent, 1)):
+            if int(value) < low:
+                raise ValueError(f"rollout.{name}={value} must be >= {low}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"rollout.policy={self.policy!r}; choose one of {list(POLICIES)}")
+        if self.start_method not in START_METHODS:
+            raise ValueError(f"rollout.start_method={self.start_method!r}; choose one of {list(START_METHODS)} "
+                             "(fork is unsafe: the trainer holds threads and sockets)")

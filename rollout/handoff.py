@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from engines.training.batch import TENSOR_FIELDS, Batch, group_shards
-from rollout.weight_sync import tensor_from_raw, tensor_to_raw
+from rollout.weights.codec import tensor_from_raw, tensor_to_raw
 
 
 def _pixel_fields(batch: Batch) -> dict[str, torch.Tensor]:

@@ -15,25 +15,13 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 
-
-@dataclass
-class LocalLoad:
-    """A weight update from the process that hosts an EngineServer (InProcessEngine): the tensors by
-    reference, loaded on the server's loop in order with every other weight job; `done` (a
-    concurrent future) gets the SyncReport or the error."""
-
-    named: Any
-    version: int
-    bucket_bytes: int
-    preempt: bool
-    done: Any
-    rid: str = "local"
-    TYPE: str = "local_load"
+from engines.inference import ENGINES, make_engine
+from rollout.bus.server import EngineServer
+from rollout.weights.inproc import LocalLoad
 
 
 class InProcessEngine:
@@ -49,9 +37,6 @@ class InProcessEngine:
         self._thread.start()
 
     def _main(self) -> None:
-        from engines.inference import ENGINES, make_engine
-        from rollout.server import EngineServer
-
         backend, model, addresses, engine_id, options, request_log = self._args
         try:
             loop = asyncio.new_event_loop()
@@ -87,8 +72,8 @@ class InProcessEngine:
         """Load `named` into the engine as `version` and wait; the SyncReport. The tensors are taken by
         reference (cast only where the engine's dtype differs), so nothing is copied before the
         engine copies them into its parameters."""
-        tensors = [(n, t.detach().to(dtype) if dtype is not None and t.dtype != dtype else t.detach())
-                   for n, t in named]
+        tensors = ((n, t.detach().to(dtype) if dtype is not None and t.dtype != dtype else t.detach())
+                   for n, t in named)  # lazily, on the engine's loop: never the whole model at once
         done: concurrent.futures.Future = concurrent.futures.Future()
         self.server.submit_local(LocalLoad(tensors, int(version), int(bucket_bytes), bool(preempt), done))
         return done.result(timeout=timeout_s)

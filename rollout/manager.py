@@ -25,61 +25,18 @@ import signal
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Mapping, Sequence
 
 from tqdm import tqdm
 
 from agent.loop import DEFAULT_AGENT_NAME, AgentLoopOutput, AgentLoopRegistry
-from agent.traces import TraceConfig, prepare_experiment
+from agent.traces import prepare_experiment
 from engines.training.batch import Batch, pad_outputs
-from rollout.router import POLICIES
+from rollout.config import ManagerConfig
 from rollout.worker import AgentWorker, worker_main
 
 log = logging.getLogger("switchyard.manager")
-START_METHODS = ("spawn", "forkserver")
-
-
-@dataclass
-class ManagerConfig:
-    """addresses: EngineServer addresses. tokenizer: model name or directory whose tokenizer the
-    loops use (`engines.models.resolve_model`). num_workers: agent processes; 0 runs the loops on
-    an event loop thread inside this process (tests, debugging). agent_configs: per agent_name,
-    the mapping a loop gets as `AgentContext.config`. agent_loops: extra {name: "pkg.mod.Class"}.
-    max_concurrent: trajectories in flight per worker."""
-
-    addresses: list[str]
-    tokenizer: str
-    num_workers: int = 2
-    n: int = 1
-    sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 1.0, "max_tokens": 256})
-    agent_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    agent_loops: dict[str, str] = field(default_factory=dict)
-    tools_config: str | None = None
-    interaction_config: str | None = None
-    policy: str = "sticky_group"
-    tracing: TraceConfig = field(default_factory=TraceConfig)
-    max_concurrent: int = 128
-    start_method: str = "spawn"
-    ready_timeout_s: float = 300.0
-    progress: bool = True
-    bus_keys: dict[str, str] | None = None  # rollout.auth.ClientKeys fields, for engines on tcp addresses
-
-    def __post_init__(self) -> None:
-        if isinstance(self.tracing, Mapping):
-            self.tracing = TraceConfig(**self.tracing)
-        if not self.addresses:
-            raise ValueError("rollout.addresses is empty; give the EngineServer addresses, e.g. ['ipc:///tmp/e0.sock']")
-        for name, value, low in (("num_workers", self.num_workers, 0), ("n", self.n, 1),
-                                 ("max_concurrent", self.max_concurrent, 1)):
-            if int(value) < low:
-                raise ValueError(f"rollout.{name}={value} must be >= {low}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"rollout.policy={self.policy!r}; choose one of {list(POLICIES)}")
-        if self.start_method not in START_METHODS:
-            raise ValueError(f"rollout.start_method={self.start_method!r}; choose one of {list(START_METHODS)} "
-                             "(fork is unsafe: the trainer holds threads and sockets)")
 
 
 class WorkerCrashed(RuntimeError):

@@ -4,12 +4,12 @@ and the weights into the engines.
 Engines: on every node, local rank 0 starts that node's engines from the placement plan
 (`parallel.mesh`): a slice of the node's cores each on CPU, their own GPUs (`CUDA_VISIBLE_DEVICES`)
 on GPU nodes. Each engine binds ipc for clients on its node and, when the job spans nodes, tcp for
-the others, behind the run's CURVE keys (`rollout.auth`); the addresses travel to every rank over
+the others, behind the run's CURVE keys (`rollout.bus.auth`); the addresses travel to every rank over
 torch.distributed, so no shared filesystem is needed. Global rank 0 prints the plan and writes it
 to the run directory.
 
 Agent workers run on global rank 0 and route over every node's engines (sticky GRPO groups,
-least-loaded placement, failover across nodes: `rollout.router`); rank 0 also drives sleep/wake
+least-loaded placement, failover across nodes: `rollout.bus.router`); rank 0 also drives sleep/wake
 and the weight push. Colocated engines sleep through the actor's update and wake for the sync.
 """
 
@@ -84,7 +84,7 @@ class _Control:
     and weight pushes without restarting a client per call."""
 
     def __init__(self, addresses: list[str], keys: Any, ready_timeout_s: float) -> None:
-        from rollout.client import GenerateClient
+        from rollout.bus.client import GenerateClient
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-control", daemon=True)
@@ -129,7 +129,7 @@ class RolloutPlane(WeightRoutes):
         self.leaders: list[int] = [0]  # the global rank that started each node's engines (its local rank 0)
         self.weight_group: Any = None  # the leaders' process group, for the collective weight path
         self.local_control: _Control | None = None  # a node leader's client to its own engines
-        self.slots: Any = None  # shared-memory weight slots (rollout.shm), made at the first push
+        self.routes: dict[str, Any] = {}  # the weight routes used so far, by name (they keep their buffers)
         self.last_sync: dict[str, float] = {}
         self.inproc: Any = None  # rollout.in_process: the engine this process serves
         self._no_room = False  # shared memory too small for two buckets on this one-node run: the bus instead
@@ -140,7 +140,7 @@ class RolloutPlane(WeightRoutes):
         self.run_dir = run_dir
         multi = self.nodes > 1
         if multi:
-            from rollout.auth import BusKeys
+            from rollout.bus.auth import BusKeys
 
             box = [BusKeys.generate() if self.rank == 0 else None]
             torch.distributed.broadcast_object_list(box, src=0)  # never written to the run directory
@@ -167,7 +167,7 @@ class RolloutPlane(WeightRoutes):
 
     def _start_local(self, run_dir: Path, tcp: bool) -> list[EngineInfo]:
         from parallel.mesh import plan_placement
-        from rollout.launcher import read_endpoints, start_server_process
+        from rollout.bus.launcher import read_endpoints, start_server_process
 
         cfg = self.cfg
         if torch.cuda.is_available() and self.placement != "cpu":  # written for GPU nodes, not run here
@@ -255,7 +255,7 @@ class RolloutPlane(WeightRoutes):
     def start_workers(self) -> None:
         """Rank 0: the agent workers and the trainer's control client, connected to every engine.
         Other nodes' leaders, on the collective weight path: a control client to their own engines."""
-        from rollout.auth import TRAINER, WORKER
+        from rollout.bus.auth import TRAINER, WORKER
 
         if self.rank != 0:
             if self.route() == "collective" and self.local_rank == 0:
@@ -427,7 +427,7 @@ class RolloutPlane(WeightRoutes):
         each engine's resident memory once asleep (rank 0; {} elsewhere or when not colocated)."""
         if not self.sleeps or self.control is None:
             return {}
-        from rollout import protocol as P
+        from rollout.bus import protocol as P
 
         self.control.run(self.control.client.broadcast(P.Sleep(level=self.cfg.sleep_level)))
         return {f"engine/{e.engine_id}/rss_asleep_mb": float(st.stats.get("rss_mb", 0))
@@ -456,7 +456,7 @@ class RolloutPlane(WeightRoutes):
         """Colocated: engines take their memory back; after level 2 they serve again only once the
         next weight push has committed."""
         if self.sleeps and self.control is not None:
-            from rollout import protocol as P
+            from rollout.bus import protocol as P
 
             self.control.run(self.control.client.broadcast(P.Wake()))
 
@@ -478,9 +478,7 @@ class RolloutPlane(WeightRoutes):
             if c is not None:
                 c.close()
         self.control = self.local_control = None
-        if self.slots is not None:
-            self.slots.close()
-            self.slots = None
+        self.close_routes()
         for p in self.procs:
             p.terminate()
         for p in self.procs:

@@ -16,16 +16,14 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from agent.loop import DEFAULT_AGENT_NAME, AgentContext, AgentLoopOutput, AgentLoopRegistry
 from agent.tools.processes import install, kill_all, kill_owned, owned_by
 from agent.traces import TrajectoryTracer
-from rollout.auth import ClientKeys
-from rollout.client import GenerateClient
-
-if TYPE_CHECKING:
-    from rollout.manager import ManagerConfig
+from rollout.bus.auth import ClientKeys
+from rollout.bus.client import GenerateClient
+from rollout.config import ManagerConfig
 
 log = logging.getLogger("switchyard.manager")
 
@@ -166,7 +164,6 @@ def worker_main(index: int, cfg_dict: dict[str, Any], experiment_id: str | None,
     import sys
     import threading
 
-    from rollout.manager import ManagerConfig
 
     parent = os.getppid()
 

@@ -50,7 +50,7 @@ class Servers:
     def start(self, n: int, backend: str = "hf", model: str = "tiny-llama", options: dict[str, Any] | None = None,
               env: dict[str, str] | None = None, gate_timeout_s: float | None = None) -> "Servers":
         from parallel.mesh import cpu_slices
-        from rollout.launcher import start_server_process
+        from rollout.bus.launcher import start_server_process
 
         cores = cpu_slices(n)  # servers on one box split its cores
         for k in range(n):

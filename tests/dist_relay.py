@@ -20,11 +20,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.models import load_tokenizer, resolve_model, tiny_llama  # noqa: E402
-from rollout import protocol as P  # noqa: E402
-from rollout.launcher import read_endpoints, start_server_process  # noqa: E402
+from rollout.bus import protocol as P  # noqa: E402
+from rollout.bus.launcher import read_endpoints, start_server_process  # noqa: E402
 from rollout.plane import _Control  # noqa: E402
-from rollout.shm import ShmSlots  # noqa: E402
-from rollout.weight_sync import relay_push  # noqa: E402
+from rollout.weights.shm import ShmSlots  # noqa: E402
+from rollout.weights.collective import relay_push  # noqa: E402
 
 
 class FlippingSlots(ShmSlots):

@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import rollout.weight_sync as ws  # noqa: E402
-from rollout.protocol import ProtocolError  # noqa: E402
+import rollout.weights.collective as ws  # noqa: E402
+from rollout.weights.inproc import load_into_engine  # noqa: E402
+from rollout.bus.protocol import ProtocolError  # noqa: E402
 
 
 def main() -> None:
@@ -43,7 +44,7 @@ def main() -> None:
             engine = HFEngine(model)
             await engine.start()
             got = [t for bucket in ws.broadcast_buckets(None, src=0, bucket_bytes=1 << 20) for t in bucket]
-            rep = await ws.load_into_engine(engine, got, bucket_bytes=1 << 20)
+            rep = await load_into_engine(engine, got, bucket_bytes=1 << 20)
             state = engine.model.state_dict()
             same = all(torch.equal(state[k], v) for k, v in new.items())
             await engine.close()

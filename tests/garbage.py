@@ -5,7 +5,7 @@ import random
 import msgpack
 import numpy as np
 
-from rollout import protocol as P
+from rollout.bus import protocol as P
 
 
 def garbage_frames(rng: random.Random) -> list[bytes]:
@@ -17,9 +17,9 @@ def garbage_frames(rng: random.Random) -> list[bytes]:
     if kind == 1:
         return [good[0][: rng.randrange(len(good[0]))], good[1]]  # truncated msgpack
     if kind == 2:
-        return [msgpack.packb({"v": rng.choice([0, 2, 99, "1", None, True, 1.0]), "t": "generate", "rid": "x"}), good[1]]
+        return [msgpack.packb({"v": rng.choice([0, 1, 99, "2", None, True, 2.0]), "t": "generate", "rid": "x"}), good[1]]
     if kind == 3:
-        return [msgpack.packb({"v": 1, "t": rng.choice(["nope", "", 5, None, {}, [1]]), "rid": "x"})]
+        return [msgpack.packb({"v": 2, "t": rng.choice(["nope", "", 5, None, {}, [1]]), "rid": "x"})]
     if kind == 4:
         return [good[0]]  # missing payload frame
     if kind == 5:

@@ -44,9 +44,9 @@ def main() -> None:
         import torch.distributed as dist
 
         from agent.loop import AgentLoopOutput
-        from rollout.client import GenerateClient
+        from rollout.bus.client import GenerateClient
         from engines.training.batch import pad_outputs
-        from rollout.weight_sync import push_weights
+        from rollout.weights.bus import push_weights
 
         prompt = probe.prompts[0][probe.attention_mask[0, :probe.prompts.shape[1]].bool()].tolist()
 

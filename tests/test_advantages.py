@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.advantages import ESTIMATORS, compute_advantages, group_ids, grpo, reinforce_pp, rloo
+from engines.training.advantages import ESTIMATORS, compute_advantages, group_ids, grpo, reinforce_pp, rloo
 
 
 def random_mask(B: int, T: int, seed: int) -> torch.Tensor:

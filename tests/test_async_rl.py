@@ -70,7 +70,7 @@ def test_kill_9_under_staleness_1_loses_and_repeats_no_row(tmp_path: Path):
     try:
         _wait_for(out / "checkpoints" / "step_000003" / "state.pt", proc, 300)
         servers = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                   if "rollout.server" in " ".join(c.cmdline())]
+                   if "rollout.bus.server" in " ".join(c.cmdline())]
         os.kill(proc.pid, signal.SIGKILL)  # rollout is running ahead: groups buffered and in flight
         proc.wait(30)
     finally:

@@ -11,7 +11,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from rollout.client import GenerateClient, GenerateResult
+from rollout.bus.client import GenerateClient, GenerateResult
 
 SESSIONS, TURNS, GROUP = 50, 4, 5  # 10 GRPO groups of 5 samples, 200 requests
 MAX_TOKENS = 12

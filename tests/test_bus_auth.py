@@ -10,10 +10,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from rollout import protocol as P
-from rollout.auth import TRAINER, WORKER, AuthError, BusKeys, ClientKeys
-from rollout.client import GenerateClient, RequestFailed
-from rollout.launcher import read_endpoints, start_server_process
+from rollout.bus import protocol as P
+from rollout.bus.auth import TRAINER, WORKER, AuthError, BusKeys, ClientKeys
+from rollout.bus.client import GenerateClient, RequestFailed
+from rollout.bus.launcher import read_endpoints, start_server_process
 
 SP = {"max_tokens": 4, "ignore_eos": True}
 
@@ -63,7 +63,7 @@ def test_unauthenticated_peers_get_nothing_and_change_nothing(tcp_server):
 
     async def main():
         attacks = [P.Generate(rid="g", prompt_ids=np.array([1, 2, 3], np.int32), sampling=SP), P.Sleep(rid="s"),
-                   P.WeightsBegin(rid="w", version=1_000_000), P.Health(rid="h")]
+                   P.WeightsBegin(rid="w", weight_version=1_000_000), P.Health(rid="h")]
         replies = []
         for msg in attacks:
             replies.append(await _raw(tcp, msg, None))  # plain (NULL mechanism) peer
@@ -88,7 +88,7 @@ def test_worker_key_generates_but_cannot_control(tcp_server):
             await worker.wait_ready(timeout_s=60)
             out = await worker.generate([1, 2, 3], SP)
             refusals = []
-            for msg in (P.Sleep(), P.Wake(), P.WeightsBegin(version=5), P.WeightsCommit(version=5)):
+            for msg in (P.Sleep(), P.Wake(), P.WeightsBegin(weight_version=5), P.WeightsCommit(weight_version=5)):
                 with pytest.raises(RequestFailed) as err:
                     await worker.call(0, msg, timeout_s=10)
                 refusals.append(err.value.code)

@@ -16,9 +16,9 @@ import psutil
 from safetensors.torch import load_file
 
 from engines.models import resolve_model
-from rollout import protocol as P
-from rollout.client import GenerateClient
-from rollout.weight_sync import push_weights
+from rollout.bus import protocol as P
+from rollout.bus.client import GenerateClient
+from rollout.weights.bus import push_weights
 
 REPO = Path(__file__).resolve().parents[1]
 SP = {"max_tokens": 12, "temperature": 1.0, "seed": 7, "ignore_eos": True}

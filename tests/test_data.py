@@ -28,7 +28,7 @@ from launch.data.gsm8k import main as gsm8k_main
 from launch.data.rows import RowError, RowStream, load_rows, save_rows, validate_rows
 from launch.data.sft import (IGNORE_INDEX, TraceError, build_sft_examples, calculator_result, encode_sft_example,
                              encoder_for_row, final_answer_text, sft_batches, trace_messages)
-from rollout.client import GenerateResult
+from rollout.bus.client import GenerateResult
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"

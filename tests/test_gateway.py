@@ -23,7 +23,7 @@ from tool_model import SYSTEM, gsm8k_rows  # noqa: E402
 
 
 async def _with_gateway(addresses: list[str], tokenizer: Any, body, **kw: Any):
-    from rollout.client import GenerateClient
+    from rollout.bus.client import GenerateClient
 
     async with GenerateClient(addresses) as client:
         await client.wait_ready(timeout_s=300)

@@ -23,7 +23,7 @@ from agent.langgraph import (HistoryEditedError, LangGraphAgentLoop, SwitchyardC
 from agent.loop import AgentContext, AgentLoopOutput  # noqa: E402
 from agent.parsers import get_tool_parser  # noqa: E402
 from agent.tools.calculator import safe_eval  # noqa: E402
-from rollout.client import GenerateClient  # noqa: E402
+from rollout.bus.client import GenerateClient  # noqa: E402
 from test_chat import HERMES_TEMPLATE  # noqa: E402
 from test_tool_agent import _server_log, _tokenizer, check_against_server  # noqa: E402
 from tool_model import gsm8k_rows  # noqa: E402
@@ -153,7 +153,7 @@ def test_react_agent_on_gsm8k_is_token_exact_and_sticky(servers, tool_caller) ->
         assert out.prompt_ids == prompt_encoder.initial(row["prompt"])  # encoded once, with the bound tools
         check_against_server(out, sent)
         # sticky: every turn carried the trajectory's session id and landed on one engine
-        assert {sent[r]["sid"] for r in out.request_ids} == {out.session_id}
+        assert {sent[r]["session_id"] for r in out.request_ids} == {out.session_id}
         engines = {sent[r]["engine_id"] for r in out.request_ids}
         assert len(engines) == 1, (out.session_id, engines)
         engines_used |= engines

@@ -147,16 +147,16 @@ def test_two_workers_two_servers_mixed_agents(servers, tool_caller, tmp_path):
         # the mask-1 tokens are exactly what the servers generated, request by request
         assert out.model_token_ids() == [t for rid in out.request_ids for t in sent[rid]["token_ids"]]
         assert sent[out.request_ids[0]]["prompt_len"] == len(out.prompt_ids)
-        assert {sent[rid]["sid"] for rid in out.request_ids} == {out.session_id}
+        assert {sent[rid]["session_id"] for rid in out.request_ids} == {out.session_id}
     for g in range(len(rows)):
         first = [sent[o.request_ids[0]] for o in outs[g * n:(g + 1) * n]]
-        assert len({r["gid"] for r in first}) == 1 and len({r["engine_id"] for r in first}) == 1
+        assert len({r["group_id"] for r in first}) == 1 and len({r["engine_id"] for r in first}) == 1
         group_engines.append(first[0]["engine_id"])
         client_of_group.append({rid.split("-")[0] for o in outs[g * n:(g + 1) * n] for rid in o.request_ids})
     assert len({tuple(sorted(c)) for c in client_of_group}) == 2  # two workers, one per group
     assert all(len(c) == 1 for c in client_of_group)
     assert all(client_of_group[g] == client_of_group[g % 2] for g in range(len(rows)))  # groups dealt round-robin
-    assert len({sent[rid]["gid"] for rid in sent}) == len(rows)
+    assert len({sent[rid]["group_id"] for rid in sent}) == len(rows)
     assert set(group_engines) == {"e0", "e1"}  # groups spread over both engines
     tool_outs = [o for i, o in enumerate(outs) if rows[i // n]["agent_name"] == "tool_agent"]
     assert sum(t.get("calls", 0) for o in tool_outs for t in o.turns if t["kind"] == "tools") > 0
@@ -263,7 +263,7 @@ def test_in_process_workers_pad_and_flag_failed_trajectories(servers):
             prompt, resp, mask, _ = unpad(batch, i)
             rid, = batch.request_ids[i]
             assert resp == sent[rid]["token_ids"] and mask == [1] * len(resp)
-            assert sent[rid]["prompt_len"] == len(prompt) and sent[rid]["sid"] == batch.session_ids[i]
+            assert sent[rid]["prompt_len"] == len(prompt) and sent[rid]["session_id"] == batch.session_ids[i]
         assert len(set(batch.session_ids)) == 8
         assert batch.loss_mask[6:].sum() == 0
         m = batch.metrics()

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engines.models import load_tokenizer, resolve_model, tiny_llama
-from rollout.client import GenerateClient
-from rollout.weight_sync import push_weights
+from rollout.bus.client import GenerateClient
+from rollout.weights.bus import push_weights
 
 
 def _logprobs(model: torch.nn.Module, prompt: list[int], ids: list[int]) -> torch.Tensor:

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from engines.inference.base import SamplingParams
-from rollout.client import GenerateClient, RequestFailed
+from rollout.bus.client import GenerateClient, RequestFailed
 
 GOOD = {"max_tokens": 16, "temperature": 1.0, "ignore_eos": True}
 POISON = [  # (sampling, prompt, what the error must name)

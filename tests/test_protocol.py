@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from garbage import garbage_frames
-from rollout import protocol as P
+from rollout.bus import protocol as P
 
 
 def _roundtrip(msg: P.Message) -> P.Message:
@@ -39,18 +39,24 @@ def test_generate_and_result_round_trip_with_raw_frames():
     P.Wake(rid="w"),
     P.Status(rid="st", engine_id="e1", weight_version=4, stats={"waiting": 2, "running": 3}),
     P.Ack(rid="k", of="sleep", weight_version=1), P.Error(rid="e", code="bad_frame", message="x"),
-    P.WeightsBegin(rid="b", version=2), P.WeightsCommit(rid="c", version=2, num_buckets=3),
+    P.WeightsBegin(rid="b", weight_version=2), P.WeightsCommit(rid="c", weight_version=2, num_buckets=3),
 ])
 def test_control_messages_round_trip(msg):
     assert _roundtrip(msg) == msg
 
 
-def test_sleep_level_travels_as_lvl_and_old_senders_mean_level_1():
-    assert msgpack.unpackb(P.Sleep(rid="s", level=2).encode()[0])["lvl"] == 2
-    old = P.decode([msgpack.packb({"v": 1, "t": "sleep", "rid": "s"})])  # a sender from before levels
-    assert isinstance(old, P.Sleep) and old.level == 1
+def test_fields_travel_by_their_names_and_a_missing_one_takes_its_default():
+    assert msgpack.unpackb(P.Sleep(rid="s", level=2).encode()[0])["level"] == 2
+    head = msgpack.unpackb(P.WeightsBegin(rid="b", weight_version=3).encode()[0])
+    assert head == {"v": P.PROTOCOL_VERSION, "t": "weights_begin", "rid": "b", "weight_version": 3, "preempt": False}
+    bare = P.decode([msgpack.packb({"v": P.PROTOCOL_VERSION, "t": "sleep", "rid": "s"})])
+    assert isinstance(bare, P.Sleep) and bare.level == 1
+    with pytest.raises(P.ProtocolError, match="weights_begin.weight_version must be int, got str"):
+        P.decode([msgpack.packb({**head, "weight_version": "3"})])
+    with pytest.raises(P.ProtocolError, match="weights_begin.preempt must be bool, got int"):
+        P.decode([msgpack.packb({**head, "preempt": 1})])
     with pytest.raises(P.ProtocolError, match=r"sleep level 3 is not one of \(1, 2\)"):
-        P.decode([msgpack.packb({"v": 1, "t": "sleep", "rid": "s", "lvl": 3})])
+        P.decode([msgpack.packb({"v": P.PROTOCOL_VERSION, "t": "sleep", "rid": "s", "level": 3})])
     with pytest.raises(P.ProtocolError, match="sleep level 0"):
         P.Sleep(rid="s", level=0)  # refused where it is made, not only where it arrives
 
@@ -62,7 +68,7 @@ def test_status_load_is_waiting_plus_running():
 def test_weight_bucket_round_trip_and_checksum():
     import torch
 
-    from rollout.weight_sync import iter_buckets, tensors_from_bucket
+    from rollout.weights.codec import iter_buckets, tensors_from_bucket
 
     named = [(f"layer.{i}.weight", torch.randn(64, 32)) for i in range(5)] + [("bias", torch.randn(3).bfloat16())]
     buckets = list(iter_buckets(named, version=7, bucket_bytes=64 * 32 * 4 * 2))
@@ -92,24 +98,24 @@ def test_decode_never_raises_anything_but_protocol_error():
 
 
 def test_unknown_version_names_both_versions():
-    with pytest.raises(P.ProtocolError, match="unsupported protocol version 2; this peer speaks 1"):
-        P.decode([msgpack.packb({"v": 2, "t": "health", "rid": "x"})])
+    with pytest.raises(P.ProtocolError, match="unsupported protocol version 1; this peer speaks 2"):
+        P.decode([msgpack.packb({"v": 1, "t": "health", "rid": "x"})])
 
 
 @pytest.mark.parametrize("alg", ["xxh3", "crc32"])
 def test_both_checksums_catch_a_flipped_byte_and_say_which_they_are(alg: str):
     import torch
 
-    from rollout.weight_sync import bucket_from_tensors, tensors_from_bucket
+    from rollout.weights.codec import bucket_from_tensors, checksum, tensors_from_bucket
 
     b = bucket_from_tensors([("w", torch.randn(256))], version=1, index=0)
-    b.alg, b.crc = alg, P.checksum(b.frames, alg)
+    b.checksum_alg, b.checksum = alg, checksum(b.frames, alg)
     back = P.decode([bytes(f) for f in b.encode()])
-    assert back.alg == alg and torch.equal(tensors_from_bucket(back)[0][1], tensors_from_bucket(b)[0][1])
+    assert back.checksum_alg == alg and torch.equal(tensors_from_bucket(back)[0][1], tensors_from_bucket(b)[0][1])
     raw = bytearray(bytes(back.frames[0]))
     raw[100] ^= 0x01
     back.frames[0] = bytes(raw)
     with pytest.raises(P.ProtocolError, match=f"checksum \\({alg}"):
         tensors_from_bucket(back)
     with pytest.raises(P.ProtocolError, match="unknown checksum 'md5'"):
-        P.checksum(b.frames, "md5")
+        checksum(b.frames, "md5")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rollout.router import NoEngineAvailable, Router
+from rollout.bus.router import NoEngineAvailable, Router
 
 
 def test_sticky_group_keeps_sessions_and_groups_together():

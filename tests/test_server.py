@@ -12,8 +12,8 @@ import zmq
 import zmq.asyncio
 
 from garbage import garbage_frames
-from rollout import protocol as P
-from rollout.client import GenerateClient, RequestFailed
+from rollout.bus import protocol as P
+from rollout.bus.client import GenerateClient, RequestFailed
 
 N_GARBAGE = 10_000
 
@@ -107,7 +107,7 @@ def test_weight_update_bumps_version_and_changes_the_model(servers):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from engines.models import resolve_model
-    from rollout.weight_sync import iter_buckets
+    from rollout.weights.codec import iter_buckets
 
     path = resolve_model("tiny-llama")
     torch.manual_seed(123)
@@ -120,7 +120,7 @@ def test_weight_update_bumps_version_and_changes_the_model(servers):
             await client.wait_ready(timeout_s=300)
             before = await client.generate(prompt, {"max_tokens": 6, "temperature": 0, "ignore_eos": True})
             buckets = list(iter_buckets(new.state_dict().items(), version=1, bucket_bytes=1 << 20))
-            await client.call(0, P.WeightsBegin(version=1))
+            await client.call(0, P.WeightsBegin(weight_version=1))
             # a corrupted bucket is refused and nothing else breaks
             bad = buckets[0]
             good_frame = bad.frames[0]
@@ -131,12 +131,12 @@ def test_weight_update_bumps_version_and_changes_the_model(servers):
             for b in buckets:
                 await client.call(0, b)
             with pytest.raises(RequestFailed, match="commit of version 1 with 99 buckets"):
-                await client.call(0, P.WeightsCommit(version=1, num_buckets=99))
-            ack = await client.call(0, P.WeightsCommit(version=1, num_buckets=len(buckets)))
+                await client.call(0, P.WeightsCommit(weight_version=1, num_buckets=99))
+            ack = await client.call(0, P.WeightsCommit(weight_version=1, num_buckets=len(buckets)))
             after = await client.generate(prompt, {"max_tokens": 6, "temperature": 0, "ignore_eos": True},
                                           min_weight_version=1)
             with pytest.raises(RequestFailed, match="not newer"):
-                await client.call(0, P.WeightsBegin(version=1))
+                await client.call(0, P.WeightsBegin(weight_version=1))
             return before, ack, after
 
     before, ack, after = asyncio.run(main())
@@ -175,7 +175,7 @@ def test_requests_waiting_for_a_weight_version_count_as_load_time_out_and_are_ca
 
 def test_one_peer_cannot_park_more_than_the_cap():
     from engines.inference.echo import EchoEngine
-    from rollout.server import EngineServer
+    from rollout.bus.server import EngineServer
 
     async def main(tmp: str):
         server = EngineServer(EchoEngine(), f"ipc://{tmp}/cap.sock", "e0", gate_timeout_s=30, max_gated_per_peer=3)
@@ -204,7 +204,7 @@ def test_a_burst_from_one_peer_holds_at_most_the_cap():
     before a request waits for the gate's lock, so at most the default cap (4096) is held and the
     rest are refused at once (before, all 10,000 were held)."""
     from engines.inference.echo import EchoEngine
-    from rollout.server import MAX_GATED_PER_PEER, EngineServer
+    from rollout.bus.server import MAX_GATED_PER_PEER, EngineServer
 
     async def main(tmp: str) -> tuple[int, int, int]:
         server = EngineServer(EchoEngine(), f"ipc://{tmp}/burst.sock", "e0", gate_timeout_s=60)
@@ -242,7 +242,7 @@ def test_a_server_holding_thousands_of_requests_stops_within_seconds(tmp_path: P
     """`stop()` (what SIGTERM and the parent watch call) while 4096 requests wait at the gate: every
     one is answered and the server is gone within 10 s, in 20 runs of 20."""
     from engines.inference.echo import EchoEngine
-    from rollout.server import MAX_GATED_PER_PEER, EngineServer
+    from rollout.bus.server import MAX_GATED_PER_PEER, EngineServer
 
     async def once(i: int) -> tuple[float, int]:
         addr = f"ipc://{tmp_path}/stop{i}.sock"
@@ -279,7 +279,7 @@ def test_requests_of_a_peer_that_went_away_are_dropped():
     import numpy as np
 
     from engines.inference.echo import EchoEngine
-    from rollout.server import EngineServer
+    from rollout.bus.server import EngineServer
 
     async def main(tmp: str):
         addr = f"ipc://{tmp}/gone.sock"

@@ -68,7 +68,7 @@ def test_sglang_through_the_bus_matches_transformers(servers):
     pytest.importorskip("sglang")
     import torch
 
-    from rollout.client import GenerateClient
+    from rollout.bus.client import GenerateClient
 
     prompt = _chat_prompt()
     srv = servers(1, backend="sglang", model="smollm2-135m-instruct",

@@ -15,7 +15,7 @@ from agent.loop import AgentContext, AgentLoopOutput
 from agent.tool_agent import ToolAgentLoop
 from agent.tools import BaseTool, ToolResponse
 from agent.tools.calculator import CalculatorTool
-from rollout.client import GenerateClient
+from rollout.bus.client import GenerateClient
 from tool_model import CALCULATOR_SCHEMA, gsm8k_rows
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"

@@ -19,7 +19,7 @@ from agent.loop import AgentContext, AgentLoopBase, AgentLoopRegistry
 from agent.tool_agent import ToolAgentConfig, ToolAgentLoop, truncate_tokens
 from agent.tools import BaseTool, ToolResponse
 from agent.tools.calculator import CalculatorTool
-from rollout.client import GenerateResult
+from rollout.bus.client import GenerateResult
 
 SCHEMA = {"type": "function", "function": {"name": "calculator", "description": "math",
                                            "parameters": {"type": "object", "properties": {}}}}

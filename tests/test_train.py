@@ -165,7 +165,7 @@ def test_kill_9_mid_step_resumes_exactly(tmp_path: Path):
     try:
         _wait_for(out / "checkpoints" / "step_000002" / "state.pt", proc, 300)
         children = psutil.Process(proc.pid).children(recursive=True)
-        servers = [c for c in children if "rollout.server" in " ".join(c.cmdline())]
+        servers = [c for c in children if "rollout.bus.server" in " ".join(c.cmdline())]
         assert servers
         os.kill(proc.pid, signal.SIGKILL)  # during step 3: its rollout has started, nothing of it is saved
         proc.wait(30)
@@ -176,7 +176,7 @@ def test_kill_9_mid_step_resumes_exactly(tmp_path: Path):
     assert not alive, [p.cmdline() for p in alive]
     assert [m["step"] for m in metrics(out)][-1] in (2, 3)  # step 3 may or may not have logged
 
-    from rollout.shm import shm_dir
+    from rollout.weights.shm import shm_dir
 
     assert list(shm_dir().glob(f"switchyard-wb-{proc.pid}-*"))  # the killed trainer's weight slots are left over
     proc2 = train(args)

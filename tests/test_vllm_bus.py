@@ -33,9 +33,9 @@ def test_vllm_cpu_through_the_bus_matches_transformers(servers):
     from transformers import AutoModelForCausalLM
 
     from engines.models import load_tokenizer, resolve_model
-    from rollout import protocol as P
-    from rollout.client import GenerateClient
-    from rollout.weight_sync import iter_buckets
+    from rollout.bus import protocol as P
+    from rollout.bus.client import GenerateClient
+    from rollout.weights.codec import iter_buckets
 
     path = resolve_model("smollm2-135m-instruct")
     tok = load_tokenizer("smollm2-135m-instruct")
@@ -61,10 +61,10 @@ def test_vllm_cpu_through_the_bus_matches_transformers(servers):
             state = {k: v.clone() for k, v in ref.state_dict().items()}
             state["model.norm.weight"] *= 0.5
             buckets = list(iter_buckets(state.items(), version=1, bucket_bytes=64 << 20))
-            await client.call(0, P.WeightsBegin(version=1))
+            await client.call(0, P.WeightsBegin(weight_version=1))
             for b in buckets:
                 await client.call(0, b)
-            await client.call(0, P.WeightsCommit(version=1, num_buckets=len(buckets)))
+            await client.call(0, P.WeightsCommit(weight_version=1, num_buckets=len(buckets)))
             after = await client.generate(prompts[1], {"max_tokens": 16, "temperature": 0.7, "seed": 3},
                                           min_weight_version=1)
             return runs, again, after, state, len(buckets)

@@ -9,8 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from engines.models import load_tokenizer, tiny_llama
-from rollout.client import GenerateClient
-from rollout.weight_sync import bucket_by_size, push_weights, shm_bucket, tensor_from_raw, tensor_to_raw
+from rollout.bus.client import GenerateClient
+from rollout.weights.codec import bucket_by_size, slot_bucket, tensor_from_raw, tensor_to_raw
+from rollout.weights.bus import push_weights
 
 
 def test_buckets_flush_before_the_tensor_that_would_overflow():
@@ -61,8 +62,8 @@ def _slots_into_two_engines(servers, slots, seed: int, refusals: list[tuple[dict
     model as version 2. Checks what every slot kind must do; returns the push report."""
     import pytest
 
-    from rollout import protocol as P
-    from rollout.client import RequestFailed
+    from rollout.bus import protocol as P
+    from rollout.bus.client import RequestFailed
 
     srv = servers(2, backend="hf", model="tiny-llama")
     new = tiny_llama(load_tokenizer("tiny-llama"), seed=seed)
@@ -77,17 +78,17 @@ def _slots_into_two_engines(servers, slots, seed: int, refusals: list[tuple[dict
             await client.wait_ready(timeout_s=300)
             report = await push_weights(client, new.state_dict().items(), version=1, bucket_bytes=1 << 20, slots=slots)
             before = await greedy(client)
-            await client.broadcast(P.WeightsBegin(version=2))
-            bucket = shm_bucket(slots, 0, [("model.norm.weight", torch.zeros(new.config.hidden_size))], 2, 0)
-            slots.buffer(0, bucket.shm["total"])[5] ^= 1  # one byte flipped after the checksum was taken
+            await client.broadcast(P.WeightsBegin(weight_version=2))
+            bucket = slot_bucket(slots, 0, [("model.norm.weight", torch.zeros(new.config.hidden_size))], 2, 0)
+            slots.buffer(0, bucket.ref["total"])[5] ^= 1  # one byte flipped after the checksum was taken
             with pytest.raises(RequestFailed, match="failed its checksum"):
                 await client.broadcast(bucket)
             for change, match in refusals:
-                bucket.shm = {**bucket.shm, **change}
+                bucket.ref = {**bucket.ref, **change}
                 with pytest.raises(RequestFailed, match=match):
                     await client.broadcast(bucket)
             with pytest.raises(RequestFailed, match="commit of version 2 with 1 buckets, but 0"):
-                await client.broadcast(P.WeightsCommit(version=2, num_buckets=1))
+                await client.broadcast(P.WeightsCommit(weight_version=2, num_buckets=1))
             # the engines hold admission until a version commits: version 2 again, all but the norm weight
             rest = [(n, t) for n, t in new.state_dict().items() if n != "model.norm.weight"]
             await push_weights(client, rest, version=2, bucket_bytes=1 << 20, slots=slots)
@@ -112,7 +113,7 @@ def test_shared_memory_path_loads_every_engine_and_refuses_a_flipped_byte(server
     """Buckets in shared-memory slots: only their names cross the socket; both engines load the
     same slot, serve the new weights exactly; a slot with one flipped byte is refused by every
     engine and the version is not committed; a slot outside the shared-memory prefix is refused."""
-    from rollout.shm import ShmSlots, shm_dir
+    from rollout.weights.shm import ShmSlots, shm_dir
 
     slots = ShmSlots()
     report, _ = _slots_into_two_engines(servers, slots, 11, [({"path": "/etc/hostname"}, "only .* files are mapped")])
@@ -128,7 +129,7 @@ def test_slot_files_of_killed_senders_are_removed(tmp_path):
     import subprocess
     import sys
 
-    from rollout.shm import PREFIX, ShmSlots
+    from rollout.weights.shm import PREFIX, ShmSlots
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f"{PREFIX}{int(dead.stdout)}-0123456789abcdef"
@@ -191,7 +192,7 @@ def test_collective_relay_loads_both_nodes_and_commits_all_or_nothing(tmp_path):
 
 
 def test_sum64_changes_with_any_flipped_byte():
-    from rollout.handles import sum64
+    from rollout.weights.codec import sum64
 
     flat = torch.randint(0, 256, (1003,), dtype=torch.uint8)  # 125 words and a 3-byte tail
     base = sum64(flat)
@@ -207,14 +208,14 @@ def test_buckets_by_memory_handle_load_every_engine_and_a_flipped_byte_is_refuse
     torch's file-backed shared memory by its handle. Both engine processes open the trainer's buffer,
     check its sum64 and serve the new weights exactly; one flipped byte is refused by every engine
     and the version is not committed; a handle of another kind, or one that cannot be opened, is refused."""
-    from rollout.handles import HandleSlots
+    from rollout.weights.handle import HandleSlots
 
     slots = HandleSlots("cpu")
     report, bucket = _slots_into_two_engines(servers, slots, 12, [
         ({"handle": {"tpu": [1]}}, "neither a cpu nor a cuda handle"),
         ({"handle": {"cpu": [b"/no/manager.sock", b"/no_such_buffer", 64]}},
          "cannot open the weights bucket's cpu handle")])
-    assert report.path == "handle" and bucket.alg == "sum64" and "handle" in bucket.shm and "path" not in bucket.shm
+    assert report.path == "handle" and bucket.checksum_alg == "sum64" and "handle" in bucket.ref and "path" not in bucket.ref
     slots.close()
 
 
@@ -223,10 +224,10 @@ def test_weights_with_a_nan_are_refused_naming_the_tensor(servers):
     bucket is refused naming the tensor, and the in-process path checks the same way."""
     import pytest
 
-    from rollout.client import RequestFailed
-    from rollout.protocol import ProtocolError
-    from rollout.shm import ShmSlots
-    from rollout.weight_sync import finite
+    from rollout.bus.client import RequestFailed
+    from rollout.bus.protocol import ProtocolError
+    from rollout.weights.shm import ShmSlots
+    from rollout.weights.codec import finite
 
     srv = servers(1, backend="hf", model="tiny-llama")
     bad = {n: t.clone() for n, t in tiny_llama(load_tokenizer("tiny-llama"), seed=3).state_dict().items()}

@@ -17,7 +17,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     from agent.gateway.server import Gateway, is_loopback
     from engines.models import resolve_model
-    from rollout.client import GenerateClient
+    from rollout.bus.client import GenerateClient
 
     if not is_loopback(args.host) and not args.api_key:
         raise SystemExit(f"--host {args.host} is beyond loopback: give --api-key KEY (clients send it as "

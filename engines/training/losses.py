@@ -9,7 +9,7 @@ any arithmetic, so garbage there reaches neither the loss nor its gradient.
 One loss is built from three terms, each aggregated the same way (`agg_loss`):
     loss = policy_loss + kl_coef * kl_penalty  (only when the KL is a loss)  - entropy_coef * entropy
 When the KL belongs in the reward instead, the trainer takes the per-token `kl_penalty(...)`
-and hands it to `rollout.advantages.reinforce_pp(kl=..., kl_coef=...)` or subtracts it from the
+and hands it to `engines.training.advantages.reinforce_pp(kl=..., kl_coef=...)` or subtracts it from the
 rewards; `compute_loss` then leaves it out.
 
 Three policies meet in an off-policy batch: the behaviour policy that sampled the tokens (the

@@ -13,10 +13,10 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from parallel.reshard import DecoderLayout
+# a `parallel.reshard.DecoderLayout`; named loosely here because reshard reads the families, not the reverse
+Layout = Any
 
 PARTS = ("embedding", "layer", "final")
 KINDS = ("replicated", "vocab", "col", "row", "qkv:q", "qkv:k", "qkv:v", "fc1:gate", "fc1:up")
@@ -56,8 +56,8 @@ class Family:
 
     model_type: str
     read_layout: Callable[[Any], dict[str, Any]]  # DecoderLayout fields (all but model_type) from an HF config
-    transformer_flags: Callable[[DecoderLayout], dict[str, Any]]  # TransformerConfig keywords
-    model_flags: Callable[[DecoderLayout], dict[str, Any]]  # GPTModel keywords
+    transformer_flags: Callable[[Layout], dict[str, Any]]  # TransformerConfig keywords
+    model_flags: Callable[[Layout], dict[str, Any]]  # GPTModel keywords
     layer_spec: Callable[[], Any]  # the megatron-core ModuleSpec of one decoder layer
     tensors: tuple[TensorRow, ...]
 

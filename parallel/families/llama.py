@@ -16,12 +16,9 @@ Per layer, with G query groups of Hq/G query heads of size d:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from parallel.families import Family, TensorRow
-
-if TYPE_CHECKING:
-    from parallel.reshard import DecoderLayout
+from parallel.families import Family, Layout, TensorRow
 
 
 def read_layout(cfg: Any) -> dict[str, Any]:
@@ -42,7 +39,7 @@ def read_layout(cfg: Any) -> dict[str, Any]:
                 rope_theta=float(theta or 10000.0), max_positions=int(getattr(cfg, "max_position_embeddings", 4096)))
 
 
-def transformer_flags(lay: DecoderLayout) -> dict[str, Any]:
+def transformer_flags(lay: Layout) -> dict[str, Any]:
     """What makes a megatron-core TransformerConfig compute a llama block: RMSNorm, SwiGLU, no
     biases but the optional QKV one."""
     import torch.nn.functional as F
@@ -51,7 +48,7 @@ def transformer_flags(lay: DecoderLayout) -> dict[str, Any]:
                 activation_func=F.silu, add_bias_linear=False, add_qkv_bias=lay.qkv_bias)
 
 
-def model_flags(lay: DecoderLayout) -> dict[str, Any]:
+def model_flags(lay: Layout) -> dict[str, Any]:
     """Rotary positions with the checkpoint's base."""
     return dict(position_embedding_type="rope", rotary_base=int(lay.rope_theta))
 

@@ -24,9 +24,9 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from engines.inference.base import SamplingParams
-from rollout import protocol as P
-from rollout.auth import AuthError, ClientKeys, needs_auth
-from rollout.router import NoEngineAvailable, Router
+from rollout.bus import protocol as P
+from rollout.bus.auth import AuthError, ClientKeys, needs_auth
+from rollout.bus.router import NoEngineAvailable, Router
 
 log = logging.getLogger("switchyard.client")
 
@@ -78,7 +78,7 @@ class GenerateClient:
         open_tcp = [a for a in self.addresses if needs_auth(a)]
         if open_tcp and keys is None:
             raise AuthError(f"engines {open_tcp} are reached over the network and need the run's client keys "
-                            "(rollout.auth.BusKeys.for_role); pass keys=...")
+                            "(rollout.bus.auth.BusKeys.for_role); pass keys=...")
         self.router = Router(len(addresses), policy)
         for i in range(len(addresses)):  # nothing is routed to an engine before it answered once
             self.router.mark_down(i)

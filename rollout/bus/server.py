@@ -6,7 +6,7 @@ prompt while the engine is busy. A frame that cannot be parsed gets an `Error` r
 server goes on: no client can stop it by sending garbage.
 
 Run one per engine (per engine DP group):
-    python -m rollout.server --backend hf --model tiny-llama --address ipc:///tmp/e0.sock
+    python -m rollout.bus.server --backend hf --model tiny-llama --address ipc:///tmp/e0.sock
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ import zmq
 import zmq.asyncio
 
 from engines.inference import Engine, EngineDeadError, SamplingParams, make_engine
-from rollout import protocol as P
-from rollout.auth import CONTROL_ROLES, AuthError, BusKeys, needs_auth, role_of, secure_server, zap_handler
-from rollout.inproc import LocalLoad
-from rollout.launcher import parse_options
+from rollout.bus import protocol as P
+from rollout.bus.auth import CONTROL_ROLES, AuthError, BusKeys, needs_auth, role_of, secure_server, zap_handler
+from rollout.weights.inproc import LocalLoad
+from rollout.weights.receive import WeightReceiver
+from rollout.bus.launcher import parse_options
 
 log = logging.getLogger("switchyard.server")
 GATE_TIMEOUT_S = 1800.0  # longest a generate waits for the engine to wake, finish an update or load its version
@@ -42,7 +43,7 @@ CONTROL = (P.Sleep, P.Wake, P.WeightsBegin, P.WeightsBucket, P.WeightsCommit)  #
 
 class EngineServer:
     """Serves `engine` on one or more addresses (ipc:// for clients on this node, tcp:// for the
-    others). A tcp bind needs the run's `keys` (`rollout.auth`): CURVE admits only the trainer
+    others). A tcp bind needs the run's `keys` (`rollout.bus.auth`): CURVE admits only the trainer
     and the agent workers, and only the trainer may send control messages. A tcp address with
     port 0 binds a free port; `endpoints` holds what was really bound."""
 
@@ -53,7 +54,7 @@ class EngineServer:
         self.addresses = [address] if isinstance(address, str) else list(address)
         if keys is None and any(needs_auth(a) for a in self.addresses):
             raise AuthError(f"engine {engine_id}: binding {[a for a in self.addresses if needs_auth(a)]} needs the "
-                            "run's bus keys (rollout.auth.BusKeys); an open tcp socket would let any host on the "
+                            "run's bus keys (rollout.bus.auth.BusKeys); an open tcp socket would let any host on the "
                             "network drive the engine")
         self.keys = keys
         self.endpoints: list[str] = []
@@ -100,7 +101,7 @@ class EngineServer:
         """Start the engine, bind, serve until stop(); the engine is closed on the way out."""
         self._loop = asyncio.get_running_loop()
         await self.engine.start()
-        tasks = [asyncio.create_task(self._weights_loop())]
+        tasks = [asyncio.create_task(self._control_loop())]
         if self.keys is not None:
             zap_ready = asyncio.Event()
             tasks.append(asyncio.create_task(zap_handler(self._ctx, self.keys, zap_ready)))
@@ -175,7 +176,7 @@ class EngineServer:
                     self._reply(identity, P.Error(rid=msg.rid, code="forbidden", message=(
                         f"{msg.TYPE} is only accepted from the trainer; this peer may generate, abort and read load")))
                     continue
-                if isinstance(msg, P.WeightsBucket) and msg.shm is not None and not self.addresses[index].startswith("ipc://"):
+                if isinstance(msg, P.WeightsBucket) and msg.ref is not None and not self.addresses[index].startswith("ipc://"):
                     self.refused += 1
                     self._reply(identity, P.Error(rid=msg.rid, code="forbidden", message=(
                         "a weights bucket in shared memory is only taken on the ipc socket (same node); send frames "
@@ -325,7 +326,7 @@ class EngineServer:
             self.preemptions += 1
         if self._request_log:  # logged before the reply leaves, so an audit never misses one
             self._request_log.write(json.dumps({
-                "rid": msg.rid, "sid": msg.session_id, "gid": msg.group_id, "engine_id": self.engine_id,
+                "rid": msg.rid, "session_id": msg.session_id, "group_id": msg.group_id, "engine_id": self.engine_id,
                 "weight_version": self.weight_version, "prompt_len": int(msg.prompt_ids.size),
                 "token_ids": list(map(int, out.token_ids)), "finish_reason": reason}) + "\n")
         stats = self.engine.stats()
@@ -346,13 +347,27 @@ class EngineServer:
                 setattr(self, k, v)
             self._gate.notify_all()
 
-    async def _weights_loop(self) -> None:
-        from rollout.shm import ShmReader
-        from rollout.weight_sync import tensors_from_bucket
+    async def pause_for_update(self, version: int, preempt: bool) -> None:
+        """Hold new generation for weight version `version`; running requests end on the old weights
+        (with `preempt` they stop now with their tokens, and their clients continue them)."""
+        if version <= self.weight_version:
+            raise ValueError(f"weight version {version} is not newer than the engine's "
+                             f"{self.weight_version}; versions must increase")
+        await self._set_gate(_updating=True)
+        if preempt:
+            for key in list(self._running):
+                self._preempted.add(key)
+                await self.engine.abort(self._engine_rid(*key))
+        await self._idle.wait()
 
-        slots = ShmReader()
-        pending_version: int | None = None
-        loaded = 0
+    async def resume(self, version: int) -> None:
+        """Serve `version` from now on and let held requests through."""
+        self.weight_version = version
+        await self._set_gate(_updating=False, _weights_freed=False)
+
+    async def _control_loop(self) -> None:
+        """Sleep, wake and weight messages, strictly in arrival order."""
+        weights = WeightReceiver(self)
         while True:
             identity, msg = await self._weight_jobs.get()
             try:
@@ -365,48 +380,11 @@ class EngineServer:
                 elif isinstance(msg, P.Wake):
                     await self.engine.wake()
                     await self._set_gate(_sleeping=False)
-                elif isinstance(msg, P.WeightsBegin):
-                    if msg.version <= self.weight_version:
-                        raise ValueError(f"weight version {msg.version} is not newer than the engine's "
-                                         f"{self.weight_version}; versions must increase")
-                    await self._set_gate(_updating=True)
-                    if msg.preempt:  # running requests stop now, with their tokens; clients continue them
-                        for key in list(self._running):
-                            self._preempted.add(key)
-                            await self.engine.abort(self._engine_rid(*key))
-                    await self._idle.wait()  # requests already admitted end on the old weights
-                    pending_version, loaded = msg.version, 0
-                elif isinstance(msg, P.WeightsBucket):
-                    if msg.version != pending_version:
-                        raise ValueError(f"bucket for version {msg.version} but the update in progress is "
-                                         f"{pending_version}; send weights_begin first")
-                    await self.engine.update_weights(tensors_from_bucket(msg, slots))
-                    loaded += 1
-                elif isinstance(msg, LocalLoad):
-                    from rollout.weight_sync import load_into_engine
-
-                    if msg.version <= self.weight_version:
-                        raise ValueError(f"weight version {msg.version} is not newer than the engine's "
-                                         f"{self.weight_version}; versions must increase")
-                    await self._set_gate(_updating=True)
-                    if msg.preempt:
-                        for key in list(self._running):
-                            self._preempted.add(key)
-                            await self.engine.abort(self._engine_rid(*key))
-                    await self._idle.wait()
-                    report = await load_into_engine(self.engine, msg.named, msg.bucket_bytes)
-                    self.weight_version = msg.version
-                    await self._set_gate(_updating=False, _weights_freed=False)
-                    msg.done.set_result(report)
-                    continue
-                elif isinstance(msg, P.WeightsCommit):
-                    if msg.version != pending_version or msg.num_buckets != loaded:
-                        raise ValueError(f"commit of version {msg.version} with {msg.num_buckets} buckets, but "
-                                         f"{loaded} buckets of version {pending_version} were loaded")
-                    await self.engine.finish_weight_update()
-                    slots.release()
-                    self.weight_version, pending_version = msg.version, None
-                    await self._set_gate(_updating=False, _weights_freed=False)
+                else:
+                    report = await weights.apply(msg)
+                    if isinstance(msg, LocalLoad):
+                        msg.done.set_result(report)
+                        continue
                 self._reply(identity, P.Ack(rid=msg.rid, of=msg.TYPE, weight_version=self.weight_version))
             except Exception as e:
                 log.warning("%s %s failed: %s", msg.TYPE, msg.rid, e)
@@ -447,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="tiny-llama", help="built-in name, HF directory or hub id")
     ap.add_argument("--address", action="append", required=True,
                     help="ipc:///path or tcp://host:port (port 0 = any free port); repeat to bind several")
-    ap.add_argument("--keys", default=None, help="bus keys file (rollout.auth.BusKeys.write); required for tcp")
+    ap.add_argument("--keys", default=None, help="bus keys file (rollout.bus.auth.BusKeys.write); required for tcp")
     ap.add_argument("--endpoint-file", default=None, help="write the bound endpoints here as a JSON list")
     ap.add_argument("--engine-id", default=None, help="name reported in every reply (default: the address)")
     ap.add_argument("--option", action="append", default=[], help="engine option key=json-value, repeatable")

@@ -19,30 +19,19 @@ between two processes on one device, not a cryptographic one (the header carries
 shapes and offsets separately).
 
 Trust: like the shared-memory slots, a handle is only taken on the ipc socket (same node, same
-user: `rollout.server`).
+user: `rollout.bus.server`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rollout.shm import GROW, layout, views
+from rollout.bus.protocol import ProtocolError
+from rollout.weights.bus import BusRoute
+from rollout.weights.codec import GROW, layout, sum64, views
 
 if TYPE_CHECKING:
     import torch
-
-MASK = (1 << 64) - 1
-
-
-def sum64(flat: "torch.Tensor") -> int:
-    """The `sum64` checksum of a flat uint8 tensor, computed on its device (see the module docstring)."""
-    import torch
-
-    n = flat.numel() // 8 * 8
-    total = int(flat[:n].view(torch.int64).sum().item()) if n else 0
-    tail = flat[n:].cpu().numpy().tobytes()
-    return (total + int.from_bytes(tail, "little")) & MASK
-
 
 class HandleSlots:
     """`count` reusable flat buckets on `device` that engine processes open by handle."""
@@ -100,8 +89,6 @@ class HandleReader:
         self._open: dict[bytes, "torch.Tensor"] = {}
 
     def flat(self, ref: dict[str, Any]) -> "torch.Tensor":
-        from rollout.protocol import ProtocolError
-
         handle, total = ref.get("handle") or {}, int(ref["total"])
         if not isinstance(handle, dict) or len(handle) != 1 or next(iter(handle)) not in ("cpu", "cuda"):
             raise ProtocolError(f"weights bucket handle {handle!r} is neither a cpu nor a cuda handle")
@@ -136,3 +123,15 @@ def _open(kind: str, args: list[Any]) -> "torch.Tensor":
         manager, name, size = args
         storage = torch.UntypedStorage._new_shared_filename_cpu(bytes(manager), bytes(name), int(size))
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class HandleRoute(BusRoute):
+    """Engines on the trainer's own GPU (colocated): each bucket packed into a device buffer they
+    open by its CUDA IPC handle. Written for GPUs, not run here (its CPU form is tested directly)."""
+
+    name = "handle"
+
+    def make_slots(self) -> HandleSlots:
+        import torch
+
+        return HandleSlots(torch.device("cuda", torch.cuda.current_device()))

@@ -13,16 +13,16 @@ input order (row i's n samples at i*n .. i*n+n-1), but a caller may shuffle or f
 Statistics are computed in float64 (rewards are few, and a group's std can be tiny) and the
 result is returned as float32, the dtype the loss works in.
 
-GAE is absent on purpose: it needs a value model, and there is none yet (issue 4).
+GAE is absent on purpose: it needs a value model, and there is none yet. A new estimator is one
+function here plus its `ESTIMATORS` entry.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 
 GroupIndex = torch.Tensor | Sequence[Any]
 
@@ -177,21 +177,37 @@ def reinforce_pp(rewards: torch.Tensor, response_mask: torch.Tensor, kl: torch.T
     return torch.where(mask, centered, 0.0).float()
 
 
-_REGISTRY: dict[str, Callable[..., torch.Tensor]] = {"grpo": grpo, "rloo": rloo, "reinforce_pp": reinforce_pp}
+@dataclass(frozen=True)
+class Estimator:
+    """One advantage estimator: `fn`, whether it compares the samples of one prompt (then it takes
+    `group_index` after the rewards), and the `algorithm` config fields it reads as keywords."""
+
+    fn: Callable[..., torch.Tensor]
+    grouped: bool
+    options: tuple[str, ...] = ()
+
+
+# the registry `algorithm.advantage` names; config validation and `launch/algorithm.learn` read it
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(grpo, grouped=True, options=("norm_by_std",)),
+    "rloo": Estimator(rloo, grouped=True),
+    "reinforce_pp": Estimator(reinforce_pp, grouped=False),
+}
 
 
 def compute_advantages(name: str, rewards: torch.Tensor, response_mask: torch.Tensor,
                        group_index: GroupIndex | None = None, **kwargs: Any) -> torch.Tensor:
     """Pick an estimator by its config name, so the trainer's config stays a plain string.
 
-    `group_index` is required by the group estimators (grpo, rloo) and ignored by reinforce_pp;
+    `group_index` is required by the group estimators (grpo, rloo) and ignored by the others;
     extra keyword arguments go to the estimator (e.g. `norm_by_std`, `kl`, `kl_coef`, `gamma`).
     """
-    if name not in _REGISTRY:
+    est = ESTIMATORS.get(name)
+    if est is None:
         raise ValueError(f"unknown advantage estimator {name!r}; choose one of {list(ESTIMATORS)}")
-    if name == "reinforce_pp":
-        return reinforce_pp(rewards, response_mask, **kwargs)
+    if not est.grouped:
+        return est.fn(rewards, response_mask, **kwargs)
     if group_index is None:
         raise ValueError(f"advantage estimator {name!r} compares samples of the same prompt and needs "
                          "group_index (one prompt label per trajectory); pass it, or use 'reinforce_pp'")
-    return _REGISTRY[name](rewards, group_index, response_mask, **kwargs)
+    return est.fn(rewards, group_index, response_mask, **kwargs)

@@ -8,12 +8,12 @@ engine copies them into its parameters before it acks, after which the sender re
 Only the header crosses the socket: nothing is serialised, the bus never copies the bytes. This is
 the CPU counterpart of handing a GPU engine CUDA IPC handles of a flat bucket.
 
-A collective broadcast (`rollout.weight_sync.relay_buckets`) receives straight into a slot, so a
+A collective broadcast (`rollout.weights.collective.relay_buckets`) receives straight into a slot, so a
 node that gets its weights from another node's trainer rank feeds its own engines the same way.
 
 Trust: slot files are created 0600 by the trainer's user under a fixed name prefix; a server maps
 only files with that prefix in the shared-memory directory, and only for requests that came in on
-its ipc socket (same node, same user: `rollout.server`).
+its ipc socket (same node, same user: `rollout.bus.server`).
 """
 
 from __future__ import annotations
@@ -25,48 +25,20 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollout.bus.protocol import ProtocolError
+from rollout.weights.bus import BusRoute
+from rollout.weights.codec import DEFAULT_CHECKSUM, GROW, checksum, layout, views
+
 if TYPE_CHECKING:
     import torch
 
 PREFIX = "switchyard-wb-"
-ALIGN = 64  # every tensor starts at a multiple of this many bytes (any dtype may view it)
-GROW = 1 << 20  # slots grow in whole MiB
 
 
 def shm_dir() -> Path:
     """Where slots live: /dev/shm (RAM) where the system has it, else the temp directory."""
     return Path("/dev/shm") if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
 
-
-def layout(tensors: list[tuple[str, "torch.Tensor"]], dtype: "torch.dtype | None" = None
-           ) -> tuple[list[str], list[list[int]], list[int], list[int], int]:
-    """(dtype names, shapes, byte offsets, byte sizes, total bytes) of a bucket packed into one slot,
-    each tensor cast to `dtype` (float tensors only) and aligned to ALIGN bytes."""
-    dtypes, shapes, offsets, sizes, at = [], [], [], [], 0
-    for _, t in tensors:
-        dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        n = t.numel() * _itemsize(dt)
-        dtypes.append(str(dt).removeprefix("torch."))
-        shapes.append(list(t.shape))
-        offsets.append(at)
-        sizes.append(n)
-        at += -(-n // ALIGN) * ALIGN
-    return dtypes, shapes, offsets, sizes, at
-
-
-def _itemsize(dtype: "torch.dtype") -> int:
-    import torch
-
-    return torch.empty(0, dtype=dtype).element_size()
-
-
-def views(flat: "torch.Tensor", dtypes: list[str], shapes: list[list[int]], offsets: list[int],
-          sizes: list[int], names: list[str] | None = None) -> list["torch.Tensor"]:
-    """Tensors that are views of a flat uint8 slot, as `layout` placed them (no copy)."""
-    from rollout.weight_sync import tensor_from_raw
-
-    return [tensor_from_raw(flat[o:o + n], d, s, name) for d, s, o, n, name
-            in zip(dtypes, shapes, offsets, sizes, names or [""] * len(sizes))]
 
 
 def free_bytes(directory: Path | None = None) -> int:
@@ -160,8 +132,6 @@ class ShmSlots:
 
     def checksum(self, i: int, total: int) -> tuple[str, int]:
         """The checksum a bucket in slot `i` carries: (algorithm, value) over its first `total` bytes."""
-        from rollout.protocol import DEFAULT_CHECKSUM, checksum
-
         return DEFAULT_CHECKSUM, checksum([memoryview(self.buffer(i, total).numpy())], DEFAULT_CHECKSUM)
 
     def close(self) -> None:
@@ -182,20 +152,10 @@ class ShmReader:
         self.dir = (directory or shm_dir()).resolve()
         self.keep = keep
         self._maps: dict[str, mmap.mmap] = {}
-        self._handles: Any = None  # rollout.handles.HandleReader, for buckets named by memory handle
 
     def flat(self, ref: dict[str, Any]) -> "torch.Tensor":
-        """The referenced slot's bytes as a flat uint8 tensor (a view of the shared file, or of a
-        buffer opened by its handle: rollout/handles.py)."""
+        """The referenced slot's bytes as a flat uint8 tensor (a view of the shared file)."""
         import torch
-
-        from rollout.protocol import ProtocolError
-
-        if "handle" in ref:
-            from rollout.handles import HandleReader
-
-            self._handles = self._handles or HandleReader()
-            return self._handles.flat(ref)
 
         path = Path(str(ref.get("path", "")))
         if path.parent.resolve() != self.dir or not path.name.startswith(PREFIX):
@@ -223,11 +183,18 @@ class ShmReader:
     def release(self) -> None:
         """Unmap every slot (after a commit): the engine's RSS then counts only its own memory, and a
         slot the sender replaced is let go. A map some tensor still views is kept until next time."""
-        if self._handles is not None:
-            self._handles.release()
         for path, mm in list(self._maps.items()):
             try:
                 mm.close()
             except BufferError:
                 continue
             del self._maps[path]
+
+
+class ShmRoute(BusRoute):
+    """Engines on the sender's node: each bucket packed into a shared-memory slot they map."""
+
+    name = "shm"
+
+    def make_slots(self) -> ShmSlots:
+        return ShmSlots()

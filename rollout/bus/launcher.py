@@ -1,4 +1,4 @@
-"""Starting engine servers as processes of their own (`python -m rollout.server`) and learning
+"""Starting engine servers as processes of their own (`python -m rollout.bus.server`) and learning
 the endpoints they bound; what `rollout.plane`, the tests and the benchmarks call."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def start_server_process(backend: str, model: str, address: str | Sequence[str],
                          cpu_threads: int | None = None, cpu_cores: Sequence[int] | None = None,
                          keys_file: str | Path | None = None, endpoint_file: str | Path | None = None,
                          gate_timeout_s: float | None = None) -> subprocess.Popen:
-    """Launch `python -m rollout.server` as its own process; pair with GenerateClient.wait_ready().
+    """Launch `python -m rollout.bus.server` as its own process; pair with GenerateClient.wait_ready().
 
     Several addresses bind one socket each (ipc for this node, tcp for the others); a tcp bind
     needs `keys_file` (`BusKeys.write`). Once bound, the server writes its real endpoints as a JSON
@@ -31,7 +31,7 @@ def start_server_process(backend: str, model: str, address: str | Sequence[str],
     core and reserves the rest (10x slower here than binding both). `cpu_threads` alone only
     caps the thread count and switches vllm's binding off.
     """
-    cmd = [sys.executable, "-m", "rollout.server", "--backend", backend, "--model", model,
+    cmd = [sys.executable, "-m", "rollout.bus.server", "--backend", backend, "--model", model,
            "--engine-id", engine_id, "--watch-parent", str(os.getpid())]
     for a in [address] if isinstance(address, str) else address:
         cmd += ["--address", a]

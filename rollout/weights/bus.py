@@ -1,0 +1,106 @@
+"""The bus route: each bucket crosses the engines' sockets as a `WeightsBucket` message, either
+carrying its tensors as raw frames or naming the buffer they lie in (a shared-memory slot or a
+memory handle on this node); every engine checks the checksum before loading, and the version
+switches at a commit every engine acknowledges."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, Iterable
+
+from rollout.bus.protocol import Ack, WeightsBegin, WeightsCommit
+from rollout.weights.codec import SyncReport, bucket_by_size, bucket_from_tensors, slot_bucket
+from rollout.weights.link import Link, Push, drain
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout.bus.client import GenerateClient
+
+
+async def push_weights(client: "GenerateClient", named: Iterable[tuple[str, "torch.Tensor"]], version: int,
+                       bucket_bytes: int = 256 << 20, timeout_s: float = 600.0, preempt: bool = False,
+                       inflight: int = 2, slots: Any = None, engines: list[int] | None = None,
+                       dtype: "torch.dtype | None" = None) -> SyncReport:
+    """Load weight version `version` into every live engine behind `client` (of `engines`, indices
+    into its addresses, if given), bucket by bucket.
+
+    Each engine pauses admission at `weights_begin` (running requests finish first, or with
+    `preempt` stop at once and are continued by their clients on the new weights), checks every
+    bucket's checksum as it arrives, and switches at `weights_commit`; the call returns only after
+    every engine acknowledged the commit with `version`, so the next rollout is on-policy. Buckets
+    are produced lazily and up to `inflight` of them are on their way at once: the next bucket is
+    gathered and serialised while the engines load the previous ones (they apply them in arrival
+    order), and the trainer never holds more than `inflight` buckets of bytes.
+
+    With `slots` (engines on this node) each bucket is packed into a shared-memory slot, cast to
+    `dtype`, and only its name crosses the socket; a slot is refilled once every engine acked it.
+    """
+    t0 = time.perf_counter()
+    begun = await client.broadcast(WeightsBegin(weight_version=version, preempt=preempt), timeout_s, only=engines)
+    buckets = nbytes = 0
+    window: list[asyncio.Future] = []
+    try:
+        for index, tensors in enumerate(bucket_by_size(named, bucket_bytes)):
+            if slots is not None:
+                while len(window) >= slots.count:  # the slot this bucket goes into is free once its last user acked
+                    await window.pop(0)
+                bucket = slot_bucket(slots, index % slots.count, tensors, version, index, dtype)
+                nbytes += bucket.ref["total"]
+            else:
+                bucket = bucket_from_tensors(tensors, version, index)
+                nbytes += sum(len(f) for f in bucket.frames)
+            window.append(asyncio.ensure_future(client.broadcast(bucket, timeout_s, only=engines)))
+            buckets += 1
+            while len(window) >= max(1, inflight):
+                await window.pop(0)
+        while window:
+            await window.pop(0)
+    finally:
+        for task in window:  # a failed bucket: the others are not waited for
+            task.cancel()
+    acks = await commit(client, version, buckets, len(begun), timeout_s, engines)
+    return SyncReport(version, len(acks), buckets, nbytes, time.perf_counter() - t0,
+                      getattr(slots, "kind", "shm") if slots else "bus")
+
+
+async def commit(client: "GenerateClient", version: int, buckets: int, begun: int, timeout_s: float = 600.0,
+                 engines: list[int] | None = None) -> list[Any]:
+    """Switch the engines to `version` once all `buckets` arrived; raises unless all `begun` acked it."""
+    acks = await client.broadcast(WeightsCommit(weight_version=version, num_buckets=buckets), timeout_s, only=engines)
+    wrong = [a for a in acks if not isinstance(a, Ack) or a.weight_version != version]
+    if wrong or len(acks) != begun:
+        raise RuntimeError(f"weight version {version} was not committed by every engine ({len(acks)} acks for "
+                           f"{begun} engines, unexpected: {wrong[:3]}); check the engine server logs")
+    return acks
+
+
+class BusRoute:
+    """Every bucket over the engines' sockets from rank 0: its bytes as frames here, or (the
+    subclasses) only the name of the slot on this node its bytes lie in."""
+
+    name = "bus"
+
+    def __init__(self) -> None:
+        self.slots: Any = None  # where buckets are packed; None: frames
+
+    def make_slots(self) -> Any:
+        return None
+
+    def send(self, push: Push, link: Link) -> int:
+        if link.rank != 0 or link.control is None:
+            return drain(push.named)
+        from tqdm import tqdm
+
+        if self.slots is None:
+            self.slots = self.make_slots()
+        bar = tqdm(push.named, desc="weight sync", unit="tensor", leave=False)
+        report = link.control.run(push_weights(link.control.client, bar, push.version, push.bucket_bytes, push.timeout_s,
+                                               push.preempt, slots=self.slots, dtype=push.dtype))
+        return report.bytes
+
+    def close(self) -> None:
+        if self.slots is not None:
+            self.slots.close()
+            self.slots = None

@@ -1,0 +1,41 @@
+"""What a weight route is given: the push (tensors, version, how to bucket and cast them) and the
+link to the engines from this rank (control clients, the collective group, an in-process engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Push:
+    """One weight version on its way: what every route sends."""
+
+    named: Iterable[tuple[str, "torch.Tensor"]]  # HF-named tensors; every rank iterates them (sharded gathers)
+    version: int
+    preempt: bool = False  # running generations stop and continue on the new weights
+    bucket_bytes: int = 256 << 20
+    dtype: "torch.dtype | None" = None  # the engines' dtype, cast to on the way (None: as the actor has it)
+    timeout_s: float = 600.0
+
+
+@dataclass
+class Link:
+    """What a route may use to reach the engines from this rank."""
+
+    rank: int = 0
+    local_rank: int = 0
+    control: Any = None  # rank 0's control client (run(coro), client, loop) over every engine
+    local_control: Any = None  # a node leader's control client over its own node's engines
+    weight_group: Any = None  # the collective route's process group (rank 0 + every node leader)
+    inproc: Any = None  # the engine this process serves (rollout/inproc.py)
+
+
+def drain(named: Iterable[Any]) -> int:
+    """Take part in the actor's gathers without sending (ranks that are not a route's source)."""
+    for _ in named:
+        pass
+    return 0
