@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 import uuid
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -46,6 +46,7 @@ from agent.loop import AgentContext, AgentLoopBase, AgentLoopOutput, Trajectory,
 from agent.parsers import ToolParser, get_tool_parser
 from agent.tools.calculator import CalculatorError, safe_eval
 from agent.vision import as_image_url_parts, without_pixels
+from engines.config_checks import from_mapping
 
 
 class HistoryEditedError(ValueError):
@@ -411,10 +412,7 @@ class LangGraphAgentConfig:
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "LangGraphAgentConfig":
-        known = {f.name for f in fields(cls)}
-        if set(d) - known:
-            raise ValueError(f"unknown langgraph_agent options {sorted(set(d) - known)}; allowed: {sorted(known)}")
-        return cls(**d)
+        return from_mapping(cls, d, "langgraph_agent")
 
 
 def import_graph_factory(dotted: str) -> Callable[[BaseChatModel], Any]:
@@ -467,10 +465,8 @@ class LangGraphAgentLoop(AgentLoopBase):
             self.client.end_session(model.session_id)
         if not model.started:  # failed before the first generation: an empty response
             enc = ChatEncoder(self.tokenizer)
-            return AgentLoopOutput(prompt_ids=enc.initial(row["prompt"]), response_ids=[], response_mask=[],
-                                   response_logprobs=[], reward=0.0, num_turns=0, termination="error",
-                                   messages=list(row["prompt"]), session_id=model.session_id,
-                                   error=error or "the graph never called the model")
+            return AgentLoopOutput.failed(enc.initial(row["prompt"]), error or "the graph never called the model",
+                                          model.session_id, list(row["prompt"]))
         reward, extra = score_trajectory(row, model.last_text, shaping=self.cfg.reward_shaping)
         return model.to_agent_loop_output(reward=reward, termination=termination, reward_extra=extra,
                                           messages=messages, error=error)

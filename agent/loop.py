@@ -59,6 +59,15 @@ class AgentLoopOutput:
     # images the trajectory's image tokens stand for: {"pixel_values": [n, C, H, W] float32 array}
     multi_modal: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def failed(cls, prompt_ids: Sequence[int], error: str, session_id: str = "",
+               messages: list[dict[str, Any]] | None = None) -> "AgentLoopOutput":
+        """A trajectory that failed before it produced anything: its prompt (so the row still lines
+        up with its group), an empty response, reward 0 and termination "error"."""
+        return cls(prompt_ids=list(prompt_ids), response_ids=[], response_mask=[], response_logprobs=[], reward=0.0,
+                   num_turns=0, termination="error", messages=list(messages or []), session_id=session_id,
+                   error=error)
+
     def check(self) -> None:
         """Raise if the response lists disagree in length or a mask-0 token carries a logprob."""
         n = len(self.response_ids)

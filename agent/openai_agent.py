@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from agent.dotted import import_dotted
-from agent.loop import AgentContext, AgentLoopBase, AgentLoopOutput, Trajectory
+from agent.loop import AgentContext, AgentLoopBase, AgentLoopOutput
 from agent.parsers import get_tool_parser
+from engines.config_checks import from_mapping
 
 
 @dataclass
@@ -49,10 +50,7 @@ class OpenAIAgentConfig:
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "OpenAIAgentConfig":
-        known = {f.name for f in fields(cls)}
-        if set(d) - known:
-            raise ValueError(f"unknown openai_agent options {sorted(set(d) - known)}; allowed: {sorted(known)}")
-        return cls(**d)
+        return from_mapping(cls, d, "openai_agent")
 
 
 _GATEWAYS: dict[int, Any] = {}  # one per GenerateClient (one per worker process and event loop)
@@ -99,9 +97,7 @@ class OpenAIAgentLoop(AgentLoopBase):
         if seg is None:
             prompt = list(self.ctx.tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
                                                                  tokenize=True, return_dict=True)["input_ids"])
-            t = Trajectory(prompt)
-            return AgentLoopOutput(t.prompt_ids, [], [], [], 0.0, 0, "error", session_id=key,
-                                   error=error or "the agent function never called the model")
+            return AgentLoopOutput.failed(prompt, error or "the agent function never called the model", key)
         if result is None:
             reward, parts = score_trajectory(row, seg.last_text)
         else:

@@ -17,7 +17,7 @@ import asyncio
 import enum
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from agent.chat import ChatEncoder
@@ -32,6 +32,7 @@ from agent.parsers import ToolCall, get_tool_parser, parameter_schemas
 from agent.tools.base import BaseTool, ToolResponse
 from agent.vision import without_pixels
 from agent.tools.guard import call_tool
+from engines.config_checks import from_mapping
 
 log = logging.getLogger("switchyard.tool_agent")
 
@@ -84,11 +85,7 @@ class ToolAgentConfig:
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "ToolAgentConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown tool_agent options {sorted(unknown)}; allowed: {sorted(known)}")
-        return cls(**d)
+        return from_mapping(cls, d, "tool_agent")
 
 
 def truncate_tokens(tokenizer: Any, text: str, max_tokens: int, side: str) -> tuple[str, bool]:

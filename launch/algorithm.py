@@ -63,7 +63,8 @@ def learn(batch: Batch, actor: Any, ref: Any, algorithm: Any, actor_cfg: ActorCo
 
     # 3. advantages; invalid rows are groups of their own (advantage 0, no effect on siblings)
     kwargs = {name: getattr(algorithm, name) for name in ESTIMATORS[algorithm.advantage].options}
-    adv = compute_advantages(algorithm.advantage, rewards, mask, group_index=batch.group_labels(), **kwargs)
+    adv = compute_advantages(algorithm.advantage, rewards, mask, group_index=batch.group_index,
+                             valid=batch.valid, **kwargs)
 
     # 4. the update
     t0 = time.perf_counter()

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engines.config_checks import choice, positive
+from engines.inference import ENGINES
 from engines.training.advantages import ESTIMATORS
 from engines.training.config import DTYPES, ActorConfig
 from launch.data.curriculum import CurriculumConfig
@@ -30,25 +32,13 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the key."""
 
 
-def _positive(section: str, obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is None or value < 1:
-            raise ConfigError(f"{section}.{name}={value!r} must be a positive integer")
-
-
-def _choice(section: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{section}.{name}={value!r} is not allowed; choose one of {list(allowed)}")
-
-
 @dataclass
 class ModelConfig:
     path: str = "smollm2-135m-instruct"  # built-in name, local HF directory or hub id
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        _choice("model", "dtype", self.dtype, tuple(DTYPES))
+        choice("model", "dtype", self.dtype, tuple(DTYPES), error=ConfigError)
 
 
 @dataclass
@@ -67,8 +57,8 @@ class DataConfig:
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)  # launch/data/curriculum.py
 
     def __post_init__(self) -> None:
-        _choice("data", "task", self.task, TASKS)
-        _positive("data", self, "prompts_per_step", "max_operand", "num_ops")
+        choice("data", "task", self.task, TASKS, error=ConfigError)
+        positive("data", self, "prompts_per_step", "max_operand", "num_ops", error=ConfigError)
         if self.task == "rows" and not self.train_path:
             raise ConfigError("data.train_path is required when data.task=rows (a jsonl/json/parquet file of rows)")
         if self.val_path == "test" and self.task == "rows":
@@ -85,7 +75,7 @@ class ReferenceConfig:
     backend: str = "torch"  # torch | deepspeed (ZeRO-3; CUDA)
 
     def __post_init__(self) -> None:
-        _choice("reference", "backend", self.backend, REFERENCES)
+        choice("reference", "backend", self.backend, REFERENCES, error=ConfigError)
 
 
 @dataclass
@@ -95,7 +85,7 @@ class AlgorithmConfig:
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
-        _choice("algorithm", "advantage", self.advantage, tuple(ESTIMATORS))
+        choice("algorithm", "advantage", self.advantage, tuple(ESTIMATORS), error=ConfigError)
 
 
 @dataclass
@@ -108,7 +98,7 @@ class SFTConfig:
 
     def __post_init__(self) -> None:
         if self.enabled:
-            _positive("sft", self, "steps", "batch_size", "examples")
+            positive("sft", self, "steps", "batch_size", "examples", error=ConfigError)
 
 
 @dataclass
@@ -125,9 +115,9 @@ class ValConfig:
     timeout_s: float = 3600.0  # longest a validation may take before the run fails naming it
 
     def __post_init__(self) -> None:
-        _positive("val", self, "n")
+        positive("val", self, "n", error=ConfigError)
         if self.max_rows is not None:
-            _positive("val", self, "max_rows")
+            positive("val", self, "max_rows", error=ConfigError)
         if not (self.temperature == 0 or 0.01 <= self.temperature <= 100):
             raise ConfigError(f"val.temperature={self.temperature} must be 0 (greedy) or in [0.01, 100]")
         if self.n > 1 and self.temperature == 0:
@@ -155,7 +145,7 @@ class TrainerConfig:
     val_before_train: bool = True
 
     def __post_init__(self) -> None:
-        _positive("trainer", self, "steps", "save_every")
+        positive("trainer", self, "steps", "save_every", error=ConfigError)
         if self.val_every < 0:
             raise ConfigError(f"trainer.val_every={self.val_every} must be >= 0 (0 = validate after the last step only)")
         if not self.collective_timeout_s > 0:
@@ -302,10 +292,11 @@ def check_world_size(cfg: Config, world: int) -> None:
     if world % (a.tp * a.pp):
         raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} does not divide the {world} ranks; start "
                           f"torchrun with a multiple of {a.tp * a.pp} processes")
-    if cfg.rollout.in_process and cfg.rollout.engine == "vllm" and world > 1:
-        raise ConfigError(f"rollout.in_process=true with rollout.engine=vllm needs a trainer of one process (this "
-                          f"run has {world}): vLLM would take the ranks' torch.distributed world as its own; set "
-                          "rollout.in_process=false (the engine then runs in a process of its own) or start one process")
+    if cfg.rollout.in_process and ENGINES[cfg.rollout.engine].in_process_one_rank and world > 1:
+        raise ConfigError(f"rollout.in_process=true with rollout.engine={cfg.rollout.engine} needs a trainer of one "
+                          f"process (this run has {world}): the engine would take the ranks' torch.distributed world "
+                          "as its own; set rollout.in_process=false (the engine then runs in a process of its own) "
+                          "or start one process")
     dp = world // (a.tp * a.pp)
     if mini < dp:
         raise ConfigError(f"actor.ppo_mini_batch_size (or data.prompts_per_step x rollout.n) = {mini} "

@@ -137,17 +137,13 @@ def _exit_with_launcher(every_s: float = 1.0) -> None:
     """Under torchrun each rank runs in its own session, so a launcher killed with -9 (a node
     lost, a job cancelled) would leave its ranks and their engines running on; a rank whose
     launcher is gone exits, and its engines follow it (they watch their parent)."""
-    import threading
+    from parallel.lifetime import watch_parent
 
-    launcher = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == launcher:
-            time.sleep(every_s)
-        print(f"launcher (pid {launcher}) is gone; this rank exits", file=sys.stderr, flush=True)
+    def gone() -> None:
+        print("the launcher is gone; this rank exits", file=sys.stderr, flush=True)
         os._exit(1)
 
-    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+    watch_parent(gone, every_s=every_s, name="launcher-watch")
 
 
 def main(argv: list[str] | None = None) -> int:

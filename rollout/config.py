@@ -8,24 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from agent.traces import TraceConfig
+from engines.config_checks import choice, positive
 from engines.inference import ENGINES, ROLLOUT_ENGINES  # the engine registry: one entry per backend
 from rollout.bus.router import POLICIES  # the router owns the policy names
 
 WEIGHT_PATHS = ("auto", "bus")
 START_METHODS = ("spawn", "forkserver")  # agent worker processes; fork is unsafe in a trainer
 PLACEMENTS = ("auto", "cpu", "colocated", "split")  # see parallel/mesh.py; auto = colocated on GPUs, else cpu
-
-
-def _positive(obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is None or value < 1:
-            raise ValueError(f"rollout.{name}={value!r} must be a positive integer")
-
-
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"rollout.{name}={value!r} is not allowed; choose one of {list(allowed)}")
 
 
 @dataclass
@@ -72,13 +61,13 @@ class RolloutConfig:
     tracing: TraceConfig = field(default_factory=TraceConfig)
 
     def __post_init__(self) -> None:
-        _choice("engine", self.engine, ROLLOUT_ENGINES)
-        _choice("policy", self.policy, POLICIES)
-        _choice("placement", self.placement, PLACEMENTS)
-        _choice("weight_path", self.weight_path, WEIGHT_PATHS)
+        choice("rollout", "engine", self.engine, ROLLOUT_ENGINES)
+        choice("rollout", "policy", self.policy, POLICIES)
+        choice("rollout", "placement", self.placement, PLACEMENTS)
+        choice("rollout", "weight_path", self.weight_path, WEIGHT_PATHS)
         if self.sleep_level not in (1, 2):
             raise ValueError(f"rollout.sleep_level={self.sleep_level!r} must be 1 (keep weights) or 2 (free them)")
-        _positive(self, "num_engines", "n", "max_tokens", "weight_bucket_mb")
+        positive("rollout", self, "num_engines", "n", "max_tokens", "weight_bucket_mb")
         if self.num_workers < 0:
             raise ValueError(f"rollout.num_workers={self.num_workers} must be >= 0 (0 = run in the trainer process)")
         if self.temperature <= 0:

@@ -244,7 +244,7 @@ class AgentLoopManager:
                     continue  # left over from an earlier call that raised
                 if msg["op"] == "call_failed":
                     raise RuntimeError(f"agent worker {w} failed running its trajectories:\n{msg['error']}")
-                found[msg["index"]] = AgentLoopOutput(**msg["output"])
+                found[msg["index"]] = msg["output"]
                 bar.update(1)
                 if all(o is not None for o in found):
                     break
@@ -350,7 +350,7 @@ class AgentLoopManager:
             if msg["op"] == "call_failed":
                 raise RuntimeError(f"agent worker {w} failed running its trajectories:\n{msg['error']}")
             if msg["op"] == "result":
-                out.append((int(msg["call"]), int(msg["index"]), AgentLoopOutput(**msg["output"])))
+                out.append((int(msg["call"]), int(msg["index"]), msg["output"]))
         return out
 
 

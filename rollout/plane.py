@@ -303,7 +303,7 @@ class RolloutPlane(WeightRoutes):
         rewards)` hears every group's rewards on rank 0, dropped ones included (an adaptive curriculum)."""
         batch, metrics = None, {}
         if self.rank == 0:
-            from engines.training.batch import equal_rewards, filter_overlong, pad_outputs
+            from engines.training.batch import equal_rewards
 
             n, want, kept, kept_rows, dropped = self.cfg.n, len(rows), [], [], 0
             for attempt in range(MAX_SAMPLING_ROUNDS):
@@ -324,13 +324,11 @@ class RolloutPlane(WeightRoutes):
                 raise RuntimeError(f"every GRPO group of {MAX_SAMPLING_ROUNDS} rounds had equal rewards, so "
                                    "rollout.dynamic_sampling left nothing to train on; the task is too easy or too hard "
                                    "for the model, or the reward is constant: check it, or turn dynamic_sampling off")
-            batch = pad_outputs([o for g in kept for o in g], self.manager.pad_id,
-                                [i for i, g in enumerate(kept) for _ in g])
-            metrics = {**batch.metrics(), "data/row_uids": [r.get("uid") for r in kept_rows]}
+            metrics = {"data/row_uids": [r.get("uid") for r in kept_rows]}
             if self.cfg.dynamic_sampling:
                 metrics.update({"rollout/filtered_groups": float(dropped), "rollout/sampling_rounds": attempt + 1.0})
-            if self.cfg.overlong_filter:
-                metrics.update(filter_overlong(batch))
+            batch, metrics = self._padded([o for g in kept for o in g], [i for i, g in enumerate(kept) for _ in g],
+                                          metrics)
         return self._hand_out(batch, metrics)
 
     def validate(self, rows: list[dict[str, Any]], sampling: dict[str, Any], n: int, weight_version: int,
@@ -363,16 +361,21 @@ class RolloutPlane(WeightRoutes):
         of `weight_version`, handed out like `generate`'s."""
         batch, metrics = None, {}
         if self.rank == 0:
-            from engines.training.batch import pad_outputs
-
             taken = self.feeder.take(weight_version, timeout_s=self.cfg.step_timeout_s)
-            batch = pad_outputs(taken.outputs, self.manager.pad_id, taken.group_index)
-            metrics = {**batch.metrics(), **taken.metrics}
-            if self.cfg.overlong_filter:
-                from engines.training.batch import filter_overlong
-
-                metrics.update(filter_overlong(batch))
+            batch, metrics = self._padded(taken.outputs, taken.group_index, taken.metrics)
         return self._hand_out(batch, metrics)
+
+    def _padded(self, outputs: list[Any], group_index: list[int], metrics: dict[str, Any]
+                ) -> tuple[Batch, dict[str, Any]]:
+        """Rank 0: finished trajectories padded into the step's batch (synchronous or not), with its
+        rollout metrics and, with `rollout.overlong_filter`, truncated rows masked out."""
+        from engines.training.batch import filter_overlong, pad_outputs
+
+        batch = pad_outputs(outputs, self.manager.pad_id, group_index)
+        metrics = {**batch.metrics(), **metrics}
+        if self.cfg.overlong_filter:
+            metrics.update(filter_overlong(batch))
+        return batch, metrics
 
     def training(self, on: bool) -> None:
         """The trainer is (not) in its update: rollout counts the groups it finishes meanwhile."""

@@ -10,7 +10,6 @@ so agent loops need not know that a generation was preempted and continued on ne
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import traceback
@@ -23,6 +22,7 @@ from agent.tools.processes import install, kill_all, kill_owned, owned_by
 from agent.traces import TrajectoryTracer
 from rollout.bus.auth import ClientKeys
 from rollout.bus.client import GenerateClient
+from parallel.lifetime import watch_parent
 from rollout.config import ManagerConfig
 
 log = logging.getLogger("switchyard.manager")
@@ -123,7 +123,7 @@ class AgentWorker:
         if self._trace_pool is not None and self.tracer is not None:
             await asyncio.get_running_loop().run_in_executor(self._trace_pool, self.tracer.record_trajectory,
                                                              out, row, t0, t1)
-        emit({"op": "result", "index": item["index"], "output": dataclasses.asdict(out)})
+        emit({"op": "result", "index": item["index"], "output": out})  # pickled as it is: no deep copy
 
     def _error_output(self, row: Mapping[str, Any], err: BaseException) -> AgentLoopOutput:
         from agent.chat import ChatEncoder
@@ -132,9 +132,7 @@ class AgentWorker:
             prompt_ids = ChatEncoder(self.tokenizer).initial(list(row["prompt"]))
         except Exception:
             prompt_ids = []
-        return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=[], response_mask=[], response_logprobs=[],
-                               reward=0.0, num_turns=0, termination="error", session_id=str(row.get("session_id", "")),
-                               error=f"{type(err).__name__}: {err}")
+        return AgentLoopOutput.failed(prompt_ids, f"{type(err).__name__}: {err}", str(row.get("session_id", "")))
 
     async def close(self) -> None:
         """Close the client, every tool and interaction that has a close(), flush traces, and kill
@@ -162,17 +160,8 @@ def worker_main(index: int, cfg_dict: dict[str, Any], experiment_id: str | None,
     """Entry point of a worker process: one event loop for the process's whole life."""
     import os
     import sys
-    import threading
 
-
-    parent = os.getppid()
-
-    def watch() -> None:  # a trainer killed with -9 while this worker starts (or idles) takes it along
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    watch_parent(lambda: os._exit(1))  # a trainer killed with -9 while this worker starts (or idles) takes it along
     logging.basicConfig(level=logging.WARNING, format=f"[agent-worker {index}] %(levelname)s %(name)s: %(message)s")
     loop = asyncio.new_event_loop()
     try:

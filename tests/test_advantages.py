@@ -62,20 +62,28 @@ def test_grpo_known_values_and_mean_only_mode():
 
 def test_grpo_degenerate_groups_get_zero():
     mask = torch.ones(5, 3)
-    adv = grpo(torch.tensor([1.0, 1.0, 1.0, 0.3, 7.0]), ["a", "a", "a", "b", "c"], mask)
+    adv = grpo(torch.tensor([1.0, 1.0, 1.0, 0.3, 7.0]), [0, 0, 0, 1, 2], mask)
     assert torch.equal(adv, torch.zeros(5, 3))  # all-equal group and two singletons
 
 
-def test_group_labels_any_hashable_same_result():
+def test_group_index_is_one_integer_per_row_in_any_order_and_failed_rows_stand_alone():
     rewards = torch.tensor([0.1, 0.9, 0.5, 0.4, 0.2, 0.8])
     mask = random_mask(6, 5, 3)
-    by_int = grpo(rewards, torch.tensor([7, -3, 7, 1000, -3, 1000]), mask)
-    by_str = grpo(rewards, ["p7", "pm3", "p7", "p1000", "pm3", "p1000"], mask)
-    by_np = grpo(rewards, np.array(["x", "y", "x", "z", "y", "z"]), mask)
-    by_tuple = grpo(rewards, [(0, 7), (0, 3), (0, 7), (1, 0), (0, 3), (1, 0)], mask)
-    assert torch.equal(by_int, by_str) and torch.equal(by_int, by_np) and torch.equal(by_int, by_tuple)
-    ids, n = group_ids(["b", "a", "b"], 3)
-    assert ids.tolist() == [0, 1, 0] and n == 2
+    sparse = grpo(rewards, torch.tensor([7, 3, 7, 1000, 3, 1000]), mask)  # a shard's groups: not contiguous
+    dense = grpo(rewards, [1, 0, 1, 2, 0, 2], mask)
+    assert torch.equal(sparse, dense)
+    ids, n = group_ids(torch.tensor([9, 4, 9]), 3)
+    assert ids.tolist() == [1, 0, 1] and n == 2
+    # a failed row (valid false) is a group of its own: advantage 0, and its siblings as if it were absent
+    valid = torch.tensor([True, True, False, True, True, True])
+    with_failed = grpo(rewards, [1, 0, 1, 2, 0, 2], mask, valid=valid)
+    assert torch.equal(with_failed[2], torch.zeros(5))
+    assert torch.equal(with_failed[0], torch.zeros(5))  # the only valid sample left of its group
+    assert torch.equal(with_failed[[1, 3, 4, 5]], dense[[1, 3, 4, 5]])
+    ids, n = group_ids([0, 0, 1, 1], 4, valid=torch.tensor([True, False, False, True]))
+    assert n == 4 and len(set(ids.tolist())) == 4
+    assert torch.equal(compute_advantages("rloo", rewards, mask, [1, 0, 1, 2, 0, 2], valid=valid),
+                       rloo(rewards, [1, 0, 1, 2, 0, 2], mask, valid=valid))
 
 
 def test_rloo_matches_leave_one_out_loop():
@@ -171,11 +179,13 @@ def test_compute_advantages_dispatch_and_errors():
 def test_shape_and_value_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"rewards has shape \(3,\)"):
         grpo(torch.zeros(3), [0, 0, 0, 0], torch.ones(4, 2))
-    with pytest.raises(ValueError, match="group_index has 3 labels but the batch has 4"):
+    with pytest.raises(ValueError, match="group_index has 3 entries but the batch has 4"):
         grpo(torch.zeros(4), [0, 0, 1], torch.ones(4, 2))
     with pytest.raises(ValueError, match=r"response_mask has shape \(4,\)"):
         rloo(torch.zeros(4), [0, 0, 1, 1], torch.ones(4))
     with pytest.raises(ValueError, match="non-finite"):
         grpo(torch.tensor([0.0, float("nan")]), [0, 0], torch.ones(2, 2))
-    with pytest.raises(TypeError, match="hashable"):
+    with pytest.raises(ValueError, match="one integer per trajectory"):
         grpo(torch.zeros(2), [[0], [0]], torch.ones(2, 2))
+    with pytest.raises(ValueError, match="one integer per trajectory"):
+        grpo(torch.zeros(2), torch.tensor([0.5, 0.5]), torch.ones(2, 2))

@@ -120,7 +120,7 @@ def test_sync_calls_and_bad_options_are_refused() -> None:
                                                                                       "content": "ab"}
     assert message_to_dict(ToolMessage("4", tool_call_id="c1", name="calculator")) == {
         "role": "tool", "content": "4", "tool_call_id": "c1", "name": "calculator"}
-    with pytest.raises(ValueError, match="unknown langgraph_agent options \\['max_turns'\\]"):
+    with pytest.raises(ValueError, match="langgraph_agent: unknown key\\(s\\) \\['max_turns'\\]"):
         LangGraphAgentLoop(AgentContext(client=None, tokenizer=None, config={"max_turns": 3}))
     with pytest.raises(ValueError, match="graph_factory='no.such.factory' cannot be imported"):
         LangGraphAgentLoop(AgentContext(client=None, tokenizer=None, config={"graph_factory": "no.such.factory"}))

@@ -152,7 +152,7 @@ def test_truncate_tokens_sides(tok):
 def test_config_errors_name_the_key():
     with pytest.raises(ValueError, match="truncate_side='up'"):
         ToolAgentConfig(truncate_side="up")
-    with pytest.raises(ValueError, match="unknown tool_agent options \\['max_turns'\\]"):
+    with pytest.raises(ValueError, match="tool_agent: unknown key\\(s\\) \\['max_turns'\\]"):
         ToolAgentConfig.from_mapping({"max_turns": 3})
     with pytest.raises(ValueError, match="unknown tool parser 'xml'"):
         ToolAgentConfig(tool_parser="xml")

@@ -15,11 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from agent.dotted import import_dotted
 from agent.interactions.base import BaseInteraction
 from agent.interactions.verl_compat import METHODS, VerlInteraction, is_verl_interaction_class
+from agent.yaml_file import read_yaml_map
+from engines.config_checks import known_keys
 
 ENTRY_KEYS = ("name", "class_name", "config")
 
@@ -30,16 +30,10 @@ class InteractionConfigError(ValueError):
 
 def load_interactions(path: str | Path) -> dict[str, BaseInteraction]:
     """Read an interaction.yaml and build every interaction in it, keyed by name."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise InteractionConfigError(f"interaction config {str(path)!r} does not exist; fix the path") from None
-    except yaml.YAMLError as e:
-        raise InteractionConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("interaction"), list):
-        got = sorted(data) if isinstance(data, dict) else type(data).__name__
-        raise InteractionConfigError(f"{path}: expected a top-level `interaction:` list of entries, got {got}")
+    expect = "a top-level `interaction:` list of entries"
+    data = read_yaml_map(path, "interaction", InteractionConfigError, expect)
+    if not isinstance(data.get("interaction"), list):
+        raise InteractionConfigError(f"{path}: expected {expect}, got {sorted(data)}")
     return build_interactions(data["interaction"], source=str(path))
 
 
@@ -50,9 +44,7 @@ def build_interactions(entries: list[dict[str, Any]], source: str = "<interactio
         where = f"{source}: interaction[{i}]"
         if not isinstance(entry, dict):
             raise InteractionConfigError(f"{where} is {entry!r}; expected a mapping with name, class_name, config")
-        unknown = sorted(set(entry) - set(ENTRY_KEYS))
-        if unknown:
-            raise InteractionConfigError(f"{where}: unknown key(s) {unknown}; allowed keys are {list(ENTRY_KEYS)}")
+        known_keys(where, entry, ENTRY_KEYS, InteractionConfigError)
         dotted = entry.get("class_name")
         if not isinstance(dotted, str) or not dotted:
             raise InteractionConfigError(f"{where} has no class_name; add e.g. "

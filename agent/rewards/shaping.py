@@ -9,8 +9,10 @@ trainer can log it and see which term is moving the total. All terms default to 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping
+
+from engines.config_checks import from_mapping
 
 
 @dataclass
@@ -46,12 +48,7 @@ class ShapingConfig:
     def from_mapping(cls, d: Mapping[str, Any] | None) -> "ShapingConfig":
         """Build from a config mapping; an unknown key is a typo that would silently disable a term,
         so it is an error."""
-        d = dict(d or {})
-        allowed = [f.name for f in fields(cls)]
-        unknown = sorted(set(d) - set(allowed))
-        if unknown:
-            raise ValueError(f"reward_shaping: unknown key(s) {unknown}; allowed keys are {allowed}")
-        return cls(**d)
+        return from_mapping(cls, dict(d or {}), "reward_shaping")
 
 
 @dataclass

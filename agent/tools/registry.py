@@ -14,11 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from agent.dotted import import_class
 from agent.tools.base import BaseTool, schema_name
 from agent.tools.verl_compat import VerlTool, is_verl_tool_class
+from agent.yaml_file import read_yaml_map
 
 
 class ToolConfigError(ValueError):
@@ -28,16 +27,10 @@ class ToolConfigError(ValueError):
 def load_tools(path: str | Path) -> dict[str, BaseTool]:
     """Read a tools.yaml and build every tool in it, keyed by function name."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ToolConfigError(f"tools config {str(path)!r} does not exist; fix the path") from None
-    except yaml.YAMLError as e:
-        raise ToolConfigError(f"{path} is not valid YAML: {e}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("tools", []), list) or not (
-            data.get("tools") or data.get("functions")):
-        raise ToolConfigError(f"{path}: expected a top-level `tools:` list (and/or `functions:`), got "
-                              f"{type(data).__name__}")
+    expect = "a top-level `tools:` list (and/or `functions:`)"
+    data = read_yaml_map(path, "tools", ToolConfigError, expect)
+    if not isinstance(data.get("tools", []), list) or not (data.get("tools") or data.get("functions")):
+        raise ToolConfigError(f"{path}: expected {expect}, got {sorted(data)}")
     tools = build_tools(data.get("tools") or [], source=str(path))
     for name, tool in build_function_tools(data.get("functions") or [], str(path), path.parent).items():
         if name in tools:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
+from engines.config_checks import from_mapping
 
 if TYPE_CHECKING:  # torch is heavy; the bus and the router never need it
     import torch
@@ -94,11 +95,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
-        known = set(cls.__dataclass_fields__)
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown sampling params {sorted(unknown)}; allowed: {sorted(known)}")
-        return cls(**d)
+        return from_mapping(cls, d, "sampling")
 
 
 @dataclass

@@ -6,9 +6,10 @@ generated and we train on, 0 = tool output, template or padding), and returns ad
 that are zero wherever the mask is 0, so a loss over the mask never sees tool tokens.
 
 GRPO and RLOO compare each trajectory with the other samples of the same prompt; `group_index`
-[B] says which prompt a sample belongs to. It may be any hashable labels (ints, strings, a
-tensor) and the samples of a group need not be adjacent. The manager returns trajectories in
-input order (row i's n samples at i*n .. i*n+n-1), but a caller may shuffle or filter rows first.
+[B] says which prompt a sample belongs to: the integer the rollout manager assigned the prompt
+once (`Batch.group_index`), the one identity of a group from rollout to advantage. The samples
+of a group need not be adjacent, and the indices need not be contiguous (a rank's shard of a
+batch holds some groups only).
 
 Statistics are computed in float64 (rewards are few, and a group's std can be tiny) and the
 result is returned as float32, the dtype the loss works in.
@@ -24,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-GroupIndex = torch.Tensor | Sequence[Any]
+GroupIndex = torch.Tensor | Sequence[int]
 
 
 def _as_batch(rewards: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,30 +45,25 @@ def _as_batch(rewards: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch
     return rewards.to(device=response_mask.device, dtype=torch.float64), response_mask.bool()
 
 
-def group_ids(group_index: GroupIndex, batch_size: int) -> tuple[torch.Tensor, int]:
-    """Map arbitrary group labels to ids 0..G-1 (long tensor [B]) and return G.
-
-    Labels are compared by value, so `["q1", "q2", "q1"]`, `[7, 3, 7]` and a tensor
-    `[7, 3, 7]` all mean the same two groups.
-    """
-    if isinstance(group_index, torch.Tensor):
-        if group_index.dim() != 1:
-            raise ValueError(f"group_index has shape {tuple(group_index.shape)}; it must be 1-D, one "
-                             f"label per trajectory ([{batch_size}])")
-        labels: list[Any] = group_index.tolist()
-    elif hasattr(group_index, "tolist"):  # numpy arrays, including arrays of strings
-        labels = list(group_index.tolist())
-    else:
-        labels = list(group_index)
-    if len(labels) != batch_size:
-        raise ValueError(f"group_index has {len(labels)} labels but the batch has {batch_size} "
-                         "trajectories; pass one label (e.g. the prompt's uid) per trajectory")
-    first_seen: dict[Any, int] = {}
-    try:
-        ids = [first_seen.setdefault(label, len(first_seen)) for label in labels]
-    except TypeError as err:
-        raise TypeError(f"group_index labels must be hashable (ints, strings, tuples); got {err}") from err
-    return torch.tensor(ids, dtype=torch.long), len(first_seen)
+def group_ids(group_index: GroupIndex, batch_size: int, valid: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, int]:
+    """Compact group indices 0..G-1 (long tensor [B]) and G. `group_index` holds one integer per
+    trajectory, the prompt's group as the rollout manager assigned it; rows where `valid` is false
+    (failed trajectories) become groups of their own, so they get advantage 0 and do not move their
+    siblings' baseline."""
+    index = torch.as_tensor(group_index)
+    if index.dim() != 1 or index.is_floating_point() or index.dtype == torch.bool:
+        raise ValueError(f"group_index must be one integer per trajectory (the prompt's group), got "
+                         f"{index.dtype} of shape {tuple(index.shape)}")
+    if len(index) != batch_size:
+        raise ValueError(f"group_index has {len(index)} entries but the batch has {batch_size} trajectories; "
+                         "pass one group index per trajectory")
+    ids = torch.unique(index, return_inverse=True)[1]
+    if valid is not None:
+        invalid = ~torch.as_tensor(valid, dtype=torch.bool)
+        alone = int(ids.max()) + 1 + torch.cumsum(invalid.long(), 0) - 1 if len(ids) else ids
+        ids = torch.unique(torch.where(invalid, alone, ids), return_inverse=True)[1]
+    return ids, int(ids.max()) + 1 if len(ids) else 0
 
 
 def _group_sums(values: torch.Tensor, ids: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -80,7 +76,7 @@ def _broadcast(per_sequence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def grpo(rewards: torch.Tensor, group_index: GroupIndex, response_mask: torch.Tensor,
-         norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+         norm_by_std: bool = True, eps: float = 1e-6, valid: torch.Tensor | None = None) -> torch.Tensor:
     """GRPO advantage: (reward - group mean) / (group std + eps), on every mask-1 token.
 
     The std is the unbiased (Bessel-corrected, n - 1) sample std of the group's rewards. That is
@@ -94,7 +90,7 @@ def grpo(rewards: torch.Tensor, group_index: GroupIndex, response_mask: torch.Te
     signal and gets advantage 0.
     """
     r, mask = _as_batch(rewards, response_mask)
-    ids, num_groups = group_ids(group_index, r.shape[0])
+    ids, num_groups = group_ids(group_index, r.shape[0], valid)
     ids = ids.to(r.device)
     counts = _group_sums(torch.ones_like(r), ids, num_groups)
     mean = _group_sums(r, ids, num_groups) / counts
@@ -106,7 +102,8 @@ def grpo(rewards: torch.Tensor, group_index: GroupIndex, response_mask: torch.Te
     return _broadcast(centered, mask)
 
 
-def rloo(rewards: torch.Tensor, group_index: GroupIndex, response_mask: torch.Tensor) -> torch.Tensor:
+def rloo(rewards: torch.Tensor, group_index: GroupIndex, response_mask: torch.Tensor,
+         valid: torch.Tensor | None = None) -> torch.Tensor:
     """RLOO advantage: reward minus the mean reward of the *other* samples of the same prompt.
 
     Leaving the sample out keeps the baseline independent of the sample's own action, so the
@@ -114,7 +111,7 @@ def rloo(rewards: torch.Tensor, group_index: GroupIndex, response_mask: torch.Te
     n/(n-1) * (reward - group mean). A group of one sample has no other samples and gets 0.
     """
     r, mask = _as_batch(rewards, response_mask)
-    ids, num_groups = group_ids(group_index, r.shape[0])
+    ids, num_groups = group_ids(group_index, r.shape[0], valid)
     ids = ids.to(r.device)
     counts = _group_sums(torch.ones_like(r), ids, num_groups)[ids]
     others = (_group_sums(r, ids, num_groups)[ids] - r) / (counts - 1).clamp_min(1)
@@ -196,10 +193,12 @@ ESTIMATORS: dict[str, Estimator] = {
 
 
 def compute_advantages(name: str, rewards: torch.Tensor, response_mask: torch.Tensor,
-                       group_index: GroupIndex | None = None, **kwargs: Any) -> torch.Tensor:
+                       group_index: GroupIndex | None = None, valid: torch.Tensor | None = None,
+                       **kwargs: Any) -> torch.Tensor:
     """Pick an estimator by its config name, so the trainer's config stays a plain string.
 
-    `group_index` is required by the group estimators (grpo, rloo) and ignored by the others;
+    `group_index` (the prompt's group per trajectory) and `valid` (false: a failed trajectory, a group
+    of its own) are read by the group estimators (grpo, rloo) and ignored by the others;
     extra keyword arguments go to the estimator (e.g. `norm_by_std`, `kl`, `kl_coef`, `gamma`).
     """
     est = ESTIMATORS.get(name)
@@ -210,4 +209,4 @@ def compute_advantages(name: str, rewards: torch.Tensor, response_mask: torch.Te
     if group_index is None:
         raise ValueError(f"advantage estimator {name!r} compares samples of the same prompt and needs "
                          "group_index (one prompt label per trajectory); pass it, or use 'reinforce_pp'")
-    return est.fn(rewards, group_index, response_mask, **kwargs)
+    return est.fn(rewards, group_index, response_mask, valid=valid, **kwargs)

@@ -92,15 +92,6 @@ class Batch:
     global_size: int = 0  # > 0: this is one data-parallel rank's shard of a batch of that many rows
     version_segments: list[list[list[int]]] = field(default_factory=list)  # per row: [version, tokens] runs
     pixel_values: list[torch.Tensor | None] = field(default_factory=list)  # per row: [n, C, H, W] or None; [] = none
-    def oldest_versions(self) -> list[int | None]:
-        """Per row, the oldest weight version that produced any of its model tokens (None: unknown)."""
-        out: list[int | None] = []
-        for i in range(len(self.weight_versions)):
-            segs = self.version_segments[i] if i < len(self.version_segments) else []
-            versions = [v for v, n in segs if n] or list(self.weight_versions[i])
-            out.append(min(versions) if versions else None)
-        return out
-
     def __len__(self) -> int:
         return int(self.prompts.shape[0])
 
@@ -144,11 +135,6 @@ class Batch:
     def real_responses(self) -> torch.Tensor:
         """[B, R] bool: columns that hold a response token (model's or the loop's), not padding."""
         return torch.arange(self.responses.shape[1])[None, :] < self.response_lengths[:, None]
-
-    def group_labels(self) -> torch.Tensor:
-        """`group_index` with every invalid row in a group of its own (a negative label), so a
-        failed trajectory gets advantage 0 and does not move its siblings' baseline."""
-        return torch.where(self.valid, self.group_index, -1 - torch.arange(len(self)))
 
     def micro_batch(self, rows: torch.Tensor) -> MicroBatch:
         """`rows` cut to their own widest prompt and response (a batch is padded to the widest

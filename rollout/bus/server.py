@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from engines.inference import Engine, EngineDeadError, SamplingParams, make_engine
+from parallel.lifetime import watch_parent
 from rollout.bus import protocol as P
 from rollout.bus.auth import CONTROL_ROLES, AuthError, BusKeys, needs_auth, role_of, secure_server, zap_handler
 from rollout.weights.inproc import LocalLoad
@@ -410,15 +411,6 @@ def _rss_mb() -> float:
         return 0.0
 
 
-async def _watch_parent(pid: int, server: EngineServer, every_s: float = 1.0) -> None:
-    """A server outliving its trainer would hold its memory (a vLLM engine: gigabytes) forever;
-    once the parent is gone (we are re-parented), stop the way SIGTERM does."""
-    while os.getppid() == pid:
-        await asyncio.sleep(every_s)
-    logging.getLogger("switchyard.server").warning("parent process %d is gone; stopping", pid)
-    server.stop()
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Serve one inference engine on the switchyard bus.")
     ap.add_argument("--backend", default="hf", help="hf | vllm | sglang | echo")
@@ -451,7 +443,12 @@ def main(argv: list[str] | None = None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, server.stop)
-        watch = asyncio.create_task(_watch_parent(args.watch_parent, server)) if args.watch_parent else None
+        if args.watch_parent:  # a server outliving its trainer would hold its memory (vLLM: gigabytes) forever
+            def gone() -> None:
+                log.warning("parent process %d is gone; stopping", args.watch_parent)
+                loop.call_soon_threadsafe(server.stop)
+
+            watch_parent(gone, parent=args.watch_parent)
         running = asyncio.create_task(server.run())
         if args.endpoint_file:
             bound = asyncio.create_task(server.wait_bound())
@@ -461,8 +458,6 @@ def main(argv: list[str] | None = None) -> None:
                 tmp.write_text(json.dumps(bound.result()))
                 tmp.rename(args.endpoint_file)  # readers never see a half-written file
         await running
-        if watch is not None:
-            watch.cancel()
 
     asyncio.run(serve())
     sys.exit(server.exit_code)

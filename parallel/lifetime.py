@@ -1,0 +1,25 @@
+"""A process must not outlive the one that started it: a trainer killed with -9 cannot stop its
+engine servers and agent workers, which would hold their memory (a vLLM engine: gigabytes) forever.
+Each of them watches its parent and, once it is gone (the process was re-parented), acts."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable
+
+
+def watch_parent(on_gone: Callable[[], None], parent: int | None = None, every_s: float = 1.0,
+                 name: str = "parent-watch") -> threading.Thread:
+    """Call `on_gone` (from a daemon thread) once `parent` (default: the current parent) is gone."""
+    pid = os.getppid() if parent is None else parent
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(every_s)
+        on_gone()
+
+    thread = threading.Thread(target=watch, name=name, daemon=True)
+    thread.start()
+    return thread
