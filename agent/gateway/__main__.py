@@ -30,7 +30,8 @@ async def serve(args: argparse.Namespace) -> None:
         await client.wait_ready(timeout_s=args.ready_timeout_s)
         gw = Gateway(client, tokenizer, model_name=args.model_name, tool_parser=args.tool_parser, host=args.host,
                      port=args.port, api_keys=args.api_key, max_inflight=args.max_inflight,
-                     max_context=args.max_context, vision=vision)
+                     max_context=args.max_context, vision=vision, max_body_mb=args.max_body_mb,
+                     max_sessions=args.max_sessions)
         url = await gw.start()
         print(f"switchyard gateway: {url} (model {args.model_name!r}, {len(args.bus)} engine(s))", flush=True)
         stop = asyncio.Event()
@@ -51,7 +52,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=8000, help="0: any free port")
     ap.add_argument("--api-key", action="append", default=[], help="accepted key (repeat for more)")
     ap.add_argument("--tool-parser", default="hermes", help="the model family's tool-call format")
-    ap.add_argument("--max-context", type=int, default=None, help="prompt + reply tokens; longer prompts get 413")
+    ap.add_argument("--max-context", type=int, default=None,
+                    help="prompt + reply tokens; longer prompts get 413 (default: the model's max_position_embeddings)")
+    ap.add_argument("--max-body-mb", type=int, default=32, help="request bodies over this get 413 before they are read")
+    ap.add_argument("--max-sessions", type=int, default=1024,
+                    help="sessions clients open by themselves (key or X-Session-Id); the least recently used go first")
     ap.add_argument("--max-inflight", type=int, default=256, help="running requests before 429")
     ap.add_argument("--ready-timeout-s", type=float, default=300.0)
     args = ap.parse_args(argv)

@@ -5,7 +5,10 @@ API key (or `X-Session-Id` header) is one session whose conversations are record
 (agent/gateway/session.py); generations carry the session id, so the router keeps a session on one
 engine and its prefix cache. Errors are OpenAI-shaped JSON: 400 for a malformed request or an
 unknown model, 401 for a missing or unknown key when bound beyond loopback, 413 for a prompt over
-the context, 429 when `max_inflight` requests are already running. Streaming (`stream: true`) sends
+the context (the model's by default) or a body over `max_body_mb`, 429 when `max_inflight`
+requests are already running. A large body is parsed off the event loop, and text that cannot fit
+the context is refused before it is tokenized, so one huge request does not hold up the others;
+sessions clients open by themselves are capped (`max_sessions`, least recently used first). Streaming (`stream: true`) sends
 the finished reply as server-sent chunks (the bus returns whole generations).
 """
 
@@ -26,6 +29,11 @@ from agent.gateway.session import Conversation, Reply, RequestError, normalize
 log = logging.getLogger(__name__)
 
 IMPLICIT_SEGMENTS = 16  # segments kept per session a client opened by itself (no agent loop reads them)
+MAX_IMPLICIT_SESSIONS = 1024  # sessions clients opened by themselves; the least recently used go first
+MAX_BODY_MB = 32  # a request body over this gets 413 before it is read
+PARSE_ASIDE_BYTES = 1 << 20  # bodies over this are parsed off the event loop
+CHARS_PER_TOKEN = 32  # a prompt with more text than max_context x this cannot fit: 413 before tokenizing
+DEFAULT_CONTEXT = 32768  # max_context when neither the caller nor the model's config gives one
 SAMPLING_KEYS = {"temperature": float, "top_p": float, "seed": int}
 
 
@@ -33,6 +41,34 @@ def _error(status: int, message: str, code: str = "invalid_request_error", param
     kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
                              status=status)
+
+
+def default_context(tokenizer: Any) -> int:
+    """The served model's context: its config's `max_position_embeddings`, else the tokenizer's
+    `model_max_length` when it is a real one, else DEFAULT_CONTEXT."""
+    try:
+        from transformers import AutoConfig
+
+        n = getattr(AutoConfig.from_pretrained(tokenizer.name_or_path), "max_position_embeddings", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    except Exception:  # noqa: BLE001 - no config beside the tokenizer: fall through
+        pass
+    n = getattr(tokenizer, "model_max_length", None)
+    return n if isinstance(n, int) and 0 < n < 10**8 else DEFAULT_CONTEXT
+
+
+def text_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of text in normalized messages (image parts not counted)."""
+    total = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p.get("text", "")) for p in content if isinstance(p, dict))
+        total += sum(len(str(c)) for c in m.get("tool_calls") or [])
+    return total
 
 
 def is_loopback(host: str) -> bool:
@@ -49,12 +85,16 @@ class Gateway:
     def __init__(self, client: Any, tokenizer: Any, model_name: str = "switchyard", tool_parser: str = "hermes",
                  host: str = "127.0.0.1", port: int = 0, api_keys: list[str] | None = None, max_inflight: int = 256,
                  max_context: int | None = None, end_of_turn_id: int | None = None,
-                 session_ttl_s: float = 3600.0, vision: Any = None) -> None:
+                 session_ttl_s: float = 3600.0, vision: Any = None, max_body_mb: int = MAX_BODY_MB,
+                 max_sessions: int = MAX_IMPLICIT_SESSIONS) -> None:
         self.client, self.tokenizer, self.model_name = client, tokenizer, model_name
         self.vision = vision  # agent.vision.Vision when the model takes images
         self.tool_parser, self.host, self.port = tool_parser, host, port
         self.api_keys = set(api_keys or [])
-        self.max_inflight, self.max_context, self.end_of_turn_id = max_inflight, max_context, end_of_turn_id
+        self.max_inflight, self.end_of_turn_id = max_inflight, end_of_turn_id
+        self.max_context = max_context or default_context(tokenizer)  # prompt + reply tokens; longer prompts get 413
+        self.max_body = max_body_mb << 20
+        self.max_sessions = max_sessions
         self.sessions: dict[str, Conversation] = {}
         self._opened: set[str] = set()  # sessions the agent loop opened; it closes them itself
         self._encoders: dict[str, Any] = {}
@@ -66,7 +106,7 @@ class Gateway:
 
     # -------------------------------------------------------------- lifecycle
     async def start(self) -> str:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=self.max_body)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         self._runner = web.AppRunner(app, access_log=None)
@@ -115,6 +155,11 @@ class Gateway:
                                     "this gateway issued or was started with", code="invalid_api_key")
         sid = request.headers.get("X-Session-Id") or key or "default"
         if sid not in self.sessions:  # a client's own session: recorded, but nobody trains on it here
+            implicit = [s for s in self.sessions if s not in self._opened]
+            if len(implicit) >= self.max_sessions:  # the least recently used make room
+                implicit.sort(key=lambda s: self.sessions[s].last_used)
+                for old in implicit[:len(implicit) - self.max_sessions + 1]:
+                    del self.sessions[old]
             self.sessions[sid] = self._conversation(sid)
             self.sessions[sid].max_segments = IMPLICIT_SEGMENTS
         return self.sessions[sid]
@@ -128,13 +173,12 @@ class Gateway:
         try:
             self._prune()
             conv = self._session_for(request)
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise RequestError(400, "the request body is not valid JSON") from None
-            if not isinstance(body, dict):
-                raise RequestError(400, "the request body must be a JSON object")
+            body = await self._body(request)
             messages, tools, sampling, n, parse_calls = self._parse(body)
+            if text_chars(messages) > self.max_context * CHARS_PER_TOKEN:
+                raise RequestError(413, f"the messages hold {text_chars(messages)} characters, more than a context of "
+                                        f"{self.max_context} tokens can take: shorten the conversation",
+                                   code="context_length_exceeded", param="messages")
             if self.inflight >= self.max_inflight:
                 raise RequestError(429, f"{self.inflight} requests are already running (max_inflight="
                                         f"{self.max_inflight}); retry after a moment", code="rate_limit_exceeded")
@@ -154,6 +198,26 @@ class Gateway:
         if body.get("stream"):
             return await self._stream(request, replies, want_logprobs, body)
         return web.json_response(self._completion(replies, want_logprobs))
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        """The request's JSON object. A body over the limit is refused before it is read; a large one
+        is parsed off the event loop, so other clients are not held up while it is."""
+        limit_mb = self.max_body >> 20
+        if request.content_length is not None and request.content_length > self.max_body:
+            raise RequestError(413, f"the request body has {request.content_length} bytes, over the gateway's "
+                                    f"{limit_mb} MiB (max_body_mb)", code="request_too_large")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise RequestError(413, f"the request body is over the gateway's {limit_mb} MiB (max_body_mb)",
+                               code="request_too_large") from None
+        try:
+            body = await asyncio.to_thread(json.loads, raw) if len(raw) > PARSE_ASIDE_BYTES else json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise RequestError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        return body
 
     def _parse(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None,
                                                     dict[str, Any], int, bool]:

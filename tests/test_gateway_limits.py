@@ -1,0 +1,89 @@
+"""The gateway under abuse: a huge request does not hold up other clients, a body over the limit gets
+413 (not 500), every gateway has a context limit, and sessions clients open by themselves are
+bounded. Driven with a real HTTP client against the real server; the bus client is scripted (the
+test is about the gateway, not the engines)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from agent.gateway import Gateway  # noqa: E402
+from test_tool_agent_states import ScriptedClient, tok  # noqa: E402,F401
+
+
+def _big_body(mb: int) -> bytes:
+    """A chat request of about `mb` MB: many ordinary messages, as a long agent transcript would be."""
+    text = "the quick brown fox jumps over the lazy dog " * 23  # ~1 KB
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i in range(mb * 1000)]
+    return json.dumps({"model": "switchyard", "messages": messages}).encode()
+
+
+async def _poll(session: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> float:
+    """The longest a small request waited while the big one was in flight."""
+    worst = 0.0
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        async with session.get(url) as r:
+            assert r.status == 200
+        worst = max(worst, time.perf_counter() - t0)
+        await asyncio.sleep(0.02)
+    return worst
+
+
+def test_a_huge_request_neither_stalls_others_nor_fails_with_500(tok):  # noqa: F811
+    async def body():
+        gw = Gateway(ScriptedClient(tok, ["ok"]), tok, max_body_mb=64)
+        await gw.start()
+        try:
+            async with aiohttp.ClientSession() as s:
+                big = _big_body(40)
+                stop = asyncio.Event()
+                poller = asyncio.create_task(_poll(s, gw.base_url + "/models", stop))
+                await asyncio.sleep(0.1)
+                t0 = time.perf_counter()
+                async with s.post(gw.base_url + "/chat/completions", data=big,
+                                  headers={"Content-Type": "application/json"}) as r:
+                    status, err = r.status, (await r.json())["error"]
+                took = time.perf_counter() - t0
+                stop.set()
+                worst = await poller
+                async with s.post(gw.base_url + "/chat/completions", data=_big_body(100),
+                                  headers={"Content-Type": "application/json"}) as r:
+                    too_big, err_big = r.status, (await r.json())["error"]
+            return status, err, took, worst, too_big, err_big, gw.max_context
+        finally:
+            await gw.stop()
+
+    status, err, took, worst, too_big, err_big, context = asyncio.run(body())
+    assert context == 2048  # the tiny model's max_position_embeddings: every gateway has a limit
+    assert status == 413 and err["code"] == "context_length_exceeded", err
+    assert worst < 1.0, f"a /v1/models poll waited {worst:.2f}s while a 40 MB request took {took:.2f}s"
+    assert too_big == 413 and err_big["code"] == "request_too_large" and "max_body_mb" in err_big["message"]
+
+
+def test_sessions_clients_open_by_themselves_are_bounded(tok):  # noqa: F811
+    async def body():
+        gw = Gateway(ScriptedClient(tok, ["ok"]), tok, max_sessions=50)
+        await gw.start()
+        mine = gw.open_session()  # an agent loop's session is never evicted
+        try:
+            async with aiohttp.ClientSession() as s:
+                for i in range(120):
+                    async with s.post(gw.base_url + "/chat/completions", headers={"X-Session-Id": f"s{i}"},
+                                      json={"model": "switchyard", "messages": [{"role": "user", "content": "hi"}]}) as r:
+                        assert r.status == 200, await r.text()
+            return set(gw.sessions), mine
+        finally:
+            await gw.stop()
+
+    sessions, mine = asyncio.run(body())
+    assert mine in sessions and len(sessions) == 51
+    assert {f"s{i}" for i in range(70, 120)} <= sessions  # the most recent stay
