@@ -1,5 +1,6 @@
 """Tool-call formats beyond hermes/llama3_json: mistral, qwen3_coder, glm4, gpt-oss, deepseek, kimi_k2,
-gemma, functiongemma; the registry (aliases, dotted paths); and a 10k-mutation fuzz of every parser."""
+gemma, functiongemma (seed_oss, minimax, deepseek_v4: test_parser_formats_more.py); the registry (aliases,
+dotted paths); and a 10k-mutation fuzz of every parser."""
 
 from __future__ import annotations
 
@@ -251,6 +252,13 @@ VALID: dict[str, list[str]] = {
     "kimi_k2": [KIMI[0] + _kimi("functions.w:0", {"c": "B"}) + _kimi("functions.p:1", {}) + KIMI[1]],
     "gemma": ['<|tool_call>call:w{c:<|"|>B<|"|>,n:[1,{k:true}]}<tool_call|>'],
     "functiongemma": ["<start_function_call>call:g{loc:<escape>L<escape>,n:2}<end_function_call>"],
+    "seed_oss": ["t\n<seed:tool_call>\n<function=python>\n<parameter=code>\n" + CODE + "\n</parameter>\n<parameter="
+                 "timeout>5</parameter>\n</function>\n<function=now>\n</function>\n</seed:tool_call>"],
+    "minimax": ['a<minimax:tool_call>\n<invoke name="weather">\n<parameter name="city">B</parameter>\n<parameter '
+                'name="units">["c"]</parameter>\n</invoke>\n<invoke name="now">\n</invoke>\n</minimax:tool_call>'],
+    "deepseek_v4": ['a\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="weather">\n<｜DSML｜parameter name="city" string='
+                    '"true">B</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+                    '</｜DSML｜invoke>\n<｜DSML｜invoke name="now">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'],
 }
 
 
@@ -301,7 +309,8 @@ def test_every_parser_survives_10k_mutations_and_reports_each_marked_call() -> N
 def _markup_of(text: str) -> list[str]:
     """The tags and special tokens in a valid example: <...>, [...] words and <｜...｜> markers."""
     import re
-    return re.findall(r"<[|｜/]?[A-Za-z_=▁|\"]+[|｜]?>|\[[A-Z_]+\]|<[a-z_]+=|</[a-z_]+>", text)
+    return (re.findall(r"<[|｜/]?[A-Za-z_=▁|\"]+[|｜]?>|\[[A-Z_]+\]|<[a-z_]+=|</[a-z_]+>", text)
+            + re.findall(r"</?(?:[a-z]+:tool_call|｜DSML｜\w+)>?|<(?:invoke|parameter) name=| string=", text))
 
 
 def test_tool_agent_gives_its_parser_the_tools_schemas() -> None:

@@ -3,7 +3,8 @@
 - `deepseek` V3 / R1: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` then the
   arguments in a ```json fence, then `<｜tool▁call▁end｜>`, once per call, then `<｜tool▁calls▁end｜>`.
   V3.1: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`. Both are read by one parser
-  (the word before the separator tells them apart). The bars are U+FF5C, the spaces U+2581.
+  (the word before the separator tells them apart). The bars are U+FF5C, the spaces U+2581. DSML markup
+  (V3.2 and V4; `deepseek_v4` in xml_args.py reads V4's) is reported as an error, not silently dropped.
 - `kimi_k2`: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}
   <|tool_call_end|>...<|tool_calls_section_end|>`; the id is `functions.NAME:INDEX`.
 """
@@ -102,6 +103,15 @@ class DeepSeekParser(_SectionParser):
     call_end = "<｜tool▁call▁end｜>"
     arg_sep = "<｜tool▁sep｜>"
     markers = (section_begin,)
+
+    def parse(self, text: str) -> ParseResult:
+        """V3/V3.1 calls; DSML markup (V3.2, V4) outside them is an error, since this parser reads
+        none of it and a reply whose calls vanish without a word would teach the policy nothing."""
+        result = super().parse(text)
+        if "｜DSML｜" in result.content:
+            result.errors.append("DSML tool-call markup (<｜DSML｜...>, DeepSeek V3.2/V4) is not read by the deepseek "
+                                 "parser (V3/V3.1 format); for DeepSeek V4 set tool_parser: deepseek_v4")
+        return result
 
     def name_and_args(self, text: str, at: int, head: str) -> tuple[str, int] | str:
         if head.strip() != "function":

@@ -14,16 +14,17 @@ from agent.parsers.gemma import FunctionGemmaParser, GemmaParser
 from agent.parsers.harmony import HarmonyParser
 from agent.parsers.json_calls import HermesParser, Llama3JsonParser, MistralParser
 from agent.parsers.marked_json import DeepSeekParser, KimiK2Parser
-from agent.parsers.xml_args import Glm4Parser, Qwen3CoderParser
+from agent.parsers.xml_args import DeepSeekV4Parser, Glm4Parser, MiniMaxParser, Qwen3CoderParser, SeedOssParser
 
 _PARSERS: dict[str, type[ToolParser]] = {cls.name: cls for cls in (
     HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser, Glm4Parser,
-    HarmonyParser, DeepSeekParser, KimiK2Parser, GemmaParser, FunctionGemmaParser)}
+    HarmonyParser, DeepSeekParser, KimiK2Parser, GemmaParser, FunctionGemmaParser, SeedOssParser, MiniMaxParser,
+    DeepSeekV4Parser)}
 # other spellings users bring from vLLM, SGLang and verl configs
 _ALIASES = {"qwen": "hermes", "qwen25": "hermes", "llama3": "llama3_json", "gpt_oss": "gpt-oss",
             "harmony": "gpt-oss", "qwen3_xml": "qwen3_coder", "glm45": "glm4", "glm47": "glm4",
             "deepseek_v3": "deepseek", "deepseek_v31": "deepseek", "deepseekv3": "deepseek",
-            "deepseekv31": "deepseek", "kimi": "kimi_k2", "gemma4": "gemma"}
+            "deepseekv31": "deepseek", "kimi": "kimi_k2", "gemma4": "gemma", "minimax_m2": "minimax"}
 
 
 def register_tool_parser(name: str, cls: type[ToolParser]) -> None:

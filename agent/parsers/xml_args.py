@@ -1,9 +1,16 @@
-"""Formats with one tag per argument and raw text values: qwen3_coder, glm4.
+"""Formats with one tag per argument and raw text values: qwen3_coder, glm4, seed_oss, minimax, deepseek_v4.
 
 - `qwen3_coder` (Qwen3-Coder, Qwen3.5): `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n
   </function>\n</tool_call>`; the newline that opens and the one that closes a value are markup.
 - `glm4` (GLM-4.5/4.6; 4.7 drops the newlines): `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE
   </arg_value>\n</tool_call>`.
+- `seed_oss` (ByteDance Seed-OSS): qwen3_coder's calls inside `<seed:tool_call>...</seed:tool_call>`, where one
+  block may hold several `<function=NAME>...</function>`.
+- `minimax` (MiniMax-M2): `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="KEY">VALUE</parameter>\n
+  </invoke>\n...</minimax:tool_call>`, one or more invokes per block.
+- `deepseek_v4` (DeepSeek V4's DSML; the bars are U+FF5C): `<｜DSML｜tool_calls>\n<｜DSML｜invoke name="NAME">\n
+  <｜DSML｜parameter name="KEY" string="true">VALUE</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>`;
+  `string="true"` marks a raw string, `string="false"` a JSON value.
 
 Values are text, typed by the tool's schema (`ToolParser.typed_value`). A value ends at the first
 closing tag that is followed by the next structural tag, so code that prints `</tool_call>` or even
@@ -12,6 +19,8 @@ closing tag that is followed by the next structural tag, so code that prints `</
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from agent.parsers.base import ParseResult, ToolCall, ToolParser, closed_after, skip_ws, tagged_blocks
@@ -129,3 +138,157 @@ class Glm4Parser(_TaggedBlocks):
                                          f"before the next <arg_key> or {self.close_tag}")
             args[key] = self.typed_value(name, key, text[v + len("<arg_value>"):end])
             p = end + len("</arg_value>")
+
+
+_ATTR = re.compile(r"""\s+([A-Za-z_][\w-]*)\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'>]+))""")
+
+
+def _attributes(head: str) -> dict[str, str] | None:
+    """The `key="value"` attributes in a tag's text between its name and `>`; None when that text
+    holds anything else (quotes may be double, single or left out)."""
+    attrs: dict[str, str] = {}
+    i = 0
+    while i < len(head):
+        m = _ATTR.match(head, i)
+        if m is None:
+            return None if head[i:].strip() else attrs
+        attrs[m.group(1)] = next(g for g in m.group(2, 3, 4) if g is not None)
+        i = m.end()
+    return attrs
+
+
+class _InvokeBlocks(_TaggedBlocks):
+    """Blocks of one or more calls `call_tag ... call_close`, each holding `param_tag ... param_close`
+    arguments. The name follows `=` in the tag (`<function=NAME>`) or, with `by_attribute`, sits in a
+    `name="..."` attribute. A complete call is kept when a later one of its block is broken or the
+    block is cut off (each of those is an error of its own), and the scan goes on at the block's next
+    call, as in a section of deepseek or kimi_k2 calls."""
+
+    call_tag = call_close = param_tag = param_close = ""
+    call_form = param_form = ""  # how a well-formed tag looks, for the error messages
+    by_attribute = False
+    trim_newlines = True  # a newline right after a parameter's tag and one right before its close are markup
+
+    def _block(self, text: str, at: int, where: str, result: ParseResult) -> int:
+        index, p = 0, at
+        while True:
+            k = skip_ws(text, p)
+            if text.startswith(self.close_tag, k):
+                if index == 0:
+                    result.errors.append(f"{where}: no call between {self.open_tag} and {self.close_tag}")
+                return k + len(self.close_tag)
+            if not text.startswith(self.call_tag, k):
+                if k == len(text):
+                    result.errors.append(f"{where}: unclosed {self.open_tag} (no {self.close_tag} before the end "
+                                         "of the reply)")
+                    return k
+                result.errors.append(f"{where}: expected {self.call_form} or {self.close_tag}, got {text[k:k + 40]!r}")
+                return self.fail(text, k, "").resume
+            try:
+                call, p = self.call(text, k)
+                result.calls.append(call)
+            except _BlockError as e:  # here `resume` is where the problem was found
+                result.errors.append(f"{where}, call {index} (char {k}): {e}")
+                p = self._next_call(text, max(e.resume, k + 1))
+                if p < 0:
+                    return self.fail(text, max(e.resume, k + 1), "").resume
+            index += 1
+
+    def _next_call(self, text: str, at: int) -> int:
+        """The next call tag at or after `at` when it comes before the block's close tag and before the
+        next block; -1 otherwise."""
+        nxt = text.find(self.call_tag, at)
+        if nxt < 0:
+            return -1
+        ends = (text.find(self.close_tag, at), text.find(self.open_tag, at))
+        return nxt if all(e < 0 or nxt < e for e in ends) else -1
+
+    def tag(self, text: str, k: int, prefix: str) -> tuple[str, dict[str, str], int] | None:
+        """(name, attributes, index after `>`) of the tag that starts with `prefix` at `k`; None when malformed."""
+        end = text.find(">", k)
+        if end < 0:
+            return None
+        head = text[k + len(prefix):end]
+        attrs: dict[str, str] | None = {}
+        if self.by_attribute:
+            attrs = _attributes(head) if head[:1].isspace() else None
+            name = (attrs or {}).get("name", "").strip()
+        else:
+            name = head.strip()
+        if attrs is None or not name or "<" in name or "\n" in name:
+            return None
+        return name, attrs, end + 1
+
+    def value(self, tool: str, key: str, raw: str, attrs: dict[str, str]) -> Any:
+        return self.typed_value(tool, key, raw)
+
+    def call(self, text: str, k: int) -> tuple[ToolCall, int]:
+        """The call whose tag starts at `k` and the index after its close; raises _BlockError."""
+        got = self.tag(text, k, self.call_tag)
+        if got is None:
+            raise _BlockError(f"bad call tag {text[k:k + 40]!r}; write {self.call_form}", k)
+        name, _, p = got
+        args: dict[str, Any] = {}
+        while True:
+            k = skip_ws(text, p)
+            if text.startswith(self.call_close, k):
+                return ToolCall(name, args), k + len(self.call_close)
+            if not text.startswith(self.param_tag, k):
+                what = "the reply ends" if k == len(text) else f"got {text[k:k + 40]!r}"
+                raise _BlockError(f"in {name!r}: expected {self.param_form} or {self.call_close}; {what}", k)
+            got = self.tag(text, k, self.param_tag)
+            if got is None:
+                raise _BlockError(f"in {name!r}: bad parameter tag {text[k:k + 40]!r}; write {self.param_form}", k)
+            key, attrs, v = got
+            end = closed_after(text, v, self.param_close, self.param_tag, self.call_close, "")
+            if end < 0:
+                raise _BlockError(f"in {name!r}: parameter {key!r} is not closed by {self.param_close} before "
+                                  f"the next {self.param_tag} or {self.call_close}", k)
+            raw = text[v:end]
+            if self.trim_newlines:
+                raw = raw[1:] if raw.startswith("\n") else raw
+                raw = raw[:-1] if raw.endswith("\n") else raw
+            args[key] = self.value(name, key, raw, attrs)
+            p = end + len(self.param_close)
+
+
+class SeedOssParser(_InvokeBlocks):
+    name = "seed_oss"
+    open_tag, close_tag = "<seed:tool_call>", "</seed:tool_call>"
+    markers = (open_tag,)
+    call_tag, call_close, call_form = "<function=", "</function>", "<function=NAME>"
+    param_tag, param_close, param_form = "<parameter=", "</parameter>", "<parameter=KEY>"
+
+
+class MiniMaxParser(_InvokeBlocks):
+    name = "minimax"
+    open_tag, close_tag = "<minimax:tool_call>", "</minimax:tool_call>"
+    markers = (open_tag,)
+    call_tag, call_close, call_form = "<invoke", "</invoke>", '<invoke name="NAME">'
+    param_tag, param_close, param_form = "<parameter", "</parameter>", '<parameter name="KEY">'
+    by_attribute = True
+
+
+class DeepSeekV4Parser(_InvokeBlocks):
+    """DSML values are as written (no newline is markup); `string="false"` values are decoded as
+    JSON, and one that does not decode is typed by the schema like a value without the attribute."""
+
+    name = "deepseek_v4"
+    open_tag, close_tag = "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>"
+    markers = (open_tag,)
+    call_tag, call_close, call_form = "<｜DSML｜invoke", "</｜DSML｜invoke>", '<｜DSML｜invoke name="NAME">'
+    param_tag, param_close = "<｜DSML｜parameter", "</｜DSML｜parameter>"
+    param_form = '<｜DSML｜parameter name="KEY" string="true|false">'
+    by_attribute = True
+    trim_newlines = False
+
+    def value(self, tool: str, key: str, raw: str, attrs: dict[str, str]) -> Any:
+        kind = attrs.get("string", "").strip().lower()
+        if kind == "true":
+            return raw
+        if kind == "false":
+            try:
+                return json.loads(raw)
+            except (json.JSONDecodeError, RecursionError):
+                pass
+        return self.typed_value(tool, key, raw)
