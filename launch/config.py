@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.rewards.function import RewardConfig
 from engines.config_checks import choice, positive
 from engines.inference import ENGINES
 from engines.training.advantages import ESTIMATORS
@@ -163,6 +164,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     val: ValConfig = field(default_factory=ValConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # agent/rewards/function.py
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

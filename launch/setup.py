@@ -5,7 +5,9 @@ and the (not yet started) rollout plane. `launch/train.py` runs what this builds
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from launch.config import Config, ConfigError, check_world_size, resolve_path
@@ -52,6 +54,17 @@ def setup(cfg: Config) -> Run:
         rows = training_rows(cfg.data, names, list(tools), list(inter))
     except (OSError, ValueError) as e:
         raise ConfigError(f"data: {e}") from None
+    reward = dataclasses.asdict(cfg.reward)
+    if cfg.reward.function:  # loaded once here, so a bad path or an import error stops the run before models load
+        from agent.rewards.function import load_function
+
+        where, _, name = cfg.reward.function.rpartition(":")
+        if where.endswith(".py") or "/" in where:
+            reward["function"] = f"{Path(where).expanduser().resolve()}:{name}"  # workers may run elsewhere
+        try:
+            load_function(reward["function"])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     try:
         val_rows = (validation_rows(cfg.data, cfg.val.max_rows, names, list(tools), list(inter))
                     if cfg.data.val_path else [])
@@ -81,7 +94,7 @@ def setup(cfg: Config) -> Run:
         ref = make_reference(cfg.reference.backend, model_dir, dtype=cfg.model.dtype, temperature=r.temperature,
                              micro_batch_size=cfg.actor.micro_batch_size)
     plane = RolloutPlane(r, model_dir, cfg.model.dtype, rank, world, tools_path, inter_path,
-                         dp_rank=int(getattr(actor, "dp_rank", rank)))
+                         dp_rank=int(getattr(actor, "dp_rank", rank)), reward=reward)
     if cfg.data.curriculum.mode != "off":
         from launch.data.curriculum import CurriculumStream
 

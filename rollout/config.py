@@ -115,6 +115,7 @@ class ManagerConfig:
     ready_timeout_s: float = 300.0
     progress: bool = True
     bus_keys: dict[str, str] | None = None  # rollout.bus.auth.ClientKeys fields, for engines on tcp addresses
+    reward: dict[str, Any] = field(default_factory=dict)  # the run's `reward:` section (agent/rewards/function.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.tracing, Mapping):

@@ -107,12 +107,14 @@ class _Control:
 
 class RolloutPlane(WeightRoutes):
     def __init__(self, cfg: RolloutConfig, model_dir: str, dtype: str, rank: int, world: int,
-                 tools_config: Path | None = None, interaction_config: Path | None = None, dp_rank: int = 0) -> None:
+                 tools_config: Path | None = None, interaction_config: Path | None = None, dp_rank: int = 0,
+                 reward: dict[str, Any] | None = None) -> None:
         """`dp_rank`: this rank's data-parallel replica, whose rows of each batch it receives."""
         self.cfg, self.model_dir, self.dtype, self.rank, self.world = cfg, model_dir, dtype, rank, world
         self.dp_rank = dp_rank
         self.replica_of: list[int] = [dp_rank]
         self.tools_config, self.interaction_config = tools_config, interaction_config
+        self.reward = dict(reward or {})  # the `reward:` section, for the agent workers
         self.node, self.nodes, self.local_rank = node_topology()
         self.placement = resolve_placement(cfg.placement)
         self.sleeps = self.placement == "colocated"
@@ -276,7 +278,7 @@ class RolloutPlane(WeightRoutes):
             agent_configs={k: dict(v) for k, v in r.agent.items()}, agent_loops=dict(r.agent_loops),
             tools_config=str(self.tools_config) if self.tools_config else None,
             interaction_config=str(self.interaction_config) if self.interaction_config else None,
-            policy=r.policy, ready_timeout_s=r.startup_timeout_s, bus_keys=worker_keys,
+            policy=r.policy, ready_timeout_s=r.startup_timeout_s, bus_keys=worker_keys, reward=self.reward,
             tracing=self._tracing())).start()
 
     def _tracing(self) -> Any:

@@ -61,6 +61,7 @@ class AgentWorker:
         self.tools: dict[str, Any] = {}
         self.interactions: dict[str, Any] = {}
         self.tracer: TrajectoryTracer | None = None
+        self.reward_fn: Any = None  # the run's reward function (reward.function), when it names one
         self._trace_pool: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
@@ -86,6 +87,11 @@ class AgentWorker:
         # first use, so an optional package (langgraph) is only needed by datasets that use it
         for name in sorted({*cfg.agent_configs, *cfg.agent_loops}):
             self.registry.get(name)(self.contexts[name])
+        self.reward_fn = None
+        if cfg.reward.get("function"):
+            from agent.rewards.function import RewardConfig, RewardFunction
+
+            self.reward_fn = RewardFunction(RewardConfig.from_mapping(cfg.reward))
         self.tracer = TrajectoryTracer(cfg.tracing, self.experiment_id)
         self._trace_pool = ThreadPoolExecutor(1, thread_name_prefix="trace") if self.tracer.enabled else None
         await self.client.wait_ready(timeout_s=cfg.ready_timeout_s)
@@ -116,6 +122,8 @@ class AgentWorker:
             finally:
                 kill_owned(owner)
             t1 = time.time_ns()
+        if self.reward_fn is not None and out.termination != "error":
+            await self.reward_fn.score(row, out, self.tokenizer)
         assert self.client is not None
         segments = self.client.take_segments(str(row.get("session_id", "")))
         if not out.version_segments and sum(n for _, n in segments) == len(out.model_token_ids()):
@@ -138,6 +146,8 @@ class AgentWorker:
         """Close the client, every tool and interaction that has a close(), flush traces, and kill
         the processes trajectories left."""
         kill_all()
+        if self.reward_fn is not None:
+            self.reward_fn.close()
         for obj in [*self.tools.values(), *self.interactions.values()]:
             close = getattr(obj, "close", None)
             if callable(close):

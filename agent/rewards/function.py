@@ -1,0 +1,191 @@
+"""A reward function of the user's own, named by path (`reward.function: my_reward.py:compute_score`
+or `my_pkg.rewards:compute_score`), scoring every finished trajectory in place of the rule scorer.
+
+Two signatures are taken:
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+        verl's: `solution_str` is the decoded response (every response token, tool turns included),
+        `ground_truth` the row's `reward_model.ground_truth`, `extra_info` its `extra_info`.
+    def score(trajectory) -> float | dict
+        the whole trajectory (a parameter named `trajectory`): a dict with the row, the messages,
+        the response text, termination, turns, tool calls and the loop's reward parts.
+
+Either may be `async def`. A dict's `score` is the reward and its other numeric keys are logged as
+reward parts (`function/<key>`). The score replaces the rule part of the loop's reward (tool,
+interaction and shaping terms stay). A plain function runs in a thread of its own, or with `reward.processes`
+> 0 in a pool of processes of its own (CPU-heavy scorers then never hold up the agent loops); every
+call has a deadline (`reward.timeout_s`). A scorer that raises, hangs past its deadline or returns
+something that is not a finite number fails only its trajectory: reward part 0, `function_error`
+1, termination "error" (not trained on), the reason in the trajectory's `error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib
+import importlib.util
+import inspect
+import math
+import multiprocessing
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from engines.config_checks import from_mapping
+
+
+@dataclass
+class RewardConfig:
+    """The `reward:` section of the run config."""
+
+    function: str | None = None  # "path/to/file.py:name" or "package.module:name"; None: the rule scorers
+    timeout_s: float = 60.0  # per trajectory
+    processes: int = 0  # > 0: a pool of this many processes per agent worker for a plain (sync) function
+
+    def __post_init__(self) -> None:
+        if self.function is not None and (not isinstance(self.function, str) or ":" not in self.function):
+            raise ValueError(f"reward.function={self.function!r} must name a function as path/to/file.py:name or "
+                             "package.module:name")
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s={self.timeout_s} must be > 0")
+        if int(self.processes) < 0:
+            raise ValueError(f"reward.processes={self.processes} must be >= 0 (0: a thread)")
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any] | None) -> "RewardConfig":
+        return from_mapping(cls, dict(d or {}), "reward")
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """The function `spec` names; a ValueError that says what is wrong and what to write instead."""
+    where, _, name = spec.rpartition(":")
+    if where.endswith(".py") or "/" in where:
+        path = Path(where).expanduser().resolve()
+        if not path.is_file():
+            raise ValueError(f"reward.function={spec!r}: {path} is not a file")
+        mod_name = f"switchyard_reward_{abs(hash(str(path)))}"
+        module = sys.modules.get(mod_name)
+        if module is None:
+            loader = importlib.util.spec_from_file_location(mod_name, path)
+            if loader is None or loader.loader is None:
+                raise ValueError(f"reward.function={spec!r}: cannot load {path} as Python")
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[mod_name] = module
+            try:
+                loader.loader.exec_module(module)
+            except Exception as e:
+                del sys.modules[mod_name]
+                raise ValueError(f"reward.function={spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise ValueError(f"reward.function={spec!r}: cannot import {where!r} ({e}); give a module on the "
+                             "path or a file path") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"reward.function={spec!r}: {where} has no function {name!r}")
+    return fn
+
+
+def _takes_trajectory(fn: Callable[..., Any]) -> bool:
+    params = list(inspect.signature(fn).parameters)
+    return bool(params) and params[0] == "trajectory"
+
+
+def _call(spec: str, args: tuple[Any, ...]) -> Any:
+    """In a pool process: load the function (once per process) and call it."""
+    return load_function(spec)(*args)
+
+
+def _in_thread(fn: Callable[..., Any], args: tuple[Any, ...]) -> "asyncio.Future[Any]":
+    """`fn(*args)` on a daemon thread of its own: one that hangs past its deadline is left behind
+    without keeping the process from exiting (a pool's threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def run() -> None:
+        try:
+            value, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            value, error = None, e
+
+        def settle() -> None:
+            if not fut.done():
+                fut.set_result(value) if error is None else fut.set_exception(error)
+
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is gone: nobody waits for this call any more
+            pass
+
+    threading.Thread(target=run, name="reward-fn", daemon=True).start()
+    return fut
+
+
+def as_score(value: Any) -> tuple[float, dict[str, float]]:
+    """(reward, parts) from what a scorer returned; a ValueError when it is not a finite number."""
+    parts: dict[str, float] = {}
+    if isinstance(value, Mapping):
+        if "score" not in value:
+            raise ValueError(f"the reward function returned a dict without 'score' (keys {sorted(value)[:8]})")
+        parts = {f"function/{k}": float(v) for k, v in value.items()
+                 if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        value = value["score"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        raise ValueError(f"the reward function returned {value!r:.80}; return a finite number or a dict with 'score'")
+    return float(value), parts
+
+
+class RewardFunction:
+    """The run's reward function in one agent worker: `await score(row, out, tokenizer)`."""
+
+    def __init__(self, cfg: RewardConfig) -> None:
+        assert cfg.function is not None
+        self.cfg, self.spec = cfg, cfg.function
+        self.fn = load_function(cfg.function)  # a bad path fails at start-up, not mid-rollout
+        self.trajectory_form = _takes_trajectory(self.fn)
+        self.is_async = inspect.iscoroutinefunction(self.fn)
+        self.pool: concurrent.futures.Executor | None = None
+        if not self.is_async and cfg.processes > 0:
+            self.pool = concurrent.futures.ProcessPoolExecutor(cfg.processes, multiprocessing.get_context("spawn"))
+
+    def arguments(self, row: Mapping[str, Any], out: Any, tokenizer: Any) -> tuple[Any, ...]:
+        text = tokenizer.decode(list(out.response_ids), skip_special_tokens=True)
+        if self.trajectory_form:
+            return ({"row": dict(row), "messages": list(out.messages), "response_text": text,
+                     "termination": out.termination, "num_turns": out.num_turns, "turns": list(out.turns),
+                     "tool_calls": sum(int(t.get("tool_calls", 0)) for t in out.turns if isinstance(t, dict)),
+                     "reward_parts": dict(out.reward_extra)},)
+        rm = row.get("reward_model") if isinstance(row.get("reward_model"), Mapping) else {}
+        return (row.get("data_source"), text, rm.get("ground_truth"), dict(row.get("extra_info") or {}))
+
+    async def score(self, row: Mapping[str, Any], out: Any, tokenizer: Any) -> None:
+        """Score `out` in place: its reward's rule part replaced by the function's score."""
+        try:
+            args = self.arguments(row, out, tokenizer)
+            if self.is_async:
+                value = await asyncio.wait_for(self.fn(*args), self.cfg.timeout_s)
+            else:
+                call = (asyncio.get_running_loop().run_in_executor(self.pool, _call, self.spec, args)
+                        if self.pool is not None else _in_thread(self.fn, args))
+                value = await asyncio.wait_for(call, self.cfg.timeout_s)
+            score, parts = as_score(value)
+            error = ""
+        except asyncio.TimeoutError:
+            score, parts, error = 0.0, {}, f"the reward function took longer than reward.timeout_s={self.cfg.timeout_s}"
+        except Exception as e:  # noqa: BLE001 - a scorer's failure is its trajectory's, never the step's
+            score, parts, error = 0.0, {}, f"the reward function failed: {type(e).__name__}: {e}"
+        rule = float(out.reward_extra.get("rule", 0.0))
+        out.reward = float(out.reward) - rule + score
+        out.reward_extra = {**out.reward_extra, "rule": 0.0, "function": score, **parts,
+                            "function_error": 1.0 if error else 0.0}
+        if error:
+            out.termination, out.error = "error", "; ".join(e for e in (out.error, error) if e)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
