@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from rollout.weights.link import Link, Push, drain
-from rollout.weights.routes import ROUTES
+from rollout.weights.link import Link, Placement, Push, drain
+from rollout.weights.routes import ROUTES, choose
 from rollout.weights.shm import free_bytes, shm_dir
 
 
@@ -41,19 +41,11 @@ class WeightRoutes:
     inproc: Any
 
     def route(self) -> str:
-        """How weights reach the engines: `shm` (one node: rank 0 packs buckets into shared memory that
-        the node's engines map), `collective` (several nodes: rank 0 broadcasts buckets to each node's
-        leader, which feeds its engines through shared memory), or `bus` (frames over the sockets;
-        rollout.weight_path=bus), or `in_process` (rollout.in_process: the engine is served from this
-        process and takes the tensors by reference), or `handle` (colocated on one GPU: buckets in a
-        device buffer the engines open by its CUDA IPC handle, `rollout.weights.handle`)."""
-        if self.cfg.in_process:
-            return "in_process"
-        if self.cfg.weight_path == "bus" or self._no_room:
-            return "bus"
-        if self.nodes > 1:
-            return "collective"
-        return "handle" if self._engines_on_my_gpu() else "shm"
+        """How weights reach the engines: the first route of `rollout.weights.routes.ROUTES` that
+        applies to this run's placement (in_process, bus, collective, handle, shm; see there)."""
+        return choose(Placement(in_process=bool(self.cfg.in_process), weight_path=self.cfg.weight_path,
+                                shm_room=not self._no_room, nodes=self.nodes,
+                                engines_on_my_gpu=self.nodes == 1 and self._engines_on_my_gpu()))
 
     def _engines_on_my_gpu(self) -> bool:
         """Colocated on one GPU node with every engine on rank 0's GPU: buckets go by CUDA IPC handle

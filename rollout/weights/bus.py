@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from rollout.bus.protocol import Ack, WeightsBegin, WeightsCommit
 from rollout.weights.codec import SyncReport, bucket_by_size, bucket_from_tensors, slot_bucket
-from rollout.weights.link import Link, Push, drain
+from rollout.weights.link import Link, Placement, Push, drain
 
 if TYPE_CHECKING:
     import torch
@@ -81,6 +81,10 @@ class BusRoute:
     subclasses) only the name of the slot on this node its bytes lie in."""
 
     name = "bus"
+
+    @staticmethod
+    def applies(p: Placement) -> bool:
+        return p.weight_path == "bus" or not p.shm_room
 
     def __init__(self) -> None:
         self.slots: Any = None  # where buckets are packed; None: frames

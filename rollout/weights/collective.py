@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from rollout.bus.protocol import ProtocolError, WeightsBegin, WeightsBucket
 from rollout.weights.bus import commit
-from rollout.weights.link import Link, Push, drain
+from rollout.weights.link import Link, Placement, Push, drain
 from rollout.weights.shm import ShmSlots
 from rollout.weights.codec import DEFAULT_CHECKSUM, bucket_by_size, checksum, slot_bucket, tensor_from_raw, tensor_to_raw
 
@@ -190,6 +190,10 @@ class CollectiveRoute:
     is committed on every node or on none. Bytes per node."""
 
     name = "collective"
+
+    @staticmethod
+    def applies(p: Placement) -> bool:
+        return p.nodes > 1
 
     def __init__(self) -> None:
         self.slots: ShmSlots | None = None

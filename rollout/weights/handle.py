@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout.bus.protocol import ProtocolError
 from rollout.weights.bus import BusRoute
+from rollout.weights.link import Placement
 from rollout.weights.codec import GROW, layout, sum64, views
 
 if TYPE_CHECKING:
@@ -130,6 +131,10 @@ class HandleRoute(BusRoute):
     open by its CUDA IPC handle. Written for GPUs, not run here (its CPU form is tested directly)."""
 
     name = "handle"
+
+    @staticmethod
+    def applies(p: Placement) -> bool:
+        return p.nodes == 1 and p.engines_on_my_gpu
 
     def make_slots(self) -> HandleSlots:
         import torch

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 from rollout.weights.codec import SyncReport, _nbytes, bucket_by_size, finite
-from rollout.weights.link import Link, Push, drain
+from rollout.weights.link import Link, Placement, Push, drain
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +48,10 @@ class InProcessRoute:
     """The engine this process serves (rollout.in_process): tensors by reference."""
 
     name = "in_process"
+
+    @staticmethod
+    def applies(p: Placement) -> bool:
+        return p.in_process
 
     def send(self, push: Push, link: Link) -> int:
         if link.rank != 0 or link.inproc is None:

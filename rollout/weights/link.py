@@ -11,6 +11,17 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class Placement:
+    """What decides a run's route: each route's `applies(placement)` reads it (rollout/weights/routes.py)."""
+
+    in_process: bool = False  # rollout.in_process: the engine is served from the trainer's process
+    weight_path: str = "auto"  # rollout.weight_path: "auto", or a route's name to force it
+    shm_room: bool = True  # shared memory holds two buckets
+    nodes: int = 1
+    engines_on_my_gpu: bool = False  # colocated, every engine on rank 0's GPU
+
+
+@dataclass
 class Push:
     """One weight version on its way: what every route sends."""
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout.bus.protocol import ProtocolError
 from rollout.weights.bus import BusRoute
+from rollout.weights.link import Placement
 from rollout.weights.codec import DEFAULT_CHECKSUM, GROW, checksum, layout, views
 
 if TYPE_CHECKING:
@@ -195,6 +196,10 @@ class ShmRoute(BusRoute):
     """Engines on the sender's node: each bucket packed into a shared-memory slot they map."""
 
     name = "shm"
+
+    @staticmethod
+    def applies(p: Placement) -> bool:
+        return p.nodes == 1
 
     def make_slots(self) -> ShmSlots:
         return ShmSlots()
