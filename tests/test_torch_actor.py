@@ -17,6 +17,7 @@ from engines.models import resolve_model
 from engines.training.losses import LossConfig
 from engines.training.config import ActorConfig
 from engines.training.reference import TorchReference
+from engines.training.actor import token_budget_rows
 from engines.training.torch_actor import TorchActor
 
 
@@ -58,15 +59,23 @@ def test_logprobs_equal_an_unpadded_forward(tiny):
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_update_does_not_depend_on_micro_batch_size(tiny, agg):
+    """Row-count micro-batches of 1, 3 and 8 rows and token-budget ones (rows sorted by length, 3 to 5
+    micro-batches here) give the same weights after a step, to fp32 summation order (1e-6): the
+    loss is normalised by the mini-batch's denominator, however its rows are grouped."""
     batch = make_batch(1000, n=8)
     adv = advantages_for(batch)
     states = []
-    for mbs in (1, 3, 8):
-        actor = _actor(tiny, lr=1.0, micro_batch_size=mbs, grad_clip=1e9)
+    for kw in ({"micro_batch_size": 1}, {"micro_batch_size": 3}, {"micro_batch_size": 8},
+               {"max_tokens_per_micro_batch": 90}, {"max_tokens_per_micro_batch": 10}):
+        actor = _actor(tiny, lr=1.0, grad_clip=1e9, **kw)
         # plain SGD: the weight change is the gradient itself (Adam's first step is ~lr * sign(g),
         # which turns float noise in near-zero gradient entries into full-size differences)
         actor.optimizer = torch.optim.SGD(actor.params, lr=1.0)
         old, _ = actor.compute_logprobs(batch)
+        if states:  # logprobs come back in row order whatever the grouping
+            assert torch.allclose(old, first_old, atol=1e-5)
+        else:
+            first_old = old
         m = actor.update(batch, adv, old, None, LossConfig(agg=agg))
         assert m["optimizer_steps"] == 1 and m["grad_norm"] > 0
         states.append({k: v.clone() for k, v in actor.module.state_dict().items()})
@@ -77,6 +86,15 @@ def test_update_does_not_depend_on_micro_batch_size(tiny, agg):
     for other in states[1:]:
         for k in base:
             assert torch.allclose(base[k], other[k], atol=1e-6), k
+
+
+def test_token_budget_packs_longest_first_within_the_budget():
+    plen, rlen = torch.tensor([5, 2, 8, 3, 1]), torch.tensor([10, 3, 30, 4, 2])
+    parts = token_budget_rows(torch.arange(5), plen, rlen, budget=30)
+    # 38 tokens: over the budget, alone; 15 + 7 cost 2 x (5 + 10) = 30; adding 5 would cost 45; 5 + 3 cost 10
+    assert [p.tolist() for p in parts] == [[2], [0, 3], [1, 4]]
+    assert sorted(torch.cat(parts).tolist()) == [0, 1, 2, 3, 4]
+    assert token_budget_rows(torch.arange(0), plen, rlen, 30) == []
 
 
 def test_on_policy_shortcut_equals_explicit_old_logprobs(tiny):

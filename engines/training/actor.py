@@ -177,7 +177,7 @@ class ActorBase:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
-    def _bar(self, desc: str, total: int) -> tqdm:
+    def _bar(self, desc: str, total: int | None) -> tqdm:
         return tqdm(total=total, desc=desc, unit="micro-batch", leave=False,
                     disable=not self.progress or self.rank != 0)
 
@@ -213,18 +213,33 @@ class ActorBase:
     def _micro_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
         return list(rows.split(self.cfg.micro_batch_size)) if len(rows) else []
 
+    def _micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[MicroBatch]:
+        """`rows` of `batch` as micro-batches: `actor.micro_batch_size` rows each, or with
+        `actor.max_tokens_per_micro_batch` by padded token count (`token_budget_rows`)."""
+        budget = self.cfg.max_tokens_per_micro_batch
+        parts = (token_budget_rows(rows, batch.prompt_lengths, batch.response_lengths, budget) if budget
+                 else self._micro_rows(rows))
+        return [batch.micro_batch(mb) for mb in parts]
+
     # ------------------------------------------------------------------ logprobs
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token logprobs and entropy of the batch's responses; every rank gets all rows."""
         self._set_train(False)
-        micro = [batch.micro_batch(mb) for mb in self._micro_rows(self._rows_of(batch))]
+        local = self._rows_of(batch)
+        micro = self._micro_batches(batch, local)
         r = batch.responses.shape[1]
         with self._bar("logprobs", len(micro)) as bar:
             res = self._forward_logprobs(micro, bar)
         pad = lambda t: torch.nn.functional.pad(t.float().cpu(), (0, r - t.shape[1]))  # noqa: E731
-        lp = torch.cat([pad(x[0]) for x in res]) if res else torch.zeros(0, r)
-        ent = torch.cat([pad(x[1]) for x in res]) if res else torch.zeros(0, r)
+        # back in row order: token-budget micro-batches hold rows sorted by length
+        at = torch.empty(len(batch), dtype=torch.long)
+        at[local] = torch.arange(len(local))
+        order = at[torch.cat([mb.rows for mb in micro])] if micro else torch.zeros(0, dtype=torch.long)
+        lp, ent = torch.zeros(len(local), r), torch.zeros(len(local), r)
+        if res:
+            lp[order] = torch.cat([pad(x[0]) for x in res])
+            ent[order] = torch.cat([pad(x[1]) for x in res])
         n, real = len(batch), batch.real_responses
         if not batch.is_shard:  # every rank gets all rows; a shard keeps its own
             lp, ent = (gather_rows(t, n, self.dp_size, self.dp_group, self.device) for t in (lp, ent))
@@ -258,8 +273,8 @@ class ActorBase:
         tally = _Tally()
         norms: list[float] = []
         per_rank = math.ceil(min(mini, n) / self.dp_size)
-        bar = self._bar("update", self.cfg.ppo_epochs * math.ceil(n / mini)
-                        * math.ceil(per_rank / self.cfg.micro_batch_size))
+        bar = self._bar("update", None if self.cfg.max_tokens_per_micro_batch else  # token budget: not known ahead
+                        self.cfg.ppo_epochs * math.ceil(n / mini) * math.ceil(per_rank / self.cfg.micro_batch_size))
         for _ in range(self.cfg.ppo_epochs):
             for idx in self._mini_batches(batch, mini, gen, shuffle):
                 if batch.is_shard:
@@ -283,7 +298,7 @@ class ActorBase:
                     return value
 
                 mine = idx if batch.is_shard else self._local_rows(idx)
-                micro = [batch.micro_batch(mb) for mb in self._micro_rows(mine)]
+                micro = self._micro_batches(batch, mine)
                 self._forward_backward(micro, loss.entropy_coef > 0, self.temperature, loss_fn, bar)
                 norms.append(self._step_optimizer())
         bar.close()
@@ -377,3 +392,29 @@ def _sft_micro(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: to
     target = lab[:, first + 1:]
     return MicroBatch(rows=rows, input_ids=ids, attention_mask=attn, position_ids=None, first=first,
                       targets=target, target_mask=target != IGNORE_INDEX)
+
+
+def token_budget_rows(rows: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
+                      budget: int) -> list[torch.Tensor]:
+    """`rows` packed into micro-batches of at most `budget` padded tokens: a micro-batch is cut to
+    its widest prompt and widest response, so it costs rows x (widest prompt + widest response).
+    Rows go longest first, each into the current micro-batch while the cost stays within the budget
+    (a row over the budget alone goes alone). The loss is normalised by the mini-batch's own
+    denominator, so how rows are grouped changes nothing but the summation order."""
+    if not len(rows):
+        return []
+    plen, rlen = prompt_lengths[rows], response_lengths[rows]
+    order = torch.argsort(plen + rlen, descending=True, stable=True)
+    out: list[list[int]] = []
+    current: list[int] = []
+    wide_p = wide_r = 0
+    for i in order.tolist():
+        p, r = int(plen[i]), int(rlen[i])
+        cost = (len(current) + 1) * (max(wide_p, p) + max(wide_r, r))
+        if current and cost > budget:
+            out.append(current)
+            current, wide_p, wide_r = [], 0, 0
+        current.append(i)
+        wide_p, wide_r = max(wide_p, p), max(wide_r, r)
+    out.append(current)
+    return [rows[torch.tensor(idx)] for idx in out]

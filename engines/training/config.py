@@ -39,6 +39,9 @@ class ActorConfig:
     warmup_steps: int = 0
     grad_clip: float = 1.0
     micro_batch_size: int = 8
+    # > 0: micro-batches by padded token count instead of row count (rows sorted by length, packed
+    # while rows x (widest prompt + widest response) stays within it; a longer row goes alone)
+    max_tokens_per_micro_batch: int = 0
     ppo_mini_batch_size: int = 0
     ppo_epochs: int = 1
     gradient_checkpointing: bool = False
@@ -66,6 +69,9 @@ class ActorConfig:
                              f"choose one of {list(SHARDINGS[self.backend])}")
         if self.lr <= 0:
             raise ValueError(f"actor.lr={self.lr} must be > 0")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ValueError(f"actor.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= 0 "
+                             "(0 = actor.micro_batch_size rows per micro-batch)")
         if self.ppo_mini_batch_size < 0:
             raise ValueError(f"actor.ppo_mini_batch_size={self.ppo_mini_batch_size} must be >= 0 (0 = the whole batch)")
 
