@@ -32,6 +32,7 @@ import torch
 from engines.inference import ENGINES
 from engines.training.batch import Batch
 from rollout.config import RolloutConfig
+from rollout.engine_stats import engine_metrics, statuses
 from rollout.weight_route import WeightRoutes
 
 MAX_SAMPLING_ROUNDS = 10  # dynamic sampling: rollout rounds a synchronous step may take to fill its batch
@@ -399,27 +400,10 @@ class RolloutPlane(WeightRoutes):
         return shard, {**metrics, **cost}
 
     def engine_metrics(self, seconds: float) -> dict[str, float]:
-        """Rank 0: per engine since the last call: requests served, tokens generated, busy fraction
-        of `seconds`; its node, weight version and resident memory now."""
+        """Rank 0: per engine since the last call (`rollout/engine_stats.py`); {} elsewhere."""
         if self.control is None:
             return {}
-        out: dict[str, float] = {}
-        for e, st in zip(self.engines, self._statuses()):
-            if st is None:
-                out[f"engine/{e.engine_id}/alive"] = 0.0
-                continue
-            now = {"requests": float(st.stats.get("requests", 0)), "tokens": float(st.stats.get("generated_tokens", 0)),
-                   "busy_s": float(st.stats.get("busy_s", 0.0)), "preemptions": float(st.stats.get("preemptions", 0))}
-            last = self._last.get(e.engine_id, {"requests": 0.0, "tokens": 0.0, "busy_s": 0.0, "preemptions": 0.0})
-            self._last[e.engine_id] = now
-            p = f"engine/{e.engine_id}/"
-            out.update({p + "alive": 1.0, p + "node": float(e.node), p + "weight_version": float(st.weight_version),
-                        p + "requests": now["requests"] - last["requests"],
-                        p + "tokens": now["tokens"] - last["tokens"],
-                        p + "preemptions": now["preemptions"] - last["preemptions"],
-                        p + "busy": min(1.0, (now["busy_s"] - last["busy_s"]) / max(seconds, 1e-9)),
-                        p + "rss_mb": float(st.stats.get("rss_mb", 0.0))})
-        return out
+        return engine_metrics(self.engines, self._statuses(), self._last, seconds)
 
     def engine_busy_s(self) -> float:
         """Rank 0: the engines' summed seconds with a generation inside them so far (0 elsewhere)."""
@@ -439,23 +423,8 @@ class RolloutPlane(WeightRoutes):
                 for e, st in zip(self.engines, self._statuses()) if st is not None}
 
     def _statuses(self) -> list[Any]:
-        """Every engine's status, asked of all at once; None for an engine that is down or died
-        meanwhile (failover already handles its work: a metric gap, never a failed step)."""
         assert self.control is not None
-        client = self.control.client
-
-        async def one(i: int) -> Any:
-            if not client.router.alive[i]:
-                return None
-            try:
-                return await client.status(i)
-            except Exception:
-                return None
-
-        async def every() -> list[Any]:
-            return list(await asyncio.gather(*(one(i) for i in range(len(self.engines)))))
-
-        return self.control.run(every())
+        return statuses(self.control, len(self.engines))
 
     def wake(self) -> None:
         """Colocated: engines take their memory back; after level 2 they serve again only once the
