@@ -224,6 +224,21 @@ def actor_memory_section(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def micro_batches_section(r: dict[str, Any]) -> list[str]:
+    f, b = r["runs"]["fixed"], r["runs"]["budget"]
+    return ["## Actor update: row-count vs token-budget micro-batches", "",
+            f"The torch actor on {r['model']}, one on-policy update of {r['trajectories']} trajectories shaped like the "
+            f"CPU demo's (prompts 60-180 tokens, responses 10-120; {r['real_tokens']} real tokens), the two settings "
+            f"alternating from one initial state ({r['pairs']} pairs). `fixed`: `actor.micro_batch_size=8`; `budget`: "
+            f"`actor.max_tokens_per_micro_batch={r['budget_tokens']}` (8 rows of median length).", "",
+            "| micro-batches | count | padded tokens | update s (median) | real tokens/s |", "|---|---|---|---|---|",
+            f"| fixed, 8 rows | {f['micro_batches']} | {f['padded_tokens']} | {f['update_s_median']:.2f} | "
+            f"{f['tokens_per_s']:.0f} |",
+            f"| token budget | {b['micro_batches']} | {b['padded_tokens']} | {b['update_s_median']:.2f} | "
+            f"{b['tokens_per_s']:.0f} |", "",
+            f"Token budget vs fixed, median of the per-pair ratios of update time: **{r['budget_speedup_median']:.2f}x**."]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true")
@@ -238,6 +253,7 @@ def main() -> None:
                 ["benchmarks/weight_sync.py", *quick],
                 ["benchmarks/nodes.py", *quick],
                 ["benchmarks/actor_memory.py", *quick],
+                ["benchmarks/micro_batches.py", *quick],
                 ["benchmarks/async_rl.py", *quick],
                 ["benchmarks/gateway_overhead.py", *quick]]
     t0 = time.perf_counter()
@@ -255,6 +271,7 @@ def main() -> None:
     lines += routing_section(load("routing")) + [""] + weight_sync_section(load("weight_sync")) + [""]
     lines += nodes_section(load("nodes")) + [""] + actor_memory_section(load("actor_memory")) + [""]
     lines += async_rl_section(load("async_rl")) + [""] + gateway_section(load("gateway_overhead")) + [""]
+    lines += micro_batches_section(load("micro_batches")) + [""]
     Path(args.output).write_text("\n".join(lines))
     print(f"\nwrote {args.output} ({total / 60:.1f} min)")
 

@@ -105,6 +105,14 @@ def test_actor_memory_small_run(tmp_path):
     assert report["projection_gb"]["7"]["dp1_ddp"] == pytest.approx(16 * 7e9 / 2**30)
 
 
+def test_micro_batches_small_run(tmp_path):
+    last, report = _run("benchmarks/micro_batches.py", ["--quick", "--pairs", "1"], tmp_path)
+    assert last.startswith("RESULT budget_vs_fixed_update_speed=")
+    fixed, budget = report["runs"]["fixed"], report["runs"]["budget"]
+    assert budget["padded_tokens"] < fixed["padded_tokens"]  # sorted by length, packed: less padding
+    assert fixed["micro_batches"] == 4 and budget["micro_batches"] >= 1
+
+
 def test_gateway_overhead_small_run(tmp_path):
     pytest.importorskip("openai")
     last, report = _run("benchmarks/gateway_overhead.py", ["--requests", "64"], tmp_path)
