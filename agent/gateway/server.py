@@ -43,6 +43,19 @@ def _error(status: int, message: str, code: str = "invalid_request_error", param
                              status=status)
 
 
+@web.middleware
+async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Unknown routes and methods answer with an OpenAI-shaped JSON error, as every other error does."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return _error(404, f"{request.method} {request.path} is not served here; this gateway serves GET /v1/models "
+                           "and POST /v1/chat/completions", code="not_found")
+    except web.HTTPMethodNotAllowed as e:
+        return _error(405, f"{request.method} is not allowed on {request.path}; use {', '.join(sorted(e.allowed_methods))}",
+                      code="method_not_allowed")
+
+
 def default_context(tokenizer: Any) -> int:
     """The served model's context: its config's `max_position_embeddings`, else the tokenizer's
     `model_max_length` when it is a real one, else DEFAULT_CONTEXT."""
@@ -106,7 +119,7 @@ class Gateway:
 
     # -------------------------------------------------------------- lifecycle
     async def start(self) -> str:
-        app = web.Application(client_max_size=self.max_body)
+        app = web.Application(client_max_size=self.max_body, middlewares=[_json_errors])
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         self._runner = web.AppRunner(app, access_log=None)

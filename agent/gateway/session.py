@@ -266,14 +266,15 @@ class Conversation:
             results = await asyncio.gather(*(client.generate(prompt, params, session_id=self.session_id,
                                                              group_id=self.group_id, **images) for _ in bases))
             parser = self.parser(tools)
+            declared = {t["function"]["name"] for t in tools or []}
             replies = []
             for target, result in zip(bases, results):
                 replies.append(self._record(target, result, parser, parse_calls, len(prompt),
-                                            time.perf_counter() - t0))
+                                            time.perf_counter() - t0, declared))
             return replies
 
     def _record(self, seg: Segment, result: Any, parser: ToolParser, parse_calls: bool, prompt_tokens: int,
-                latency: float) -> Reply:
+                latency: float, declared: set[str] | frozenset[str] = frozenset()) -> Reply:
         seg.traj.add_model(result.token_ids, result.logprobs)
         seg.unclosed = list(result.token_ids)
         seg.request_ids.append(result.request_id)
@@ -288,6 +289,10 @@ class Conversation:
         parsed = parser.parse(text) if parse_calls else ParseResult(content=text)
         if parsed.errors and not parsed.calls:
             parsed = ParseResult(content=text.strip(), errors=parsed.errors)  # let the agent see what was written
+        undeclared = sorted({c.name for c in parsed.calls} - set(declared))
+        if undeclared:  # a call to a tool the request did not offer is text, never a tool_call the agent cannot run
+            seg.turns[-1]["undeclared_tools"] = undeclared
+            parsed = ParseResult(content=text.strip(), errors=[f"call to undeclared tool(s) {undeclared}"])
         seg.last_text, seg.last_finish, seg.updated = text, result.finish_reason, time.monotonic()
         seg.held = seg.held + [{"role": "assistant", "content": parsed.content, **(
             {"tool_calls": [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
