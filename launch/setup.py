@@ -40,7 +40,8 @@ def setup(cfg: Config) -> Run:
     from engines.training import make_actor
     from engines.training.reference import make_reference
     from launch.data import training_rows, validation_rows
-    from launch.data.rows import RowStream
+    from engines.inference import ENGINES
+    from launch.data.rows import RowStream, has_images
     from parallel.mesh import init_distributed
     from rollout.plane import RolloutPlane
 
@@ -54,6 +55,9 @@ def setup(cfg: Config) -> Run:
         rows = training_rows(cfg.data, names, list(tools), list(inter))
     except (OSError, ValueError) as e:
         raise ConfigError(f"data: {e}") from None
+    if not ENGINES[r.engine].images and any(has_images(row) for row in rows):
+        raise ConfigError(f"the training rows hold images and rollout.engine={r.engine} does not take them; use an "
+                          f"engine that does ({[n for n, s in ENGINES.items() if s.images and s.rollout]})")
     reward = dataclasses.asdict(cfg.reward)
     if cfg.reward.function:  # loaded once here, so a bad path or an import error stops the run before models load
         from agent.rewards.function import load_function

@@ -182,6 +182,18 @@ def test_one_grpo_step_of_a_vlm_with_an_image_tool_through_train_py(tmp_path: Pa
     assert type(load_pretrained(out / "hf", torch.float32)).__name__ == "LlavaForConditionalGeneration"
 
 
+def test_rows_with_images_and_an_engine_without_them_stop_before_any_model_loads(tmp_path: Path):
+    from test_train import train
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({**image_row((9, 9, 9)), "agent_name": "single_turn_agent"}) + "\n"
+                            for _ in range(2)))
+    proc = train(["model.path=tiny-vlm", "data.val_path=null", "rollout.engine=vllm", "data.task=rows",
+                  f"data.train_path={rows}", f"trainer.output_dir={tmp_path / 'run'}"], timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "rollout.engine=vllm does not take them" in proc.stderr and "['hf']" in proc.stderr
+
+
 def _image_rows(path: Path, n: int) -> Path:
     with path.open("w") as f:
         for i in range(n):

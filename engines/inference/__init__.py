@@ -22,10 +22,11 @@ class EngineSpec:
     in_process: str | None = None  # the backend serving it from the trainer's process (rollout.in_process); None: no
     rollout: bool = True  # offered as rollout.engine (false: benchmarks and the in-process variants only)
     in_process_one_rank: bool = False  # its in-process variant takes torch.distributed's world as its own
+    images: bool = False  # takes a vision-language prompt's pixel values (rows with images need it)
 
 
 ENGINES: dict[str, EngineSpec] = {
-    "hf": EngineSpec("engines.inference.hf:HFEngine", {"max_batch_size": 64}, in_process="hf"),
+    "hf": EngineSpec("engines.inference.hf:HFEngine", {"max_batch_size": 64}, in_process="hf", images=True),
     "vllm": EngineSpec("engines.inference.vllm:VLLMEngine", in_process="vllm_inproc", in_process_one_rank=True),
     "vllm_inproc": EngineSpec("engines.inference.vllm_inproc:VLLMInProcessEngine", rollout=False),
     "sglang": EngineSpec("engines.inference.sglang:SGLangEngine"),  # its scheduler runs in processes of its own

@@ -119,6 +119,18 @@ def tool_row(data_source: str, system: str, question: str, ground_truth: str, ex
     return row
 
 
+def has_images(row: Mapping[str, Any]) -> bool:
+    """Whether a row holds an image: verl's `images` list, or an image part in its prompt."""
+    if row.get("images"):
+        return True
+    for m in row.get("prompt") or []:
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if isinstance(content, list) and any(isinstance(p, Mapping) and p.get("type") in ("image", "image_url")
+                                             for p in content):
+            return True
+    return False
+
+
 def _part_errors(parts: list[Any], where: str) -> Iterator[str]:
     """Content parts: {"type": "text", "text": ...}, {"type": "image", "image": ...} or
     {"type": "image_url", "image_url": {"url": ...}} (images are read when the loop runs)."""
