@@ -9,6 +9,11 @@ responses 10-120). `fixed` uses `actor.micro_batch_size=8` (the demo's); `budget
 number of micro-batches on average but pads far less. The two alternate (A, B, A, B, ...) from one
 initial state; reported: update seconds, real tokens per second, padded tokens per update, and the
 per-pair ratio's median.
+
+It also puts the update against this box's limit: the model's arithmetic per update (forward +
+backward = 3 x the forward's 2 FLOPs per parameter per token, plus attention's score and value
+products over each row's real length), divided by the update's seconds, against the matmul peak
+measured here (square fp32 matmuls, the same threads) — the update's fraction of the limit.
 """
 
 from __future__ import annotations
@@ -40,6 +45,34 @@ def demo_batch(vocab: int, n: int = 32, seed: int = 0) -> Any:
                                     response_logprobs=[-1.0] * r, reward=float(i % 2), num_turns=1,
                                     termination="stop"))
     return pad_outputs(outs, 0, [i // 4 for i in range(n)])
+
+
+def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of an n x n fp32 matmul on this box with torch's threads: the best of `repeats`."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+    return best
+
+
+def update_flops(module: Any, batch: Any) -> float:
+    """Model arithmetic of one update over the batch's real tokens: 6 x parameters x tokens (forward
+    2, backward 4; embeddings counted as the tied or separate LM head's matmul) plus attention's
+    QK^T and AV products, 12 x layers x hidden x length^2 / 2 per row (causal) forward + backward."""
+    cfg = module.config
+    params = sum(p.numel() for p in module.parameters())
+    if not getattr(cfg, "tie_word_embeddings", False):
+        params -= cfg.vocab_size * cfg.hidden_size  # the input embedding is a lookup, not a matmul
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    dense = 6.0 * params * sum(lengths)
+    attention = sum(12.0 * cfg.num_hidden_layers * cfg.hidden_size * n * n / 2 for n in lengths)
+    return dense + attention
 
 
 def padded_tokens(batch: Any, parts: list[Any]) -> int:
@@ -91,8 +124,13 @@ def main() -> None:
         report["runs"][kind] = {"update_s": times[kind], "update_s_median": med, "micro_batches": len(parts[kind]),
                                 "padded_tokens": padded_tokens(batch, parts[kind]), "tokens_per_s": real / med}
     report["budget_speedup_median"] = statistics.median(ratios)
+    peak = matmul_peak()
+    flops = update_flops(actors["fixed"].module, batch)
+    report["limit"] = {"matmul_peak_gflops": peak / 1e9, "update_gflop": flops / 1e9, "threads": torch.get_num_threads(),
+                       **{f"{k}_fraction_of_peak": flops / statistics.median(times[k]) / peak for k in actors}}
     write_result("micro_batches", report, args.out)
     print(result_line({"budget_vs_fixed_update_speed": report["budget_speedup_median"],
+                       "fixed_fraction_of_peak": report["limit"]["fixed_fraction_of_peak"],
                        "padded_fixed": report["runs"]["fixed"]["padded_tokens"],
                        "padded_budget": report["runs"]["budget"]["padded_tokens"]}))
 
