@@ -62,3 +62,28 @@ def test_a_call_to_an_undeclared_tool_stays_text(tok):  # noqa: F811
     assert call.function.name == "calculator" and json.loads(call.function.arguments) == {"expression": "2+3"}
     turns = [t for s in conv.segments for t in s.turns]
     assert any(t.get("undeclared_tools") == ["calculator"] for t in turns)  # the session says why
+
+
+def test_a_gateway_session_counts_its_tool_rounds_in_the_rollout_metrics(tok):  # noqa: F811
+    from engines.training.batch import pad_outputs
+
+    async def body():
+        gw = Gateway(ScriptedClient(tok, [CALL, "it is 5"]), tok)
+        await gw.start()
+        try:
+            async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="k", max_retries=0) as oa:
+                msgs: list = [{"role": "user", "content": "what is 2+3?"}]
+                r = await oa.chat.completions.create(model="switchyard", messages=msgs, tools=[CALCULATOR])
+                call = r.choices[0].message.tool_calls[0]
+                msgs += [r.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+                await oa.chat.completions.create(model="switchyard", messages=msgs, tools=[CALCULATOR])
+            return gw.sessions["k"]
+        finally:
+            await gw.stop()
+
+    conv = asyncio.run(body())
+    assert len(conv.segments) == 1  # the tool round continued the segment
+    out = conv.segments[0].to_output()
+    metrics = pad_outputs([out], 0, [0]).metrics()
+    assert metrics["rollout/tool_calls"] == 1 and metrics["rollout/tool_failed"] == 0

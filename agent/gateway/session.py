@@ -201,6 +201,10 @@ class Conversation:
             best.traj.add_context(ids)
             if pixels is not None:
                 best.traj.add_images(pixels)
+            results = [m for m in new if m["role"] == "tool"]
+            if results:  # the agent ran the calls of the last reply: a tool round, as a tool_agent's is counted
+                failed = sum(1 for m in results if str(m.get("content") or "").lstrip().lower().startswith("error"))
+                best.turns.append({"kind": "tools", "calls": len(results), "failed": failed, "recorded_by": "gateway"})
             best.turns.append({"kind": "context", "roles": [m["role"] for m in new], "tokens": len(ids)})
             best.held = best.held + new
             best.unclosed = None
