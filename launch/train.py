@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node N launch/train.py [config.yaml] [key.sub=value ...]
     python launch/train.py                      # N = 1, launch/configs/cpu_demo.yaml
+    python launch/train.py CONFIG --plan [--nodes N --gpus-per-node G]   # check a GPU plan here
 
 One RL step: rollout (agent loops on the engines, over the bus; `rollout/plane.py`) -> learn
 (rewards, reference and old logprobs, advantages, update; `launch/algorithm.py`) -> weight sync
@@ -151,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    path = argv.pop(0) if argv and "=" not in argv[0] else None
+    path = argv.pop(0) if argv and "=" not in argv[0] and not argv[0].startswith("--") else None
+    if "--plan" in argv:  # what the config would start where, checked without a model or a GPU
+        from launch.plan import plan_main
+
+        return plan_main(path, argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if "TORCHELASTIC_RUN_ID" in os.environ:
         _exit_with_launcher()

@@ -1,0 +1,220 @@
+"""The plan check: what a config would start on N nodes of G GPUs, checked without loading a model
+or touching a GPU.
+
+    python launch/train.py RECIPE --plan [--nodes N --gpus-per-node G --gpu-memory-gb 80
+                                          --engine-gpus-per-node E --model-config config.json]
+
+It prints the process layout (trainer ranks and their TP/PP/DP groups, engine groups and their
+GPUs), the weight route the engines get, the buckets and bytes of one weight sync, the projected
+memory per GPU and the command that starts the run, and fails naming the fix when the plan cannot
+divide (heads by TP, GPUs by engine TP) or cannot fit. The model's shape comes from its
+`config.json` (a local directory, or `--model-config PATH`) or, for the common families, from a
+table of their published shapes, so the plan needs no hub access and no weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GB = 2**30
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the plan needs of a decoder: its config.json numbers."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied: bool
+    head_dim: int = 0  # 0: hidden / heads
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    def parameters(self) -> int:
+        attn = self.hidden * self.hd * (2 * self.heads + 2 * self.kv_heads)  # q, o; k, v
+        layer = attn + 3 * self.hidden * self.ffn + 2 * self.hidden
+        return self.layers * layer + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.hd * dtype_bytes
+
+
+# published config.json shapes (hidden, layers, heads, kv heads, ffn, vocab, tied[, head_dim])
+SHAPES: dict[str, Shape] = {
+    "qwen2.5-0.5b": Shape(896, 24, 14, 2, 4864, 151936, True),
+    "qwen2.5-1.5b": Shape(1536, 28, 12, 2, 8960, 151936, True),
+    "qwen2.5-3b": Shape(2048, 36, 16, 2, 11008, 151936, True),
+    "qwen2.5-7b": Shape(3584, 28, 28, 4, 18944, 152064, False),
+    "qwen2.5-14b": Shape(5120, 48, 40, 8, 13824, 152064, False),
+    "qwen2.5-32b": Shape(5120, 64, 40, 8, 27648, 152064, False),
+    "qwen2.5-72b": Shape(8192, 80, 64, 8, 29568, 152064, False),
+    "qwen3-0.6b": Shape(1024, 28, 16, 8, 3072, 151936, True, 128),
+    "qwen3-1.7b": Shape(2048, 28, 16, 8, 6144, 151936, True, 128),
+    "qwen3-4b": Shape(2560, 36, 32, 8, 9728, 151936, True, 128),
+    "qwen3-8b": Shape(4096, 36, 32, 8, 12288, 151936, False, 128),
+    "qwen3-14b": Shape(5120, 40, 40, 8, 17408, 151936, False, 128),
+    "qwen3-32b": Shape(5120, 64, 64, 8, 25600, 151936, False, 128),
+    "llama-3.2-1b": Shape(2048, 16, 32, 8, 8192, 128256, True),
+    "llama-3.2-3b": Shape(3072, 28, 24, 8, 8192, 128256, True),
+    "llama-3.1-8b": Shape(4096, 32, 32, 8, 14336, 128256, False),
+    "llama-3.1-70b": Shape(8192, 80, 64, 8, 28672, 128256, False),
+    "smollm2-135m": Shape(576, 30, 9, 3, 1536, 49152, True),
+}
+
+
+def _key(name: str) -> str:
+    base = name.rstrip("/").rsplit("/", 1)[-1].lower()
+    for suffix in ("-instruct", "-chat", "-base"):
+        base = base.removesuffix(suffix)
+    return base.replace("meta-llama-", "llama-")
+
+
+def shape_from_config(cfg: dict[str, Any]) -> Shape:
+    return Shape(int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"]),
+                 int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]), int(cfg["intermediate_size"]),
+                 int(cfg["vocab_size"]), bool(cfg.get("tie_word_embeddings", False)), int(cfg.get("head_dim") or 0))
+
+
+def model_shape(path: str, config_file: str | None = None) -> Shape:
+    """The shape of `path`: `config_file`, the directory's config.json, or the table of families."""
+    for candidate in ([Path(config_file)] if config_file else []) + [Path(path).expanduser() / "config.json"]:
+        if candidate.is_file():
+            return shape_from_config(json.loads(candidate.read_text()))
+    if _key(path) in SHAPES:
+        return SHAPES[_key(path)]
+    raise ValueError(f"model.path={path!r}: no config.json there and not a family the plan knows "
+                     f"({sorted(SHAPES)}); pass --model-config path/to/config.json")
+
+
+@dataclass
+class Plan:
+    lines: list[str]
+    errors: list[str]
+
+
+def dtype_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def make_plan(cfg: Any, recipe: str | None, nodes: int, gpus: int, gpu_gb: float,
+              config_file: str | None = None, engine_gpus: int = 0) -> Plan:
+    """The plan of config `cfg` on `nodes` x `gpus` GPUs of `gpu_gb` GiB each (`engine_gpus` per node
+    hold the engines in split placement: ENGINE_GPUS_PER_NODE of launch/slurm/train.sbatch)."""
+    from parallel.mesh import plan_placement
+    from rollout.weights.link import Placement
+    from rollout.weights.routes import choose
+
+    lines: list[str] = []
+    errors: list[str] = []
+    shape = model_shape(cfg.model.path, config_file)
+    params = shape.parameters()
+    a, r = cfg.actor, cfg.rollout
+    placement = "colocated" if r.placement in ("auto", "cpu") else r.placement
+    engine_tp = int(r.engine_options.get("tensor_parallel_size", 1))
+    util = float(r.engine_options.get("gpu_memory_utilization", 0.5 if placement == "colocated" else 0.9))
+    train_per_node = gpus if placement == "colocated" else gpus - (engine_gpus or gpus // 2)
+    world = nodes * train_per_node
+    lines.append(f"model {cfg.model.path}: {params / 1e9:.2f}B parameters, {shape.layers} layers, hidden {shape.hidden}, "
+                 f"{shape.heads} heads / {shape.kv_heads} KV heads")
+    # the trainer
+    mp = a.tp * a.pp
+    if world % mp:
+        errors.append(f"actor.tp={a.tp} x actor.pp={a.pp} does not divide the {world} training GPUs; pick TP x PP "
+                      f"dividing {world}")
+    if a.tp > 1 and (shape.heads % a.tp or shape.kv_heads % a.tp):
+        errors.append(f"actor.tp={a.tp} must divide the model's {shape.heads} heads and {shape.kv_heads} KV heads; "
+                      f"use actor.tp in {[t for t in (1, 2, 4, 8) if shape.heads % t == 0 and shape.kv_heads % t == 0]}")
+    if a.pp > 1 and shape.layers % a.pp:
+        errors.append(f"actor.pp={a.pp} must divide the model's {shape.layers} layers")
+    dp = max(1, world // mp)
+    lines.append(f"trainer: {world} rank(s) on {nodes} node(s) x {train_per_node} GPU(s); {a.backend} actor, TP {a.tp} x "
+                 f"PP {a.pp} x DP {dp}, sharding {a.sharding}")
+    # the engines
+    if shape.heads % engine_tp or engine_tp > gpus:
+        errors.append(f"rollout.engine_options.tensor_parallel_size={engine_tp} must divide the model's {shape.heads} "
+                      f"heads and fit a node's {gpus} GPUs")
+    try:
+        pp_plan = plan_placement(placement, nodes=nodes, devices_per_node=gpus,
+                                 train_devices=None if placement == "colocated" else world, rollout_tp=engine_tp)
+        lines += ["  " + x for x in pp_plan.describe().splitlines()]
+    except ValueError as e:
+        errors.append(f"engine placement: {e}")
+    route = choose(Placement(in_process=bool(r.in_process), weight_path=r.weight_path, nodes=nodes,
+                             engines_on_my_gpu=placement == "colocated" and nodes == 1 and engine_tp == 1 and gpus == 1))
+    engine_bytes = params * dtype_bytes(cfg.model.dtype)
+    buckets = math.ceil(engine_bytes / (r.weight_bucket_mb << 20))
+    lines.append(f"weight sync: route {route}, {engine_bytes / GB:.2f} GiB in {buckets} bucket(s) of "
+                 f"{r.weight_bucket_mb} MiB per step")
+    # memory per GPU
+    if a.backend == "megatron":
+        actor = params / mp * ((6 + 12 / dp) if a.sharding == "optimizer" else 16)
+    else:
+        actor = params * 16 / (dp if a.sharding == "fsdp" else 1)
+    ref = 0.0
+    if cfg.algorithm.loss.kl_coef > 0:
+        ref = params * dtype_bytes(cfg.model.dtype) / (world if cfg.reference.backend == "deepspeed" else 1)
+    engine_weights = engine_bytes / engine_tp
+    engine_total = util * gpu_gb * GB
+    kv = engine_total - engine_weights
+    lines.append(f"memory per GPU ({gpu_gb:.0f} GiB): actor {actor / GB:.1f} GiB (weights, gradients, AdamW; activations "
+                 f"on top), reference {ref / GB:.1f} GiB, engine {engine_total / GB:.1f} GiB "
+                 f"(gpu_memory_utilization {util}: weights {engine_weights / GB:.1f}, KV cache {max(kv, 0) / GB:.1f} GiB "
+                 f"= {int(max(kv, 0) / max(shape.kv_bytes_per_token(2), 1) * engine_tp):,} tokens)")
+    if kv <= 0:
+        errors.append(f"the engine's share ({util} x {gpu_gb:.0f} GiB) does not even hold its weights "
+                      f"({engine_weights / GB:.1f} GiB); raise gpu_memory_utilization or tensor_parallel_size")
+    resident = actor + ref + (engine_total if placement == "colocated" else 0.0)
+    if placement != "colocated":
+        resident = max(actor + ref, engine_total)
+    if resident > gpu_gb * GB:
+        fixes = ("shard the actor (actor.sharding=fsdp, or megatron with actor.tp) over more GPUs, lower "
+                 "rollout.engine_options.gpu_memory_utilization, or use more GPUs")
+        errors.append(f"{resident / GB:.1f} GiB per GPU does not fit {gpu_gb:.0f} GiB: {fixes}")
+    else:
+        lines.append(f"fits: {resident / GB:.1f} of {gpu_gb:.0f} GiB per GPU before activations")
+    target = recipe or "CONFIG"
+    split = f"ENGINE_GPUS_PER_NODE={gpus - train_per_node} " if placement == "split" else ""
+    if nodes > 1 or split:
+        lines.append(f"start: {split}sbatch --nodes {nodes} --gpus-per-node {gpus} launch/slurm/train.sbatch {target}")
+    else:
+        lines.append(f"start: torchrun --nproc-per-node {train_per_node} launch/train.py {target}")
+    return Plan(lines, errors)
+
+
+def plan_main(path: str | None, argv: list[str]) -> int:
+    """`train.py ... --plan`: print the plan (exit 0) or what is wrong with it (exit 2)."""
+    import argparse
+
+    from launch.config import ConfigError, load_config
+
+    ap = argparse.ArgumentParser(prog="launch/train.py CONFIG --plan", add_help=False)
+    ap.add_argument("--plan", action="store_true")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    ap.add_argument("--engine-gpus-per-node", type=int, default=0, help="split placement: GPUs per node for engines")
+    ap.add_argument("--model-config", default=None, help="the model's config.json, when model.path has none")
+    opts, overrides = ap.parse_known_args(argv)
+    try:
+        cfg = load_config(path, overrides)
+        plan = make_plan(cfg, path, opts.nodes, opts.gpus_per_node, opts.gpu_memory_gb, opts.model_config,
+                         opts.engine_gpus_per_node)
+    except (ConfigError, ValueError) as e:
+        print(f"plan error: {e}")
+        return 2
+    print("\n".join(plan.lines))
+    if plan.errors:
+        print("\n".join(f"plan error: {e}" for e in plan.errors))
+        return 2
+    print("plan ok")
+    return 0

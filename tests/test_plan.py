@@ -1,0 +1,55 @@
+"""The plan check: every recipe's plan passes as its own header says to check it, and impossible plans
+fail naming the fix, all without a model or a GPU (launch/train.py --plan)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.plan import SHAPES, model_shape
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "launch" / "configs" / "recipes").glob("*.yaml"))
+
+
+def plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "launch/train.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_passes_its_plan(recipe: Path):
+    text = recipe.read_text()
+    for key in ("# Reproduces:", "# Check:", "# Status:"):
+        assert key in text, f"{recipe.name}: its header needs a {key!r} line"
+    check = re.search(r"# Check: python launch/train.py (\S+) (--plan.*)$", text, re.M)
+    assert check and check.group(1) == f"launch/configs/recipes/{recipe.name}"
+    proc = plan(check.group(1), *check.group(2).split())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "plan ok" in proc.stdout and "start: " in proc.stdout and "memory per GPU" in proc.stdout
+
+
+def test_impossible_plans_fail_naming_the_fix():
+    recipe = "launch/configs/recipes/gsm8k_qwen2.5-3b_megatron_tp2.yaml"
+    proc = plan(recipe, "--plan", "actor.tp=3")
+    assert proc.returncode == 2
+    assert "actor.tp=3 must divide the model's 16 heads and 2 KV heads; use actor.tp in [1, 2]" in proc.stdout
+    proc = plan(recipe, "--plan", "--gpus-per-node", "1", "model.path=meta-llama/Llama-3.1-70B-Instruct", "actor.tp=1")
+    assert proc.returncode == 2 and "does not fit 80 GiB" in proc.stdout and "actor.sharding=fsdp" in proc.stdout
+    proc = plan(recipe, "--plan", "model.path=someone/unknown-model")
+    assert proc.returncode == 2 and "--model-config" in proc.stdout
+
+
+def test_a_config_json_gives_the_shape(tmp_path: Path):
+    cfg = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+           "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert model_shape(str(tmp_path)) == SHAPES["qwen2.5-0.5b"]
+    assert 0.49e9 < SHAPES["qwen2.5-0.5b"].parameters() < 0.50e9  # published: 0.49B
+    assert 7.6e9 < SHAPES["qwen2.5-7b"].parameters() < 7.7e9  # published: 7.61B
+    assert 8.0e9 < SHAPES["llama-3.1-8b"].parameters() < 8.1e9  # published: 8.03B
