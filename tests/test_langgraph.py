@@ -22,7 +22,7 @@ from agent.langgraph import (HistoryEditedError, LangGraphAgentLoop, SwitchyardC
                              calculator_react_agent, calculator_tool, message_to_dict, reply_message)
 from agent.loop import AgentContext, AgentLoopOutput  # noqa: E402
 from agent.parsers import get_tool_parser  # noqa: E402
-from agent.tools.calculator import safe_eval  # noqa: E402
+from agent.tools.calculator import CalculatorError, safe_eval  # noqa: E402
 from rollout.bus.client import GenerateClient  # noqa: E402
 from test_chat import HERMES_TEMPLATE  # noqa: E402
 from test_tool_agent import _server_log, _tokenizer, check_against_server  # noqa: E402
@@ -44,8 +44,13 @@ def _calculator_results(messages: list[dict[str, Any]]) -> list[tuple[str, str]]
             and calls[m["tool_call_id"]]["name"] == "calculator"]
 
 
-def _calculator_says(expression: Any) -> str:
-    value = safe_eval(expression)
+def _calculator_says(expression: Any) -> str | None:
+    """What the calculator answers a valid expression; None for one a sampled model wrote badly
+    (the tool then answers with an error, which no check below counts as an answer)."""
+    try:
+        value = safe_eval(expression)
+    except CalculatorError:
+        return None
     return str(int(value) if isinstance(value, float) and value.is_integer() else value)
 
 
