@@ -44,7 +44,6 @@ def test_every_route_has_the_interface_and_a_new_one_is_a_class_plus_an_entry(mo
         def close(self) -> None:
             pass
 
-    monkeypatch.setitem(routes.ROUTES, "carrier", Carrier)
     monkeypatch.setattr(routes, "ROUTES", {"carrier": Carrier, **routes.ROUTES})
     assert routes.choose(Placement(weight_path="carrier")) == "carrier"
     assert routes.choose(Placement()) == "shm"
