@@ -36,7 +36,10 @@ class AgentLoopOutput:
     (what EngineServers write to their request logs), `weight_versions` the policy version each
     generation reported (the oldest, for a generation a weight update preempted and continued),
     and `version_segments` [version, tokens] runs over the model tokens in order: which weights
-    produced which tokens (the agent worker fills it in; loops need not).
+    produced which tokens (the agent worker fills it in; loops need not). `turn_rewards` lists
+    [position, reward] pairs: a part of `reward` earned by the response tokens before `position`
+    alone (a tool's step reward, an interaction's turn score), which the turn-level estimator
+    credits to those turns only; outcome-only estimators read just `reward`.
     """
 
     prompt_ids: list[int]
@@ -58,6 +61,7 @@ class AgentLoopOutput:
     extra_segments: list[dict[str, Any]] = field(default_factory=list)
     # images the trajectory's image tokens stand for: {"pixel_values": [n, C, H, W] float32 array}
     multi_modal: dict[str, Any] = field(default_factory=dict)
+    turn_rewards: list[list[float]] = field(default_factory=list)  # [response position, reward] pairs
 
     @classmethod
     def failed(cls, prompt_ids: Sequence[int], error: str, session_id: str = "",

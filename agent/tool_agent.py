@@ -57,6 +57,9 @@ class ToolAgentConfig:
     max_tool_response_tokens: one tool observation; longer ones are cut on `truncate_side`
       ("left" keeps the end, "right" keeps the start, "middle" keeps both ends).
     tool_timeout_s: a call's deadline unless the tool's own config sets `timeout_s`.
+    A tool's step rewards (what its `execute` returns with a call) are attached to the turn that made
+    the call (`AgentLoopOutput.turn_rewards`), and so are interaction turn scores with
+    `interaction_turn_rewards`, for the turn-level estimator (`algorithm.advantage: turn_grpo`).
     """
 
     max_assistant_turns: int = 5
@@ -69,6 +72,8 @@ class ToolAgentConfig:
     tool_timeout_s: float = 30.0
     tool_parser: str = "hermes"
     reward_shaping: Mapping[str, float] | None = None
+    # add each interaction turn's score to the reward as a reward of that turn (part "interaction_turns")
+    interaction_turn_rewards: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_assistant_turns", "max_parallel_calls", "max_turn_tokens", "max_response_tokens",
@@ -147,6 +152,8 @@ class ToolAgentLoop(AgentLoopBase):
         interaction, inter_id = None, None
         stats = {"tool_calls": 0, "tool_successes": 0, "invalid_calls": 0}
         step_rewards: list[float] = []  # what tools' execute returned as step rewards, call by call
+        turn_rewards: list[list[float]] = []  # [response position, reward]: what the turn before it earned
+        inter_turns = 0.0  # interaction turn scores added to the reward (interaction_turn_rewards)
         termination, error, last_text = "stop", "", ""
         reward, reward_extra = 0.0, {}
         assistant_turns = user_turns = 0
@@ -195,7 +202,10 @@ class ToolAgentLoop(AgentLoopBase):
                     else:
                         state = State.PROCESSING_TOOLS
                 elif state is State.PROCESSING_TOOLS:
+                    before = len(step_rewards)
                     new = await self._run_tools(parsed, tools, instances, stats, turns, step_rewards)
+                    if any(step_rewards[before:]) and len(traj):
+                        turn_rewards.append([len(traj), sum(step_rewards[before:])])
                     if not self._append(traj, encoder, messages, new):
                         termination = "token_budget"
                         break
@@ -205,6 +215,9 @@ class ToolAgentLoop(AgentLoopBase):
                     done, text, score = await interaction.generate_response(inter_id, messages)
                     turns.append({"kind": "interaction", "done": bool(done), "score": float(score),
                                   "latency_s": time.perf_counter() - t0})
+                    if self.cfg.interaction_turn_rewards and float(score) and len(traj):
+                        turn_rewards.append([len(traj), float(score)])
+                        inter_turns += float(score)
                     if done:
                         termination = "interaction_done"
                         break
@@ -220,6 +233,8 @@ class ToolAgentLoop(AgentLoopBase):
             inter_score = await interaction.calculate_score(inter_id) if interaction is not None else None
             reward, reward_extra = self._score(row, last_text, stats, termination, tool_reward, inter_score,
                                                sum(step_rewards))
+            if self.cfg.interaction_turn_rewards:
+                reward, reward_extra = reward + inter_turns, {**reward_extra, "interaction_turns": inter_turns}
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # a broken trajectory is reported (SystemExit from a tool's create too)
@@ -233,7 +248,7 @@ class ToolAgentLoop(AgentLoopBase):
             response_logprobs=traj.response_logprobs, reward=reward, num_turns=assistant_turns,
             termination=termination, turns=turns, weight_versions=versions, request_ids=request_ids,
             reward_extra=reward_extra, messages=messages, session_id=session_id, error=error,
-            multi_modal=traj.multi_modal())
+            multi_modal=traj.multi_modal(), turn_rewards=turn_rewards if termination != "error" else [])
 
     def _decode(self, token_ids: list[int], end_of_turn_id: int) -> str:
         ids = token_ids[:-1] if token_ids and token_ids[-1] == end_of_turn_id else token_ids

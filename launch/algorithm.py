@@ -62,7 +62,9 @@ def learn(batch: Batch, actor: Any, ref: Any, algorithm: Any, actor_cfg: ActorCo
         metrics["kl_in_reward"] = kl_sum / max(rows, 1.0)
 
     # 3. advantages; invalid rows are groups of their own (advantage 0, no effect on siblings)
-    kwargs = {name: getattr(algorithm, name) for name in ESTIMATORS[algorithm.advantage].options}
+    estimator = ESTIMATORS[algorithm.advantage]
+    kwargs = {name: getattr(algorithm, name) for name in estimator.options}
+    kwargs.update({name: getattr(batch, name) for name in estimator.batch_fields})
     adv = compute_advantages(algorithm.advantage, rewards, mask, group_index=batch.group_index,
                              valid=batch.valid, **kwargs)
 

@@ -9,7 +9,8 @@ A function needs a docstring (its first paragraph is the description the model r
 hint on every parameter; parameters without a default are required. A Google-style `Args:`
 section describes the parameters. Supported hints: str, int, float, bool, list[...], dict,
 Literal[...] (an enum), Optional[X] / X | None. The function may be sync or async; what it
-returns becomes the tool message (a str as is, anything else as JSON). Arguments the schema
+returns becomes the tool message (a str as is, a `ToolResponse` as it is, so a function can give
+the call a step reward, anything else as JSON). Arguments the schema
 does not allow, or missing required ones, come back to the model as a failed call.
 """
 
@@ -120,6 +121,8 @@ class FunctionTool(BaseTool):
         result = self.fn(**arguments)
         if inspect.isawaitable(result):
             result = await result
+        if isinstance(result, ToolResponse):
+            return result
         return ToolResponse(result if isinstance(result, str) else json.dumps(result, default=str))
 
 

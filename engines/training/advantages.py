@@ -1,4 +1,5 @@
-"""Advantages from outcome rewards, without a critic: GRPO, RLOO and REINFORCE++.
+"""Advantages without a critic: GRPO, RLOO and REINFORCE++ from outcome rewards, and turn-level
+GRPO from rewards attached to turns.
 
 Every estimator takes the padded batch the rollout manager builds from finished trajectories:
 `rewards` [B] (one scalar per trajectory) and `response_mask` [B, T] (1 = a token the model
@@ -15,7 +16,8 @@ Statistics are computed in float64 (rewards are few, and a group's std can be ti
 result is returned as float32, the dtype the loss works in.
 
 GAE is absent on purpose: it needs a value model, and there is none yet. A new estimator is one
-function here plus its `ESTIMATORS` entry.
+function here plus its `ESTIMATORS` entry (which names the `algorithm` options and the batch
+fields, such as `turn_rewards`, it takes).
 """
 
 from __future__ import annotations
@@ -174,14 +176,88 @@ def reinforce_pp(rewards: torch.Tensor, response_mask: torch.Tensor, kl: torch.T
     return torch.where(mask, centered, 0.0).float()
 
 
+def turn_grpo(rewards: torch.Tensor, group_index: GroupIndex, response_mask: torch.Tensor,
+              turn_rewards: torch.Tensor | None = None, norm_by_std: bool = False, eps: float = 1e-6,
+              valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Turn-level GRPO: each turn is credited with the reward still to come, against a baseline of
+    the other samples of its prompt at the same turn.
+
+    `rewards` [B] is each trajectory's total reward; `turn_rewards` [B, T] holds, at the last token
+    of the turn that earned it, the part of that total a turn earned on its own (a tool's step
+    reward, an interaction's turn score); it is already included in `rewards`. A turn is a run of
+    mask-1 tokens (one generation). A token's return is what the trajectory earns from that token
+    on: G_t = reward - (turn rewards at positions before t), so the outcome reaches every turn and
+    a turn reward only the turns before it.
+
+    The baseline of turn k of sample i is the mean of G at the first token of turn k over the
+    *other* valid samples of the group that reached turn k; when none did, the mean of the others'
+    returns at their latest turn before k. Either way it is computed from samples drawn
+    independently of sample i's actions and depends on sample i only through its state (the turn
+    index it reached), so by the baseline theorem (Williams 1992; Sutton & Barto 2018, sec. 13.4)
+    the gradient estimate stays unbiased whatever the number of turns of each sample; leaving the
+    sample out is the construction of Kool et al. 2019 (as in `rloo`). With every turn reward 0 and
+    one turn per sample this is exactly RLOO. `norm_by_std` divides by the std of the group's
+    total rewards (a positive per-group scale, as in `grpo`). A sample alone in its group, and an
+    invalid one, get 0.
+    """
+    r, mask = _as_batch(rewards, response_mask)
+    B, T = mask.shape
+    tr = torch.zeros(B, T, dtype=torch.float64, device=mask.device) if turn_rewards is None else \
+        torch.as_tensor(turn_rewards).to(device=mask.device, dtype=torch.float64)
+    if tr.shape != mask.shape:
+        raise ValueError(f"turn_rewards has shape {tuple(tr.shape)}; it must match response_mask {tuple(mask.shape)}")
+    if not torch.isfinite(tr).all():
+        raise ValueError("turn_rewards contain non-finite values; every turn reward must be a finite number")
+    ids, num_groups = group_ids(group_index, B, valid)
+    ids = ids.to(mask.device)
+    if B == 0 or T == 0:
+        return torch.zeros(B, T, dtype=torch.float32, device=mask.device)
+    returns = r[:, None] - (tr.cumsum(1) - tr)  # G_t: the reward still to come at token t
+    starts = mask & ~torch.cat([torch.zeros(B, 1, dtype=torch.bool, device=mask.device), mask[:, :-1]], 1)
+    turn = starts.long().cumsum(1) - 1  # the turn each token belongs to (meaningful where mask is 1)
+    n_turns = starts.sum(1)
+    K = int(n_turns.max())
+    if K == 0:
+        return torch.zeros(B, T, dtype=torch.float32, device=mask.device)
+    per_turn = torch.zeros(B, K, dtype=torch.float64, device=mask.device)  # G at each turn's first token
+    rows, cols = starts.nonzero(as_tuple=True)
+    per_turn[rows, turn[rows, cols]] = returns[rows, cols]
+    ks = torch.arange(K, device=mask.device)
+    reached = ks[None, :] < n_turns[:, None]
+    latest = per_turn.gather(1, torch.minimum(ks[None, :], (n_turns - 1).clamp_min(0)[:, None]).expand(B, K))
+
+    def others_mean(values: torch.Tensor, present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values = torch.where(present, values, 0.0)
+        sums = torch.zeros(num_groups, K, dtype=torch.float64, device=mask.device).index_add_(0, ids, values)
+        counts = torch.zeros(num_groups, K, dtype=torch.float64, device=mask.device).index_add_(0, ids, present.double())
+        n = counts[ids] - present.double()
+        return (sums[ids] - values) / n.clamp_min(1), n
+
+    same, n_same = others_mean(per_turn, reached)
+    earlier, n_earlier = others_mean(latest, (n_turns > 0)[:, None].expand(B, K))
+    baseline = torch.where(n_same > 0, same, earlier)  # [B, K]
+    alone = n_earlier == 0  # no other sample with a turn: no baseline, no signal
+    adv = returns - baseline.gather(1, turn.clamp(0, K - 1))
+    adv = torch.where(alone.gather(1, turn.clamp(0, K - 1)), 0.0, adv)
+    if norm_by_std:
+        counts = _group_sums(torch.ones_like(r), ids, num_groups)
+        mean = _group_sums(r, ids, num_groups) / counts
+        sq = _group_sums((r - mean[ids]) ** 2, ids, num_groups)
+        std = torch.sqrt(sq / (counts - 1).clamp_min(1))
+        adv = adv / (std[ids][:, None] + eps)
+    return torch.where(mask, adv, 0.0).float()
+
+
 @dataclass(frozen=True)
 class Estimator:
     """One advantage estimator: `fn`, whether it compares the samples of one prompt (then it takes
-    `group_index` after the rewards), and the `algorithm` config fields it reads as keywords."""
+    `group_index` after the rewards), the `algorithm` config fields it reads as keywords, and the
+    training batch's fields it reads as keywords (`Batch.turn_rewards`)."""
 
     fn: Callable[..., torch.Tensor]
     grouped: bool
     options: tuple[str, ...] = ()
+    batch_fields: tuple[str, ...] = ()
 
 
 # the registry `algorithm.advantage` names; config validation and `launch/algorithm.learn` read it
@@ -189,6 +265,7 @@ ESTIMATORS: dict[str, Estimator] = {
     "grpo": Estimator(grpo, grouped=True, options=("norm_by_std",)),
     "rloo": Estimator(rloo, grouped=True),
     "reinforce_pp": Estimator(reinforce_pp, grouped=False),
+    "turn_grpo": Estimator(turn_grpo, grouped=True, options=("norm_by_std",), batch_fields=("turn_rewards",)),
 }
 
 

@@ -92,6 +92,14 @@ class Batch:
     global_size: int = 0  # > 0: this is one data-parallel rank's shard of a batch of that many rows
     version_segments: list[list[list[int]]] = field(default_factory=list)  # per row: [version, tokens] runs
     pixel_values: list[torch.Tensor | None] = field(default_factory=list)  # per row: [n, C, H, W] or None; [] = none
+    # [B, R] float32: at the last token of the turn that earned it, the part of `rewards` that turn
+    # earned on its own (tool step rewards, interaction turn scores); zeros where nothing was attached
+    turn_rewards: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.turn_rewards is None:
+            self.turn_rewards = torch.zeros(self.responses.shape, dtype=torch.float32, device=self.responses.device)
+
     def __len__(self) -> int:
         return int(self.prompts.shape[0])
 
@@ -173,6 +181,8 @@ class Batch:
         for key in ("calls", "failed", "timeouts", "parse_errors"):
             m[f"rollout/tool_{key}"] = float(sum(int(t.get(key, 0)) for t in tool_turns))
         m["rollout/tool_calls_per_trajectory"] = m["rollout/tool_calls"] / max(1, len(self))
+        if self.turn_rewards is not None:  # rewards attached to turns (turn_grpo credits them per turn)
+            m["rollout/turn_rewards_per_trajectory"] = float((self.turn_rewards != 0).sum()) / max(1, len(self))
         gen = [float(t["latency_s"]) for ts in self.turns for t in ts if t.get("kind") == "generate"]
         if gen:
             m["rollout/generate_latency_mean_s"] = sum(gen) / len(gen)
@@ -200,7 +210,7 @@ def equal_rewards(outputs: Sequence[Finished]) -> bool:
 
 
 TENSOR_FIELDS = ("prompts", "responses", "response_mask", "rollout_logprobs", "attention_mask", "position_ids",
-                 "prompt_lengths", "response_lengths", "rewards", "group_index", "valid")
+                 "prompt_lengths", "response_lengths", "rewards", "group_index", "valid", "turn_rewards")
 
 
 def group_shards(group_index: torch.Tensor, parts: int) -> list[torch.Tensor]:
@@ -252,7 +262,13 @@ def pad_outputs(outputs: Sequence[Finished], pad_id: int, group_index: Sequence[
     response_mask = torch.zeros((b, r), dtype=torch.long)
     logprobs = torch.zeros((b, r), dtype=torch.float32)
     attention = torch.zeros((b, p + r), dtype=torch.long)
+    turn_rewards = torch.zeros((b, r), dtype=torch.float32)
     for i, (o, lp, lr) in enumerate(zip(outputs, plens, rlens)):
+        for position, value in getattr(o, "turn_rewards", None) or ():
+            if not 0 < int(position) <= lr:
+                raise ValueError(f"output {i} attaches a turn reward at response position {position} but its response "
+                                 f"has {lr} tokens; a turn reward goes at 1..{lr} (the tokens before it earned it)")
+            turn_rewards[i, int(position) - 1] += float(value)
         if lp:
             prompts[i, p - lp:] = torch.tensor(o.prompt_ids, dtype=torch.long)
         if lr:
@@ -274,7 +290,7 @@ def pad_outputs(outputs: Sequence[Finished], pad_id: int, group_index: Sequence[
         request_ids=[list(o.request_ids) for o in outputs], session_ids=[o.session_id for o in outputs],
         errors=[o.error for o in outputs], turns=[list(o.turns) for o in outputs],
         version_segments=[[list(s) for s in getattr(o, "version_segments", [])] for o in outputs],
-        pixel_values=_pixel_values(outputs))
+        pixel_values=_pixel_values(outputs), turn_rewards=turn_rewards)
 
 
 def _pixel_values(outputs: Sequence[Any]) -> list[torch.Tensor | None]:
