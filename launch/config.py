@@ -178,6 +178,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     bad = [o for o in overrides or [] if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r} is not key=value (e.g. trainer.steps=5)")
+    for o in overrides or []:  # a value YAML cannot read is the override's fault, not the file's
+        try:
+            OmegaConf.from_dotlist([o])
+        except Exception as e:
+            raise ConfigError(f"override {o!r:.200} does not parse ({str(e).splitlines()[0]}); quote the value, "
+                              "e.g. key='text: with colons' or key=\"...\" (JSON string syntax)") from None
     try:
         tree = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path),
                                OmegaConf.from_dotlist(list(overrides or [])))

@@ -136,6 +136,7 @@ class RolloutPlane(WeightRoutes):
         self.last_sync: dict[str, float] = {}
         self.inproc: Any = None  # rollout.in_process: the engine this process serves
         self._no_room = False  # shared memory too small for two buckets on this one-node run: the bus instead
+        self.reward_engines: Any = None  # rank 0: the reward model's engines (rollout/reward_engines.py)
 
     # ------------------------------------------------------------------ start-up
     def start_engines(self, run_dir: Path) -> None:
@@ -270,6 +271,16 @@ class RolloutPlane(WeightRoutes):
 
         r = self.cfg
         addresses = self.addresses()
+        reward = dict(self.reward)
+        if (reward.get("model") or {}).get("path"):  # a reward model or judge: its own engines, started first
+            from rollout.reward_engines import RewardEngines
+
+            self.reward_engines = RewardEngines(reward["model"], self.dtype, self.run_dir, r.request_log,
+                                                r.startup_timeout_s)
+            judges = self.reward_engines.start()
+            self.engine_logs += self.reward_engines.logs
+            print(self.reward_engines.describe(judges), flush=True)
+            reward["model"] = {**reward["model"], "addresses": judges}
         worker_keys = asdict(self.keys.for_role(WORKER)) if self.keys is not None else None
         self.control = _Control(addresses, self.keys.for_role(TRAINER) if self.keys is not None else None,
                                 r.startup_timeout_s)
@@ -279,7 +290,7 @@ class RolloutPlane(WeightRoutes):
             agent_configs={k: dict(v) for k, v in r.agent.items()}, agent_loops=dict(r.agent_loops),
             tools_config=str(self.tools_config) if self.tools_config else None,
             interaction_config=str(self.interaction_config) if self.interaction_config else None,
-            policy=r.policy, ready_timeout_s=r.startup_timeout_s, bus_keys=worker_keys, reward=self.reward,
+            policy=r.policy, ready_timeout_s=r.startup_timeout_s, bus_keys=worker_keys, reward=reward,
             tracing=self._tracing())).start()
 
     def _tracing(self) -> Any:
@@ -453,6 +464,9 @@ class RolloutPlane(WeightRoutes):
                 c.close()
         self.control = self.local_control = None
         self.close_routes()
+        if self.reward_engines is not None:
+            self.reward_engines.close()
+            self.reward_engines = None
         for p in self.procs:
             p.terminate()
         for p in self.procs:

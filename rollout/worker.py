@@ -62,6 +62,7 @@ class AgentWorker:
         self.interactions: dict[str, Any] = {}
         self.tracer: TrajectoryTracer | None = None
         self.reward_fn: Any = None  # the run's reward function (reward.function), when it names one
+        self.reward_model: Any = None  # the run's reward model or judge (reward.model), when it names one
         self._trace_pool: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
@@ -92,6 +93,11 @@ class AgentWorker:
             from agent.rewards.function import RewardConfig, RewardFunction
 
             self.reward_fn = RewardFunction(RewardConfig.from_mapping(cfg.reward))
+        if (cfg.reward.get("model") or {}).get("path"):
+            from agent.rewards.model import RewardModel, RewardModelConfig
+
+            self.reward_model = RewardModel(RewardModelConfig.from_mapping(cfg.reward["model"]))
+            await self.reward_model.start(cfg.ready_timeout_s)
         self.tracer = TrajectoryTracer(cfg.tracing, self.experiment_id)
         self._trace_pool = ThreadPoolExecutor(1, thread_name_prefix="trace") if self.tracer.enabled else None
         await self.client.wait_ready(timeout_s=cfg.ready_timeout_s)
@@ -124,6 +130,8 @@ class AgentWorker:
             t1 = time.time_ns()
         if self.reward_fn is not None and out.termination != "error":
             await self.reward_fn.score(row, out, self.tokenizer)
+        if self.reward_model is not None and out.termination != "error":  # sent the moment this loop ended
+            await self.reward_model.score(row, out, self.tokenizer)
         assert self.client is not None
         segments = self.client.take_segments(str(row.get("session_id", "")))
         if not out.version_segments and sum(n for _, n in segments) == len(out.model_token_ids()):
@@ -148,6 +156,8 @@ class AgentWorker:
         kill_all()
         if self.reward_fn is not None:
             self.reward_fn.close()
+        if self.reward_model is not None:
+            await self.reward_model.close()
         for obj in [*self.tools.values(), *self.interactions.values()]:
             close = getattr(obj, "close", None)
             if callable(close):

@@ -1,13 +1,16 @@
 """A reward function of the user's own, by path: verl's signature and the whole-trajectory one, sync
 and async, in a thread or a process pool; a dict's parts logged; a scorer that raises, hangs or
-returns garbage fails only its trajectory. One GRPO step through launch/train.py with a file in a
-temporary directory."""
+returns garbage fails only its trajectory; the batch form (reward.batch_size) in both signatures,
+its batches collected from concurrent calls, and its failures (a raise, a hang, a list of the wrong
+length fail the batch; one bad element fails only its trajectory). One GRPO step through
+launch/train.py with a file in a temporary directory."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -104,6 +107,136 @@ def test_a_bad_reward_function_is_refused_naming_the_fix(tmp_path: Path):
         load_function("no_such_pkg_xyz.mod:f")
     with pytest.raises(ValueError, match="path/to/file.py:name"):
         RewardConfig(function="compute_score")
+
+
+BATCH_SCORERS = '''
+import asyncio, time
+
+LOG = __file__ + ".calls"  # one line per call: the batch's size
+
+
+def _log(n):
+    with open(LOG, "a") as f:
+        f.write(f"{n}\\n")
+
+
+def verl_batch(data_sources, solution_strs, ground_truths, extra_infos):
+    _log(len(solution_strs))
+    return [{"score": 1.0 if str(g) in s else 0.25, "i": float(e["i"]), "source_len": len(d)}
+            for d, s, g, e in zip(data_sources, solution_strs, ground_truths, extra_infos)]
+
+
+async def traj_batch(trajectories):
+    await asyncio.sleep(0.01)
+    _log(len(trajectories))
+    return [t["num_turns"] + t["row"]["extra_info"]["i"] / 10 for t in trajectories]
+
+
+def short(data_sources, solution_strs, ground_truths, extra_infos):
+    return [1.0] * (len(solution_strs) - 1)
+
+
+def one_nan(data_sources, solution_strs, ground_truths, extra_infos):
+    return [float("nan") if e["i"] == 1 else 1.0 for e in extra_infos]
+
+
+def slow(data_sources, solution_strs, ground_truths, extra_infos):
+    time.sleep(3)
+    return [1.0] * len(solution_strs)
+'''
+
+
+def _batch(tmp_path: Path, tok, name: str, texts: list[str], **cfg) -> list[AgentLoopOutput]:  # noqa: F811
+    """`score()` called concurrently for each text (row i has extra_info.i = i), as a worker's tasks do."""
+    path = tmp_path / "batch_scorers.py"
+    path.write_text(BATCH_SCORERS)
+
+    async def body() -> list[AgentLoopOutput]:
+        fn = RewardFunction(RewardConfig(function=f"{path}:{name}", **cfg))
+        outs = [_out(tok, t) for t in texts]
+        try:
+            await asyncio.gather(*(fn.score({**ROW, "extra_info": {"i": i}}, o, tok) for i, o in enumerate(outs)))
+        finally:
+            fn.close()
+        return outs
+
+    return asyncio.run(body())
+
+
+def _calls(tmp_path: Path) -> list[int]:
+    log = tmp_path / "batch_scorers.py.calls"
+    return [int(n) for n in log.read_text().split()] if log.exists() else []
+
+
+def test_batch_form_verl_signature_collects_concurrent_calls(tmp_path: Path, tok):  # noqa: F811
+    texts = ["the answer is 42", "no idea", "42", "it is 41", "42 again"]
+    outs = _batch(tmp_path, tok, "verl_batch", texts, batch_size=4, batch_wait_s=0.2, timeout_s=5)
+    assert _calls(tmp_path) == [4, 1]  # a full batch at once, the rest after batch_wait_s
+    for i, (text, o) in enumerate(zip(texts, outs)):
+        want = 1.0 if "42" in text else 0.25
+        assert o.termination == "stop" and o.reward_extra["function_error"] == 0.0, o.error
+        assert o.reward_extra["function"] == want and o.reward == pytest.approx(0.5 + want)  # the tool part stays
+        assert o.reward_extra["function/i"] == float(i)  # each trajectory got its own element, in order
+        assert o.reward_extra["function/source_len"] == len("arithmetic")
+
+
+def test_batch_form_trajectory_signature_async(tmp_path: Path, tok):  # noqa: F811
+    outs = _batch(tmp_path, tok, "traj_batch", ["a", "b", "c"], batch_size=3, batch_wait_s=0.2)
+    assert _calls(tmp_path) == [3]
+    assert [o.reward_extra["function"] for o in outs] == pytest.approx([1.0, 1.1, 1.2])  # one turn + i/10
+    assert all(o.termination == "stop" for o in outs)
+
+
+def test_batch_form_a_wrong_length_fails_the_batch_and_a_nan_only_its_trajectory(tmp_path: Path, tok):  # noqa: F811
+    outs = _batch(tmp_path, tok, "short", ["42"] * 3, batch_size=3, timeout_s=5)
+    for o in outs:
+        assert o.termination == "error" and o.reward_extra["function_error"] == 1.0
+        assert "returned 2 scores for a batch of 3" in o.error and o.reward == pytest.approx(0.5)
+    outs = _batch(tmp_path, tok, "one_nan", ["42"] * 3, batch_size=3, timeout_s=5)
+    assert [o.termination for o in outs] == ["stop", "error", "stop"]
+    assert "returned nan" in outs[1].error and outs[1].reward_extra["function"] == 0.0
+    assert outs[0].reward_extra["function"] == 1.0 and outs[2].reward_extra["function_error"] == 0.0
+
+
+def test_batch_form_a_hanging_call_fails_each_trajectory_at_its_own_deadline(tmp_path: Path, tok):  # noqa: F811
+    path = tmp_path / "batch_scorers.py"
+    path.write_text(BATCH_SCORERS)
+
+    async def body() -> tuple[list[AgentLoopOutput], list[float]]:
+        fn = RewardFunction(RewardConfig(function=f"{path}:slow", batch_size=2, batch_wait_s=0.45, timeout_s=0.5))
+        outs, done = [_out(tok, "42") for _ in range(2)], [0.0, 0.0]
+        t0 = time.monotonic()
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(0.4 * i)  # the second joins the batch 0.4 s after the first
+            await fn.score(ROW, outs[i], tok)
+            done[i] = time.monotonic() - t0
+
+        try:
+            await asyncio.gather(one(0), one(1))
+        finally:
+            fn.close()
+        return outs, done
+
+    outs, done = asyncio.run(body())
+    assert done[1] < 2.0  # not waiting for the call (it sleeps 3 s)
+    assert done[1] - done[0] > 0.2  # each deadline counted from when it was handed in (0.5 s, 0.9 s)
+    for o in outs:
+        assert o.termination == "error" and "reward.timeout_s=0.5" in o.error
+        assert o.reward_extra["function_error"] == 1.0 and o.reward_extra["function"] == 0.0
+
+
+def test_a_bad_batch_config_is_refused_naming_the_fix(tmp_path: Path):
+    with pytest.raises(ValueError, match=r"reward.batch_size=-1 must be an integer >= 0"):
+        RewardConfig(batch_size=-1)
+    with pytest.raises(ValueError, match=r"reward.batch_wait_s=-0.1 must be a number of seconds >= 0"):
+        RewardConfig(batch_size=2, batch_wait_s=-0.1)
+    with pytest.raises(ValueError, match=r"reward.batch_wait_s=2.0 must be below reward.timeout_s=1.0"):
+        RewardConfig(batch_size=2, batch_wait_s=2.0, timeout_s=1.0)
+    path = tmp_path / "batch_scorers.py"
+    path.write_text(BATCH_SCORERS)
+    with pytest.raises(ValueError, match="set reward.batch_size=N"):
+        RewardFunction(RewardConfig(function=f"{path}:traj_batch"))
 
 
 def test_one_grpo_step_with_a_reward_function_from_a_file(tmp_path: Path):

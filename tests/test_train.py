@@ -61,6 +61,8 @@ def metrics(out: Path) -> list[dict]:
     (["trainer.val_every=-1"], "trainer.val_every=-1"),
     (["data.task=rows", "data.train_path=rows.jsonl"], "data.val_path=test means the task's own test split"),
     (["data.val_path=/nonexistent/val.jsonl"], "data.val_path='/nonexistent/val.jsonl'"),
+    (["reward.model.system=Say: 'x' {"], "override \"reward.model.system=Say: 'x' {\" does not parse"),
+    (["reward.model.path=tiny-llama", "reward.model.kind=critic"], "reward.model.kind='critic'"),
 ])
 def test_bad_config_values_fail_before_any_model_loads(tmp_path: Path, override: list[str], key: str):
     cache = tmp_path / "cache"

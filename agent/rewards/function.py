@@ -17,6 +17,16 @@ interaction and shaping terms stay). A plain function runs in a thread of its ow
 call has a deadline (`reward.timeout_s`). A scorer that raises, hangs past its deadline or returns
 something that is not a finite number fails only its trajectory: reward part 0, `function_error`
 1, termination "error" (not trained on), the reason in the trajectory's `error`.
+
+With `reward.batch_size` = N > 0 the function takes lists and returns a list, one score per
+trajectory in the order given: `fn(data_sources, solution_strs, ground_truths, extra_infos)`, or
+`fn(trajectories)` when its first parameter is named `trajectory` or `trajectories` (that name picks
+the trajectory form with or without batching). The trajectories one agent worker finishes are
+collected: a batch is sent when it holds N or `reward.batch_wait_s` after its first one arrived,
+whichever comes first. Each trajectory keeps its own deadline, `reward.timeout_s` from when it was
+handed in. A call that raises, runs past the deadline or returns a list of the wrong length fails
+every trajectory of its batch; an element that is not a finite number (or a dict without `score`)
+fails only its own.
 """
 
 from __future__ import annotations
@@ -30,10 +40,11 @@ import math
 import multiprocessing
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from agent.rewards.model import RewardModelConfig
 from engines.config_checks import from_mapping
 
 
@@ -44,8 +55,16 @@ class RewardConfig:
     function: str | None = None  # "path/to/file.py:name" or "package.module:name"; None: the rule scorers
     timeout_s: float = 60.0  # per trajectory
     processes: int = 0  # > 0: a pool of this many processes per agent worker for a plain (sync) function
+    batch_size: int = 0  # > 0: the function takes lists of up to this many trajectories; 0: one per call
+    batch_wait_s: float = 0.05  # with batch_size > 0: how long a batch's first trajectory waits for more
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)  # a reward model or judge: model.py
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, Mapping):
+            self.model = RewardModelConfig.from_mapping(self.model)
+        if self.function is not None and self.model.path is not None:
+            raise ValueError(f"reward.function={self.function!r} and reward.model.path={self.model.path!r} are both "
+                             "set; a run scores with one of them: drop one (a function may call a model itself)")
         if self.function is not None and (not isinstance(self.function, str) or ":" not in self.function):
             raise ValueError(f"reward.function={self.function!r} must name a function as path/to/file.py:name or "
                              "package.module:name")
@@ -53,6 +72,15 @@ class RewardConfig:
             raise ValueError(f"reward.timeout_s={self.timeout_s} must be > 0")
         if int(self.processes) < 0:
             raise ValueError(f"reward.processes={self.processes} must be >= 0 (0: a thread)")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 0:
+            raise ValueError(f"reward.batch_size={self.batch_size!r} must be an integer >= 0 (0: one trajectory "
+                             "per call; N: lists of up to N trajectories per call)")
+        if isinstance(self.batch_wait_s, bool) or not isinstance(self.batch_wait_s, (int, float)) \
+                or not self.batch_wait_s >= 0:
+            raise ValueError(f"reward.batch_wait_s={self.batch_wait_s!r} must be a number of seconds >= 0")
+        if self.batch_size > 0 and not self.batch_wait_s < self.timeout_s:
+            raise ValueError(f"reward.batch_wait_s={self.batch_wait_s} must be below reward.timeout_s={self.timeout_s}"
+                             " (a trajectory would time out waiting for its batch); lower it or raise the timeout")
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any] | None) -> "RewardConfig":
@@ -91,9 +119,9 @@ def load_function(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def _takes_trajectory(fn: Callable[..., Any]) -> bool:
+def _first_parameter(fn: Callable[..., Any]) -> str:
     params = list(inspect.signature(fn).parameters)
-    return bool(params) and params[0] == "trajectory"
+    return params[0] if params else ""
 
 
 def _call(spec: str, args: tuple[Any, ...]) -> Any:
@@ -140,6 +168,18 @@ def as_score(value: Any) -> tuple[float, dict[str, float]]:
     return float(value), parts
 
 
+def as_batch(value: Any, n: int) -> list[Any]:
+    """The list a batch call returned, one element per trajectory; a ValueError when it is not one."""
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__len__") or not hasattr(value, "__iter__"):
+        raise ValueError(f"the reward function returned {type(value).__name__} for a batch of {n}; with "
+                         "reward.batch_size > 0 it returns a list with one score per trajectory, in order")
+    values = value.tolist() if hasattr(value, "tolist") else list(value)
+    if len(values) != n:
+        raise ValueError(f"the reward function returned {len(values)} scores for a batch of {n}; return one "
+                         "score per trajectory, in the order given")
+    return values
+
+
 class RewardFunction:
     """The run's reward function in one agent worker: `await score(row, out, tokenizer)`."""
 
@@ -147,11 +187,19 @@ class RewardFunction:
         assert cfg.function is not None
         self.cfg, self.spec = cfg, cfg.function
         self.fn = load_function(cfg.function)  # a bad path fails at start-up, not mid-rollout
-        self.trajectory_form = _takes_trajectory(self.fn)
+        first = _first_parameter(self.fn)
+        self.trajectory_form = first in ("trajectory", "trajectories")
+        if cfg.batch_size == 0 and first in ("trajectories", "data_sources"):
+            raise ValueError(f"reward.function={cfg.function!r} takes {first!r}, a list, but reward.batch_size=0 "
+                             "calls it once per trajectory; set reward.batch_size=N to call it with lists")
         self.is_async = inspect.iscoroutinefunction(self.fn)
         self.pool: concurrent.futures.Executor | None = None
         if not self.is_async and cfg.processes > 0:
             self.pool = concurrent.futures.ProcessPoolExecutor(cfg.processes, multiprocessing.get_context("spawn"))
+        # the batcher (batch_size > 0): (arguments, future, deadline) of the trajectories not yet sent
+        self._pending: list[tuple[tuple[Any, ...], asyncio.Future[Any], float]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._batches: set[asyncio.Task[None]] = set()
 
     def arguments(self, row: Mapping[str, Any], out: Any, tokenizer: Any) -> tuple[Any, ...]:
         text = tokenizer.decode(list(out.response_ids), skip_special_tokens=True)
@@ -163,16 +211,64 @@ class RewardFunction:
         rm = row.get("reward_model") if isinstance(row.get("reward_model"), Mapping) else {}
         return (row.get("data_source"), text, rm.get("ground_truth"), dict(row.get("extra_info") or {}))
 
+    def _invoke(self, args: tuple[Any, ...]) -> Any:
+        """An awaitable of `fn(*args)`: the coroutine, or the call in the pool or a thread."""
+        if self.is_async:
+            return self.fn(*args)
+        if self.pool is not None:
+            return asyncio.get_running_loop().run_in_executor(self.pool, _call, self.spec, args)
+        return _in_thread(self.fn, args)
+
+    def _submit(self, args: tuple[Any, ...]) -> "asyncio.Future[Any]":
+        """A future of this trajectory's element of the batch it joins."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._pending.append((args, fut, loop.time() + self.cfg.timeout_s))
+        if len(self._pending) >= self.cfg.batch_size:
+            self._flush()
+        elif self._timer is None:
+            self._timer = loop.call_later(self.cfg.batch_wait_s, self._flush)
+        return fut
+
+    def _flush(self) -> None:
+        """Send the pending trajectories (less those whose callers gave up) as one batch."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        items = [it for it in self._pending if not it[1].done()]
+        self._pending = []
+        if items:
+            task = asyncio.get_running_loop().create_task(self._run_batch(items))
+            self._batches.add(task)
+            task.add_done_callback(self._batches.discard)
+
+    async def _run_batch(self, items: list[tuple[tuple[Any, ...], "asyncio.Future[Any]", float]]) -> None:
+        futures = [fut for _, fut, _ in items]
+        columns = tuple(list(col) for col in zip(*(args for args, _, _ in items)))  # one list per parameter
+        try:
+            left = max(deadline for _, _, deadline in items) - asyncio.get_running_loop().time()
+            values = as_batch(await asyncio.wait_for(self._invoke(columns), max(left, 0.0)), len(items))
+        except asyncio.CancelledError:
+            error: BaseException = RuntimeError("the reward function's batch was cancelled (the worker closed)")
+            for fut in futures:
+                if not fut.done():
+                    fut.set_exception(error)
+            raise
+        except Exception as e:  # noqa: BLE001 - every trajectory of the batch gets it
+            for fut in futures:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        for fut, value in zip(futures, values):
+            if not fut.done():
+                fut.set_result(value)
+
     async def score(self, row: Mapping[str, Any], out: Any, tokenizer: Any) -> None:
         """Score `out` in place: its reward's rule part replaced by the function's score."""
         try:
             args = self.arguments(row, out, tokenizer)
-            if self.is_async:
-                value = await asyncio.wait_for(self.fn(*args), self.cfg.timeout_s)
-            else:
-                call = (asyncio.get_running_loop().run_in_executor(self.pool, _call, self.spec, args)
-                        if self.pool is not None else _in_thread(self.fn, args))
-                value = await asyncio.wait_for(call, self.cfg.timeout_s)
+            call = self._submit(args) if self.cfg.batch_size > 0 else self._invoke(args)
+            value = await asyncio.wait_for(call, self.cfg.timeout_s)
             score, parts = as_score(value)
             error = ""
         except asyncio.TimeoutError:
@@ -187,5 +283,13 @@ class RewardFunction:
             out.termination, out.error = "error", "; ".join(e for e in (out.error, error) if e)
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for task in list(self._batches):
+            try:
+                task.cancel()
+            except RuntimeError:  # its loop is closed: nothing waits for it
+                pass
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)

@@ -31,6 +31,8 @@ ENGINES: dict[str, EngineSpec] = {
     "vllm_inproc": EngineSpec("engines.inference.vllm_inproc:VLLMInProcessEngine", rollout=False),
     "sglang": EngineSpec("engines.inference.sglang:SGLangEngine"),  # its scheduler runs in processes of its own
     "echo": EngineSpec("engines.inference.echo:EchoEngine", rollout=False),
+    # a reward model (sequence classification, one output): scores prompts, is never a policy nor weight-synced
+    "hf_reward": EngineSpec("engines.inference.hf_reward:HFRewardEngine", {"max_batch_size": 64}, rollout=False),
 }
 BACKENDS: dict[str, str] = {name: spec.target for name, spec in ENGINES.items()}
 ROLLOUT_ENGINES: tuple[str, ...] = tuple(name for name, spec in ENGINES.items() if spec.rollout)

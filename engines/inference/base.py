@@ -106,6 +106,7 @@ class GenerateOutput:
     logprobs: list[float]  # or a 1-D float array
     finish_reason: str  # one of FINISH_REASONS
     cached_prompt_tokens: int = 0  # prompt tokens the engine served from its prefix cache
+    score: float | None = None  # a reward model's scalar for the whole prompt (hf_reward); None for generations
 
 
 @dataclass

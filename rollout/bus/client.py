@@ -47,6 +47,7 @@ class GenerateResult:
     # `weight_version` is then the oldest of them
     segments: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     preemptions: int = 0
+    score: float | None = None  # a reward model's score of the prompt (engine hf_reward); None for generations
 
 
 def _expire(fut: asyncio.Future) -> None:
@@ -218,7 +219,7 @@ class GenerateClient:
             assert isinstance(reply, P.Result)
             return GenerateResult(reply.token_ids.tolist(), reply.logprobs.tolist(), reply.finish_reason,
                                   reply.weight_version, reply.engine_id, engine, reply.cached_prompt_tokens, attempt,
-                                  reply.rid)
+                                  reply.rid, score=reply.score)
         raise RequestFailed("unavailable", f"request {rid} failed on {self.max_attempts} attempts (engines {sorted(failed)})")
 
     def end_session(self, session_id: str) -> None:

@@ -157,6 +157,7 @@ class Result(Message):
     engine_id: str = ""
     cached_prompt_tokens: int = 0
     load: int = 0  # waiting + running on the engine when this reply left
+    score: float | None = None  # a reward model's score of the prompt (engine hf_reward); None for generations
 
     def check(self) -> None:
         if len(self.token_ids) != len(self.logprobs):

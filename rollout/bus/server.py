@@ -289,6 +289,7 @@ class EngineServer:
             self._busy_since = time.monotonic()
         self._generating += 1
         self._idle.clear()
+        started = time.time()  # wall clock, for the request log (when the engine took the request)
         key = (identity, msg.rid)
         self._running.add(key)
         try:
@@ -325,17 +326,20 @@ class EngineServer:
         if preempted and reason == "abort":  # stopped for a weight update, not by its client: it continues
             reason = "preempted"
             self.preemptions += 1
+        score = None if out.score is None else float(out.score)  # a numpy scalar would not pack
         if self._request_log:  # logged before the reply leaves, so an audit never misses one
             self._request_log.write(json.dumps({
                 "rid": msg.rid, "session_id": msg.session_id, "group_id": msg.group_id, "engine_id": self.engine_id,
                 "weight_version": self.weight_version, "prompt_len": int(msg.prompt_ids.size),
-                "token_ids": list(map(int, out.token_ids)), "finish_reason": reason}) + "\n")
+                "token_ids": list(map(int, out.token_ids)), "finish_reason": reason, "score": score,
+                "started": round(started, 6), "time": round(time.time(), 6)}) + "\n")
         stats = self.engine.stats()
         self.requests += 1
         self._reply(identity, P.Result(
             rid=msg.rid, token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=reason,
             weight_version=self.weight_version, engine_id=self.engine_id,
-            cached_prompt_tokens=out.cached_prompt_tokens, load=stats.waiting + stats.running + sum(self._gated.values())))
+            cached_prompt_tokens=out.cached_prompt_tokens, load=stats.waiting + stats.running + sum(self._gated.values()),
+            score=score))
 
     # ---------------------------------------------------------------- control plane
     def submit_local(self, job: LocalLoad) -> None:
@@ -413,7 +417,7 @@ def _rss_mb() -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Serve one inference engine on the switchyard bus.")
-    ap.add_argument("--backend", default="hf", help="hf | vllm | sglang | echo")
+    ap.add_argument("--backend", default="hf", help="hf | hf_reward | vllm | sglang | echo")
     ap.add_argument("--model", default="tiny-llama", help="built-in name, HF directory or hub id")
     ap.add_argument("--address", action="append", required=True,
                     help="ipc:///path or tcp://host:port (port 0 = any free port); repeat to bind several")

@@ -1,0 +1,83 @@
+"""The reward model's own engine group (`reward.model`, see agent/rewards/model.py): started by rank 0
+beside the policy's engines, or attached to when `reward.model.addresses` lists servers already
+running. The policy's weight pushes, sleeps and wakes never address them; the run stops the ones
+it started.
+
+On a CPU box they share the node's cores with the rest of the run. On a GPU node,
+`reward.model.devices` names the GPUs they get (`CUDA_VISIBLE_DEVICES`, split evenly over
+`num_engines`); written for GPUs and not run on one yet.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from engines.inference import ENGINES
+
+
+class RewardEngines:
+    """`start()` returns the addresses the agent workers' reward clients use; `close()` stops what it started."""
+
+    def __init__(self, model: dict[str, Any], dtype: str, run_dir: Path, request_log: bool,
+                 startup_timeout_s: float) -> None:
+        self.model, self.dtype, self.run_dir = dict(model), dtype, Path(run_dir)
+        self.request_log, self.startup_timeout_s = request_log, startup_timeout_s
+        self.procs: list[Any] = []
+        self.logs: list[Path] = []
+        self.tmp: Path | None = None
+
+    def start(self) -> list[str]:
+        from engines.models import resolve_model
+        from rollout.bus.launcher import read_endpoints, start_server_process
+
+        m = self.model
+        if m.get("addresses"):
+            return list(m["addresses"])  # attached: someone else runs (and stops) them
+        engine = str(m["engine"])
+        if engine not in ENGINES:
+            raise ValueError(f"reward.model.engine={engine!r} is not an engine; choose one of {sorted(ENGINES)}")
+        model_dir = str(resolve_model(str(m["path"])))
+        options = {**ENGINES[engine].defaults, "dtype": self.dtype, **dict(m.get("engine_options") or {})}
+        self.tmp = Path(tempfile.mkdtemp(prefix="switchyard-reward-"))  # 0700: the ipc sockets' trust boundary
+        devices = [int(d) for d in m.get("devices") or []]
+        n = int(m.get("num_engines", 1))
+        started = []
+        for i in range(n):
+            eid = f"reward{i}"
+            env = None
+            if devices:
+                share = devices[i * len(devices) // n:(i + 1) * len(devices) // n] or devices
+                env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, share))}
+            log_file = self.tmp / f"{eid}.log"
+            request_log = None
+            if self.request_log:
+                (self.run_dir / "engines").mkdir(parents=True, exist_ok=True)
+                request_log = self.run_dir / "engines" / f"{eid}.jsonl"
+            proc = start_server_process(engine, model_dir, [f"ipc://{self.tmp}/{eid}.sock"], eid, options,
+                                        log_file=log_file, env=env, endpoint_file=self.tmp / f"{eid}.json",
+                                        request_log=request_log)
+            self.procs.append(proc)
+            self.logs.append(log_file)
+            started.append((proc, self.tmp / f"{eid}.json", log_file))
+        return [read_endpoints(f, p, self.startup_timeout_s, log)[0] for p, f, log in started]
+
+    def describe(self, addresses: list[str]) -> str:
+        m = self.model
+        how = "attached" if m.get("addresses") else f"{len(self.procs)} x {m['engine']}"
+        return f"reward model ({m['kind']}) {m['path']}: {how}, {', '.join(addresses)}"
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except Exception:
+                p.kill()
+        self.procs = []
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None

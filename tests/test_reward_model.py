@@ -1,0 +1,72 @@
+"""A reward model or an LLM judge on engines of its own: the verdict parsing, the config's errors,
+and one GRPO step through launch/train.py judged by a real model served on the bus, whose
+requests reach the judge's engine while the policy's other trajectories still generate."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from agent.rewards.model import RewardModelConfig, question_of, verdict  # noqa: E402
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+def test_the_verdict_is_the_last_number_scaled_and_clamped():
+    assert verdict("I think 3, no: 7", r"-?\d+(?:\.\d+)?", 10) == pytest.approx(0.7)
+    assert verdict("score: 42", r"-?\d+(?:\.\d+)?", 10) == 1.0
+    assert verdict("-3", r"-?\d+(?:\.\d+)?", 10) == 0.0
+    assert verdict("<tool_call>12*3</tool_call> #### 36", r"####\s*(-?\d+)", 100) == pytest.approx(0.36)
+    assert verdict("no number here", r"-?\d+(?:\.\d+)?", 10) is None
+    assert question_of({"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q?"}]}) == "q?"
+
+
+@pytest.mark.parametrize("given, words", [
+    ({"kind": "critic"}, "reward.model.kind='critic'"),
+    ({"template": "{question} {answer}"}, "unknown field 'answer'"),
+    ({"pattern": "(["}, "not a regular expression"),
+    ({"max_score": 0}, "reward.model.max_score=0"),
+])
+def test_a_bad_reward_model_config_is_refused_naming_the_key(given: dict, words: str):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("[", r"\[")):
+        RewardModelConfig(path="tiny-llama", **given)
+    assert RewardModelConfig(kind="critic").path is None  # no model: nothing to check
+
+
+@pytest.mark.skipif(not (GSM8K / "train.jsonl").exists(), reason=f"GSM8K jsonl not found in {GSM8K}")
+def test_one_grpo_step_judged_by_a_model_on_its_own_engine(tmp_path: Path, tool_caller: Path):
+    """The judge is the tool-calling test model, asked the policy's question: it answers '#### N',
+    and the verdict is N / 100 (a mechanism test: that judge knows nothing of the policy's answer)."""
+    from test_train import metrics, train
+    from tool_model import SYSTEM, gsm8k_rows
+
+    rows = tmp_path / "rows.jsonl"  # the policy is the tool caller too: trajectories of 1 to 3 turns
+    rows.write_text("".join(json.dumps(r) + "\n" for r in gsm8k_rows(GSM8K / "train.jsonl", 16)))
+    out = tmp_path / "run"
+    proc = train([f"model.path={tool_caller}", "data.task=rows", f"data.train_path={rows}", "data.val_path=null",
+                  "rollout.engine=hf", "rollout.max_tokens=48", "rollout.tools_config=launch/configs/tools_calculator.yaml",
+                  "sft.enabled=false", "data.prompts_per_step=4", "rollout.n=2", "trainer.steps=1", f"trainer.output_dir={out}",
+                  "rollout.request_log=true", f"reward.model.path={tool_caller}", f"reward.model.system={json.dumps(SYSTEM)}",
+                  "reward.model.template=\"{question}\"", "reward.model.pattern=\"####\\\\s*(-?\\\\d+)\"",
+                  "reward.model.max_score=100", "reward.model.max_tokens=48", "reward.model.temperature=1.0"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "reward model (judge)" in proc.stdout
+    step = [m for m in metrics(out) if m.get("step") == 1][0]
+    assert step["rollout/reward_extra/model_error"] == 0.0
+    assert step["rollout/reward_extra/model/latency_s"] > 0
+    assert "rollout/reward_extra/model" in step and "rollout/reward_extra/model/unparsed" in step
+    logs = sorted((out / "engines").glob("*.jsonl"))
+    judge = [json.loads(x) for x in (out / "engines" / "reward0.jsonl").read_text().splitlines()]
+    policy = [json.loads(x) for p in logs if p.name != "reward0.jsonl" for x in p.read_text().splitlines()]
+    assert len(judge) == 8  # one judgement per trajectory of the step (validation is off)
+    assert all(r["session_id"].startswith("judge-") for r in judge)
+    # asynchronous scoring: the first trajectory went to the judge before the step's last generation
+    # started (log times: when an engine took a request, and when it answered)
+    print("judge took", sorted(round(r["started"] % 1000, 2) for r in judge))
+    print("policy took", sorted(round(r["started"] % 1000, 2) for r in policy))
+    assert min(r["started"] for r in judge) < max(r["started"] for r in policy)
