@@ -252,3 +252,31 @@ def test_one_grpo_step_with_a_reward_function_from_a_file(tmp_path: Path):
     assert step["rollout/reward_extra/function/acc"] == 1.0  # the dict's parts, logged
     assert step["rollout/reward_extra/function_error"] == pytest.approx(2 / 6)
     assert json.dumps(step)  # the line is plain JSON
+
+
+def test_the_rule_scorers_are_a_reward_function_and_turn_rewards_reach_their_turns(tok):  # noqa: F811
+    from agent.rewards import compute_score, rule_reward
+
+    row = {"data_source": "openai/gsm8k", "reward_model": {"style": "rule", "ground_truth": "72"}}
+    for text in ("so #### 72", "#### 71", "72"):
+        assert compute_score("openai/gsm8k", text, "72") == rule_reward(row, text)
+    assert compute_score("arithmetic", "it is 72", "72") == 1.0
+
+    async def run(spec: str, outs: list[AgentLoopOutput]) -> None:
+        fn = RewardFunction(RewardConfig(function=spec, timeout_s=5))
+        await asyncio.gather(*(fn.score({"data_source": "arithmetic", "reward_model": {"ground_truth": "4"}}, o, tok)
+                               for o in outs))
+        fn.close()
+
+    mod = sys.modules.setdefault("turn_scorers", type(sys)("turn_scorers"))
+    mod.per_turn = lambda trajectory: {"score": 1.0, "turn_rewards": [0.25, 0.0, 0.5]}
+    mod.too_many = lambda trajectory: {"score": 1.0, "turn_rewards": [1.0] * 9}
+    out = _out(tok, "2 + 2 = 4")
+    n = len(out.response_ids)
+    out.response_mask = [1, 1, 0] + [1] * (n - 5) + [0, 1]  # three model turns
+    bad = _out(tok, "2 + 2 = 4")
+    asyncio.run(run("turn_scorers:per_turn", [out]))
+    asyncio.run(run("turn_scorers:too_many", [bad]))
+    assert out.turn_rewards == [[2, 0.25], [n, 0.5]]  # after turn 0 and after turn 2; turn 1 earned 0
+    assert out.reward_extra["function"] == 1.75 and out.reward_extra["function/turn_rewards"] == 0.75
+    assert bad.termination == "error" and "9 entries but the trajectory has 1 model turns" in bad.error

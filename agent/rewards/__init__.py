@@ -66,6 +66,17 @@ def rule_reward(row: Mapping[str, Any], response_text: str) -> float | None:
     return float((scorer or FALLBACK_SCORER)(response_text, ground_truth, rm))
 
 
+def compute_score(data_source: str | None, solution_str: str, ground_truth: Any,
+                  extra_info: Mapping[str, Any] | None = None) -> float:
+    """The built-in rule scorers as a reward function (`reward.function=agent.rewards:compute_score`,
+    or called from one of your own): the scorer of `data_source`, else the last number of the
+    response against `ground_truth`, with the extraction method of a gsm8k row's `reward_model`
+    passed in `extra_info["reward_model"]` if any."""
+    rm = dict((extra_info or {}).get("reward_model") or {})
+    scorer = RULE_SCORERS.get(str(data_source)) or FALLBACK_SCORER
+    return float(scorer(solution_str, ground_truth, rm))
+
+
 def score_trajectory(row: Mapping[str, Any], response_text: str,
                      shaping: Mapping[str, Any] | ShapingConfig | None = None,
                      stats: TrajectoryStats | None = None, tool_reward: float = 0.0,
@@ -90,5 +101,5 @@ def score_trajectory(row: Mapping[str, Any], response_text: str,
     return sum(parts.values()), parts
 
 
-__all__ = ["RULE_SCORERS", "FALLBACK_SCORER", "RuleScorer", "ShapingConfig", "TrajectoryStats", "extract_answer",
+__all__ = ["compute_score", "RULE_SCORERS", "FALLBACK_SCORER", "RuleScorer", "ShapingConfig", "TrajectoryStats", "extract_answer",
            "gsm8k_reward", "rule_reward", "score_trajectory", "shape"]

@@ -11,7 +11,10 @@ Two signatures are taken:
         the response text, termination, turns, tool calls and the loop's reward parts.
 
 Either may be `async def`. A dict's `score` is the reward and its other numeric keys are logged as
-reward parts (`function/<key>`). The score replaces the rule part of the loop's reward (tool,
+reward parts (`function/<key>`); its `turn_rewards`, a list with a number per model turn (a run of
+generated tokens) in order, are rewards of single turns: added to the score and credited to their
+turns for the turn-level estimator (`algorithm.advantage=turn_grpo`). The built-in rule scorers
+are a function of the same kind, `agent.rewards:compute_score`, to call from your own. The score replaces the rule part of the loop's reward (tool,
 interaction and shaping terms stay). A plain function runs in a thread of its own, or with `reward.processes`
 > 0 in a pool of processes of its own (CPU-heavy scorers then never hold up the agent loops); every
 call has a deadline (`reward.timeout_s`). A scorer that raises, hangs past its deadline or returns
@@ -168,6 +171,29 @@ def as_score(value: Any) -> tuple[float, dict[str, float]]:
     return float(value), parts
 
 
+def turn_ends(response_mask: Any) -> list[int]:
+    """The response position after each model turn (each run of mask-1 tokens), in order."""
+    mask = list(response_mask)
+    return [i + 1 for i, m in enumerate(mask) if m and (i + 1 == len(mask) or not mask[i + 1])]
+
+
+def as_turn_rewards(value: Any, out: Any) -> list[list[float]]:
+    """[position, reward] pairs from a returned dict's `turn_rewards` (one number per model turn, in
+    order; fewer is fine); a ValueError when they do not fit the trajectory."""
+    given = value.get("turn_rewards") if isinstance(value, Mapping) else None
+    if given is None:
+        return []
+    if isinstance(given, (str, bytes, Mapping)) or not hasattr(given, "__iter__"):
+        raise ValueError(f"turn_rewards is {type(given).__name__}; return a list with one number per model turn")
+    values = list(given)
+    ends = turn_ends(out.response_mask)
+    if len(values) > len(ends):
+        raise ValueError(f"turn_rewards has {len(values)} entries but the trajectory has {len(ends)} model turns")
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)) for v in values):
+        raise ValueError(f"turn_rewards must be finite numbers, got {values!r:.80}")
+    return [[end, float(v)] for end, v in zip(ends, values) if v]
+
+
 def as_batch(value: Any, n: int) -> list[Any]:
     """The list a batch call returned, one element per trajectory; a ValueError when it is not one."""
     if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__len__") or not hasattr(value, "__iter__"):
@@ -270,11 +296,17 @@ class RewardFunction:
             call = self._submit(args) if self.cfg.batch_size > 0 else self._invoke(args)
             value = await asyncio.wait_for(call, self.cfg.timeout_s)
             score, parts = as_score(value)
+            per_turn = as_turn_rewards(value, out)
             error = ""
         except asyncio.TimeoutError:
-            score, parts, error = 0.0, {}, f"the reward function took longer than reward.timeout_s={self.cfg.timeout_s}"
+            score, parts, per_turn = 0.0, {}, []
+            error = f"the reward function took longer than reward.timeout_s={self.cfg.timeout_s}"
         except Exception as e:  # noqa: BLE001 - a scorer's failure is its trajectory's, never the step's
-            score, parts, error = 0.0, {}, f"the reward function failed: {type(e).__name__}: {e}"
+            score, parts, per_turn, error = 0.0, {}, [], f"the reward function failed: {type(e).__name__}: {e}"
+        if per_turn:  # rewards of single turns: added to the total and credited to their turns (turn_grpo)
+            parts["function/turn_rewards"] = sum(r for _, r in per_turn)
+            score += parts["function/turn_rewards"]
+            out.turn_rewards = [*getattr(out, "turn_rewards", []), *per_turn]
         rule = float(out.reward_extra.get("rule", 0.0))
         out.reward = float(out.reward) - rule + score
         out.reward_extra = {**out.reward_extra, "rule": 0.0, "function": score, **parts,
