@@ -70,6 +70,8 @@ def train(cfg: Config) -> dict[str, Any]:
             if overlap:  # the first finished groups within the staleness bound
                 batch, metrics = plane.take_batch(version)
             else:
+                if plane.behind(version):  # an attached engine restarted: bring it to the current weights
+                    plane.push_weights(actor.named_hf_weights(), version)
                 rows = stream.next_batch(cfg.data.prompts_per_step)
                 batch, metrics = plane.generate(rows, version, more_rows=stream.next_batch,
                                                 record=getattr(stream, "record", None))

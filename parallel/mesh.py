@@ -164,6 +164,21 @@ def usable_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
+def keep_off_cores(engine_cores: list[int]) -> None:
+    """This process (and what it starts later: agent workers) runs on the cores not in
+    `engine_cores`, its torch threads spread over them with the node's other ranks."""
+    import torch
+
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    rest = [c for c in usable_cores() if c not in set(engine_cores)]
+    if not rest:
+        raise ValueError(f"rollout.engine_cores={engine_cores} leaves no core for the trainer (this node has "
+                         f"{usable_cores()}); list fewer cores")
+    os.sched_setaffinity(0, rest)
+    torch.set_num_threads(max(1, len(rest) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 def cpu_slices(n: int, cores: list[int] | None = None) -> list[list[int]]:
     """Split `cores` (default: the cores this process may use) into `n` disjoint, contiguous
     slices (one per CPU engine on this box); with fewer cores than engines, engines share cores."""

@@ -59,6 +59,10 @@ class RolloutConfig:
     # MLflow traces of finished trajectories (agent/traces.py): enabled, tracking_uri (default: the
     # run's own sqlite store, output_dir/mlflow.db), experiment, sample_rate (fraction of GRPO groups)
     tracing: TraceConfig = field(default_factory=TraceConfig)
+    # engines as a service (rollout/service.py): addresses of engine servers started on their own; the
+    # run attaches to them (weights over the bus), never starts, sleeps or stops them
+    engines: list[str] = field(default_factory=list)
+    engine_keys: str | None = None  # their CURVE keys file (python -m rollout.service keys PATH); tcp needs it
 
     def __post_init__(self) -> None:
         choice("rollout", "engine", self.engine, ROLLOUT_ENGINES)
@@ -85,6 +89,10 @@ class RolloutConfig:
             raise ValueError(f"rollout.in_process=true serves one engine of {able} from the trainer's process (got "
                              f"engine {self.engine!r}, num_engines={self.num_engines}, weight_path={self.weight_path!r}); "
                              "the others (SGLang) run their schedulers in processes of their own and take shared memory")
+        if self.engines:
+            from rollout.service import check_service
+
+            check_service(self)
         if not self.step_timeout_s > 0:
             raise ValueError(f"rollout.step_timeout_s={self.step_timeout_s} must be > 0 (seconds)")
         if not 0 < self.top_p <= 1:

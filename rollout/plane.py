@@ -143,14 +143,20 @@ class RolloutPlane(WeightRoutes):
         """Every node's local rank 0 starts its engines; every rank learns every engine's addresses."""
         self.run_dir = run_dir
         multi = self.nodes > 1
-        if multi:
+        attached = bool(self.cfg.engines)  # engines as a service (rollout/service.py): started elsewhere
+        if attached:
+            from rollout.service import service_keys
+
+            self.keys, self.sleeps = service_keys(self.cfg), False
+        elif multi:
             from rollout.bus.auth import BusKeys
 
             box = [BusKeys.generate() if self.rank == 0 else None]
             torch.distributed.broadcast_object_list(box, src=0)  # never written to the run directory
             self.keys = box[0]
-        self._check_shm_room()
-        local = self._start_local(run_dir, tcp=multi) if self.local_rank == 0 else []
+        if not attached:
+            self._check_shm_room()
+        local = self._start_local(run_dir, tcp=multi) if self.local_rank == 0 and not attached else []
         self._keep_off_engine_cores()
         if self.world > 1:
             everyone: list[Any] = [None] * self.world
@@ -160,6 +166,8 @@ class RolloutPlane(WeightRoutes):
             self.leaders = [r for r, (_, _, lr) in enumerate(everyone) if lr == 0]
         else:
             self.engines = local
+        if attached:
+            self.engines = [EngineInfo(f"service{i}", -1, (), a, a, 0) for i, a in enumerate(self.cfg.engines)]
         if self.route() == "collective":  # every rank creates the group, as torch.distributed asks
             self.weight_group = torch.distributed.new_group(self.leaders)
         if self.rank == 0:
@@ -225,20 +233,28 @@ class RolloutPlane(WeightRoutes):
         return infos
 
     def _keep_off_engine_cores(self) -> None:
-        """`rollout.engine_cores` on CPU: this rank (and what it starts later: agent workers) runs on
-        the node's other cores, its torch threads spread over them with the node's other ranks."""
-        from parallel.mesh import usable_cores
+        """`rollout.engine_cores` on CPU: this rank (and the agent workers it starts) keeps to the other cores."""
+        if self.cfg.engine_cores and self.placement == "cpu":
+            from parallel.mesh import keep_off_cores
 
-        if not self.cfg.engine_cores or self.placement != "cpu" or not hasattr(os, "sched_setaffinity"):
-            return
-        rest = [c for c in usable_cores() if c not in set(self.cfg.engine_cores)]
-        if not rest:
-            raise ValueError(f"rollout.engine_cores={self.cfg.engine_cores} leaves no core for the trainer (this node "
-                             f"has {usable_cores()}); list fewer cores")
-        os.sched_setaffinity(0, rest)
-        torch.set_num_threads(max(1, len(rest) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+            keep_off_cores(list(self.cfg.engine_cores))
+
+    def behind(self, version: int) -> bool:
+        """Every rank: whether an attached engine serves an older weight version than `version` (it
+        restarted), so the weights must be pushed again before the rollout (rollout/service.py)."""
+        if not self.cfg.engines:
+            return False
+        from rollout.service import behind
+
+        box = [bool(behind(self.control, len(self.engines), version)) if self.control is not None else False]
+        if self.world > 1:
+            torch.distributed.broadcast_object_list(box, src=0)
+        return bool(box[0])
 
     def describe(self) -> str:
+        if self.cfg.engines:
+            return (f"attached to {len(self.engines)} engine(s) started on their own (rollout.engines); weights go "
+                    f"over the bus, and this run never sleeps or stops them:\n  " + "\n  ".join(self.cfg.engines))
         kind = "cores" if self.placement == "cpu" or not torch.cuda.is_available() else "GPUs"
         lines = [f"placement {self.placement}: {self.nodes} node(s), {len(self.engines)} engine(s); agent workers "
                  f"on node 0 route over all of them"]

@@ -43,7 +43,8 @@ class WeightRoutes:
     def route(self) -> str:
         """How weights reach the engines: the first route of `rollout.weights.routes.ROUTES` that
         applies to this run's placement (in_process, bus, collective, handle, shm; see there)."""
-        return choose(Placement(in_process=bool(self.cfg.in_process), weight_path=self.cfg.weight_path,
+        path = "bus" if self.cfg.engines else self.cfg.weight_path  # attached engines: only the bus reaches them
+        return choose(Placement(in_process=bool(self.cfg.in_process), weight_path=path,
                                 shm_room=not self._no_room, nodes=self.nodes,
                                 engines_on_my_gpu=self.nodes == 1 and self._engines_on_my_gpu()))
 

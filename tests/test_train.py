@@ -63,6 +63,8 @@ def metrics(out: Path) -> list[dict]:
     (["data.val_path=/nonexistent/val.jsonl"], "data.val_path='/nonexistent/val.jsonl'"),
     (["reward.model.system=Say: 'x' {"], "override \"reward.model.system=Say: 'x' {\" does not parse"),
     (["reward.model.path=tiny-llama", "reward.model.kind=critic"], "reward.model.kind='critic'"),
+    (["rollout.engines=[http://node7:7100]"], "rollout.engines lists 'http://node7:7100'"),
+    (["rollout.engines=[tcp://node7:7100]"], "rollout.engine_keys is not set"),
 ])
 def test_bad_config_values_fail_before_any_model_loads(tmp_path: Path, override: list[str], key: str):
     cache = tmp_path / "cache"

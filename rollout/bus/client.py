@@ -88,6 +88,7 @@ class GenerateClient:
         self.dead_after_s = dead_after_s
         self.max_attempts = max_attempts
         self.engine_ids: list[str | None] = [None] * len(addresses)
+        self.versions = [0] * len(addresses)  # each engine's weight version as it last reported it
         self._ctx = zmq.asyncio.Context()
         self._socks: list[zmq.asyncio.Socket] = []
         self._monitors: list[zmq.asyncio.Socket] = []
@@ -198,7 +199,7 @@ class GenerateClient:
         rid = f"{self._prefix}-{next(self._ids)}"
         failed: set[int] = set()
         for attempt in range(1, self.max_attempts + 1):
-            engine = await self._pick(session_id, group_id, failed)
+            engine = await self._pick(session_id, group_id, failed | self._stale(min_weight_version))
             msg = P.Generate(rid=f"{rid}.{attempt}", prompt_ids=prompt, sampling=sp, session_id=session_id or "",
                              group_id=group_id or "", min_weight_version=min_weight_version,
                              pixel_values=None if pixel_values is None else np.asarray(pixel_values, np.float32))
@@ -221,6 +222,14 @@ class GenerateClient:
                                   reply.weight_version, reply.engine_id, engine, reply.cached_prompt_tokens, attempt,
                                   reply.rid, score=reply.score)
         raise RequestFailed("unavailable", f"request {rid} failed on {self.max_attempts} attempts (engines {sorted(failed)})")
+
+    def _stale(self, need: int) -> set[int]:
+        """Engines that cannot serve weight version `need` soon: at version 0 (restarted, never given
+        weights) or more than one version behind (one behind may be mid-update; the heartbeat lags).
+        They are passed over while another engine can serve (the router falls back to them if none)."""
+        if need <= 0:
+            return set()
+        return {i for i, v in enumerate(self.versions) if v == 0 or v < need - 1}
 
     def end_session(self, session_id: str) -> None:
         """Forget a finished trajectory's engine pin."""
@@ -272,11 +281,25 @@ class GenerateClient:
             raise RequestFailed(reply.code, reply.message)
         return reply
 
-    async def broadcast(self, msg: P.Message, timeout_s: float = 600.0, only: list[int] | None = None) -> list[P.Message]:
-        """Send a control message to every live engine (of `only`, engine indices) and wait for all acks."""
+    async def broadcast(self, msg: P.Message, timeout_s: float = 600.0, only: list[int] | None = None,
+                        skip_down: bool = False) -> list[P.Message]:
+        """Send a control message to every live engine (of `only`, engine indices) and wait for all acks.
+        `skip_down`: an engine whose connection is lost meanwhile is left out of the acks (it is marked
+        down) instead of failing the call; an engine that answers with an error still fails it."""
         live = [i for i in (range(len(self.addresses)) if only is None else only) if self.router.alive[i]]
         msgs = [dataclasses.replace(msg) for _ in live]
-        return list(await asyncio.gather(*(self.call(i, m, timeout_s) for i, m in zip(live, msgs))))
+
+        async def one(i: int, m: P.Message) -> P.Message | None:
+            try:
+                return await self.call(i, m, timeout_s)
+            except _EngineDown:
+                if not skip_down:
+                    raise
+                self.router.mark_down(i)
+                return None
+
+        acks = await asyncio.gather(*(one(i, m) for i, m in zip(live, msgs)))
+        return [a for a in acks if a is not None]
 
     # ------------------------------------------------------------ receiving and liveness
     def _seen(self, engine: int) -> None:
@@ -309,8 +332,10 @@ class GenerateClient:
             if isinstance(msg, P.Status):
                 self.engine_ids[engine] = msg.engine_id
                 self.router.report_load(engine, msg.load)
+                self.versions[engine] = msg.weight_version
             elif isinstance(msg, P.Result):
                 self.router.report_load(engine, msg.load)
+                self.versions[engine] = max(self.versions[engine], msg.weight_version)
             fut = self._pending[engine].get(msg.rid)
             if fut is not None and not fut.done():
                 fut.set_result(msg)

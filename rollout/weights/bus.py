@@ -36,9 +36,16 @@ async def push_weights(client: "GenerateClient", named: Iterable[tuple[str, "tor
 
     With `slots` (engines on this node) each bucket is packed into a shared-memory slot, cast to
     `dtype`, and only its name crosses the socket; a slot is refilled once every engine acked it.
+
+    An engine whose connection is lost during the push is left out of it (marked down; failover
+    already moves its requests): the version is committed by every engine still there, and one that
+    comes back (restarted, at version 0) is brought up to date by the next push.
     """
     t0 = time.perf_counter()
-    begun = await client.broadcast(WeightsBegin(weight_version=version, preempt=preempt), timeout_s, only=engines)
+    begun = await client.broadcast(WeightsBegin(weight_version=version, preempt=preempt), timeout_s, only=engines,
+                                   skip_down=True)
+    if not begun:
+        raise RuntimeError(f"no engine is up to load weight version {version}; check the engine server logs")
     buckets = nbytes = 0
     window: list[asyncio.Future] = []
     try:
@@ -51,7 +58,7 @@ async def push_weights(client: "GenerateClient", named: Iterable[tuple[str, "tor
             else:
                 bucket = bucket_from_tensors(tensors, version, index)
                 nbytes += sum(len(f) for f in bucket.frames)
-            window.append(asyncio.ensure_future(client.broadcast(bucket, timeout_s, only=engines)))
+            window.append(asyncio.ensure_future(client.broadcast(bucket, timeout_s, only=engines, skip_down=True)))
             buckets += 1
             while len(window) >= max(1, inflight):
                 await window.pop(0)
@@ -67,10 +74,13 @@ async def push_weights(client: "GenerateClient", named: Iterable[tuple[str, "tor
 
 async def commit(client: "GenerateClient", version: int, buckets: int, begun: int, timeout_s: float = 600.0,
                  engines: list[int] | None = None) -> list[Any]:
-    """Switch the engines to `version` once all `buckets` arrived; raises unless all `begun` acked it."""
-    acks = await client.broadcast(WeightsCommit(weight_version=version, num_buckets=buckets), timeout_s, only=engines)
+    """Switch the engines to `version` once all `buckets` arrived; raises unless each of the `begun`
+    engines acked it or went down meanwhile."""
+    acks = await client.broadcast(WeightsCommit(weight_version=version, num_buckets=buckets), timeout_s, only=engines,
+                                  skip_down=True)
     wrong = [a for a in acks if not isinstance(a, Ack) or a.weight_version != version]
-    if wrong or len(acks) != begun:
+    down = sum(not client.router.alive[i] for i in (range(len(client.addresses)) if engines is None else engines))
+    if wrong or not acks or len(acks) + down < begun:
         raise RuntimeError(f"weight version {version} was not committed by every engine ({len(acks)} acks for "
                            f"{begun} engines, unexpected: {wrong[:3]}); check the engine server logs")
     return acks
