@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 # Why a trajectory ended. Trainers may treat the budget/turn-limit ones as truncation.
 TERMINATIONS = ("stop", "length", "max_assistant_turns", "max_user_turns", "token_budget", "interaction_done",
-                "abort", "error")
+                "abort", "error", "env_done", "max_steps")
 
 
 @dataclass
@@ -220,6 +220,7 @@ BUILTIN_AGENT_LOOPS: Mapping[str, str] = {
     "tool_agent": "agent.tool_agent.ToolAgentLoop",
     "langgraph_agent": "agent.langgraph.LangGraphAgentLoop",  # needs langgraph (imported on first use)
     "openai_agent": "agent.openai_agent.OpenAIAgentLoop",  # any OpenAI-API agent, through agent/gateway
+    "gym_agent": "agent.gym_loop.GymAgentLoop",  # an environment with reset() / step(action)
 }
 DEFAULT_AGENT_NAME = "single_turn_agent"
 

@@ -251,6 +251,13 @@ def validate(cfg: Config) -> None:
             ToolAgentConfig.from_mapping(cfg.rollout.agent["tool_agent"])
         except ValueError as e:
             raise ConfigError(f"rollout.agent.tool_agent: {e}") from None
+    if "gym_agent" in cfg.rollout.agent or cfg.data.agent_name == "gym_agent":
+        from agent.gym_loop import GymAgentConfig, load_env
+
+        try:
+            load_env(GymAgentConfig.from_mapping(cfg.rollout.agent.get("gym_agent") or {}).env)
+        except ValueError as e:
+            raise ConfigError(f"rollout.agent.gym_agent: {e}") from None
     if cfg.data.curriculum.mode == "adaptive" and cfg.rollout.staleness > 0:
         raise ConfigError("data.curriculum.mode=adaptive needs rollout.staleness=0: its pass rates come from each "
                           "synchronous step's groups; use mode=stages or linear with asynchronous RL")

@@ -29,7 +29,7 @@ def test_unknown_routes_and_methods_get_json_errors(tok):  # noqa: F811
         await gw.start()
         try:
             async with aiohttp.ClientSession() as s:
-                async with s.post(gw.base_url + "/responses", json={"model": "switchyard", "input": "hi"}) as r:
+                async with s.post(gw.base_url + "/embeddings", json={"model": "switchyard", "input": "hi"}) as r:
                     missing = (r.status, await r.json())
                 async with s.get(gw.base_url + "/chat/completions") as r:
                     wrong = (r.status, await r.json())
@@ -38,7 +38,7 @@ def test_unknown_routes_and_methods_get_json_errors(tok):  # noqa: F811
             await gw.stop()
 
     (s1, b1), (s2, b2) = asyncio.run(body())
-    assert s1 == 404 and b1["error"]["code"] == "not_found" and "/v1/responses" in b1["error"]["message"]
+    assert s1 == 404 and b1["error"]["code"] == "not_found" and "/v1/embeddings" in b1["error"]["message"]
     assert s2 == 405 and b2["error"]["code"] == "method_not_allowed" and "POST" in b2["error"]["message"]
 
 

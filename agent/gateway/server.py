@@ -1,4 +1,6 @@
-"""An OpenAI-compatible chat-completions endpoint over the bus (`/v1/chat/completions`, `/v1/models`).
+"""An OpenAI-compatible endpoint over the bus: `/v1/chat/completions`, `/v1/models`, and the Responses
+and Anthropic Messages APIs (`/v1/responses`: responses.py, `/v1/messages`: anthropic.py), which
+translate to the chat path and record the same way.
 
 Any agent framework that speaks the OpenAI API is trained by pointing its `base_url` here. Each
 API key (or `X-Session-Id` header) is one session whose conversations are recorded token-exactly
@@ -24,6 +26,8 @@ from typing import Any
 
 from aiohttp import web
 
+from agent.gateway.anthropic import messages_route
+from agent.gateway.responses import responses_route
 from agent.gateway.session import Conversation, Reply, RequestError, normalize
 
 log = logging.getLogger(__name__)
@@ -50,7 +54,7 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
         return await handler(request)
     except web.HTTPNotFound:
         return _error(404, f"{request.method} {request.path} is not served here; this gateway serves GET /v1/models "
-                           "and POST /v1/chat/completions", code="not_found")
+                           "and POST /v1/chat/completions, /v1/responses, /v1/messages", code="not_found")
     except web.HTTPMethodNotAllowed as e:
         return _error(405, f"{request.method} is not allowed on {request.path}; use {', '.join(sorted(e.allowed_methods))}",
                       code="method_not_allowed")
@@ -122,6 +126,8 @@ class Gateway:
         app = web.Application(client_max_size=self.max_body, middlewares=[_json_errors])
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/responses", responses_route(self))
+        app.router.add_post("/v1/messages", messages_route(self))
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
