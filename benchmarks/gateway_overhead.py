@@ -5,7 +5,8 @@ the gateway runs as `python -m agent.gateway` in its own process, as a deploymen
 clients send the same chat (a ~500-token user message, 64-token replies) at concurrency 1 and 64:
 the bus client with the rendered prompt ids (no HTTP, no template), raw HTTP POSTs to the gateway
 (template, recording, parsing, JSON), and the `openai` package through the gateway (what an agent
-framework pays). Every request opens its own session (X-Session-Id), as a new trajectory does.
+framework pays), on the chat route and on the Responses route, and the `anthropic` package on the
+Messages route. Every request opens its own session (X-Session-Id), as a new trajectory does.
 
     python benchmarks/gateway_overhead.py [--quick]
 """
@@ -50,6 +51,7 @@ async def level(call: Callable[[], Awaitable[None]], n: int, concurrency: int) -
 
 async def measure(address: str, url: str, counts: dict[int, int]) -> dict[str, Any]:
     import aiohttp
+    import anthropic
     import openai
     from transformers import AutoTokenizer
 
@@ -62,7 +64,8 @@ async def measure(address: str, url: str, counts: dict[int, int]) -> dict[str, A
     body = {"model": "switchyard", "messages": MESSAGES, "max_tokens": REPLY_TOKENS}
     out: dict[str, Any] = {"prompt_tokens": len(prompt)}
     async with GenerateClient([address]) as client, aiohttp.ClientSession() as http, \
-            openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0) as oa:
+            openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0) as oa, \
+            anthropic.AsyncAnthropic(base_url=url.removesuffix("/v1"), api_key="bench", max_retries=0) as an:
         await client.wait_ready(timeout_s=120)
 
         async def bus() -> None:
@@ -79,7 +82,19 @@ async def measure(address: str, url: str, counts: dict[int, int]) -> dict[str, A
             r = await oa.chat.completions.create(extra_headers={"X-Session-Id": uuid.uuid4().hex}, **body)
             assert r.usage.completion_tokens == REPLY_TOKENS
 
-        sides = {"bus": bus, "gateway_http": raw, "gateway_openai": sdk}
+        async def responses() -> None:
+            r = await oa.responses.create(model="switchyard", input=MESSAGES[0]["content"],
+                                          max_output_tokens=REPLY_TOKENS,
+                                          extra_headers={"X-Session-Id": uuid.uuid4().hex})
+            assert r.usage is not None and r.usage.output_tokens == REPLY_TOKENS
+
+        async def messages() -> None:
+            r = await an.messages.create(model="switchyard", messages=MESSAGES, max_tokens=REPLY_TOKENS,
+                                         extra_headers={"X-Session-Id": uuid.uuid4().hex})
+            assert r.usage.output_tokens == REPLY_TOKENS
+
+        sides = {"bus": bus, "gateway_http": raw, "gateway_openai": sdk, "gateway_responses": responses,
+                 "gateway_messages": messages}
         for name, call in sides.items():  # warm up each path (template cache, connections)
             await level(call, 32, 8)
         for c, n in counts.items():
@@ -125,14 +140,16 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"\n{res['prompt_tokens']}-token prompt, {REPLY_TOKENS}-token replies, echo engine; latency in ms")
-    print("| concurrency | bus p50 | gateway (HTTP) p50 | gateway (openai) p50 | added (HTTP) | added (openai) "
-          "| bus req/s | gateway (HTTP) req/s | gateway (openai) req/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    names = {"bus": "bus", "gateway_http": "chat (HTTP)", "gateway_openai": "chat (openai)",
+             "gateway_responses": "responses (openai)", "gateway_messages": "messages (anthropic)"}
+    print("| concurrency | path | p50 | p99 | added p50 vs bus | req/s |")
+    print("|---|---|---|---|---|---|")
     for c in counts:
         r = res[str(c)]
-        b, h, o = r["bus"], r["gateway_http"], r["gateway_openai"]
-        print(f"| {c} | {b['p50_ms']:.2f} | {h['p50_ms']:.2f} | {o['p50_ms']:.2f} | {h['p50_ms'] - b['p50_ms']:.2f} "
-              f"| {o['p50_ms'] - b['p50_ms']:.2f} | {b['req_s']:.0f} | {h['req_s']:.0f} | {o['req_s']:.0f} |")
+        for key, label in names.items():
+            x = r[key]
+            print(f"| {c} | {label} | {x['p50_ms']:.2f} | {x['p99_ms']:.2f} | "
+                  f"{x['p50_ms'] - r['bus']['p50_ms']:.2f} | {x['req_s']:.0f} |")
     added = {c: res[str(c)]["gateway_http"]["p50_ms"] - res[str(c)]["bus"]["p50_ms"] for c in counts}
     print("RESULT " + " ".join(f"added_ms_c{c}={v:.2f}" for c, v in added.items()))
 
