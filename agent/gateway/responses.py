@@ -30,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
+from agent.gateway.errors import openai_error as _error
 from agent.gateway.session import Reply, RequestError
 
 log = logging.getLogger(__name__)
@@ -41,12 +42,6 @@ ACCEPTED = {"model", "input", "instructions", "tools", "tool_choice", "previous_
             "reasoning", "include", "truncation", "user", "safety_identifier", "prompt_cache_key",
             "prompt_cache_retention", "prompt_cache_options", "service_tier", "seed", "top_logprobs"}
 OTHER_TOOLS = "only function tools are served ({type: function, name, parameters}); the engine runs no hosted tools"
-
-
-def _error(status: int, message: str, code: str = "invalid_request_error", param: str | None = None) -> web.Response:
-    kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                             status=status)
 
 
 def _hex() -> str:

@@ -27,6 +27,8 @@ from typing import Any
 from aiohttp import web
 
 from agent.gateway.anthropic import messages_route
+from agent.gateway.completions import completions_routes
+from agent.gateway.errors import openai_error as _error
 from agent.gateway.responses import responses_route
 from agent.gateway.session import Conversation, Reply, RequestError, normalize
 
@@ -41,12 +43,6 @@ DEFAULT_CONTEXT = 32768  # max_context when neither the caller nor the model's c
 SAMPLING_KEYS = {"temperature": float, "top_p": float, "seed": int}
 
 
-def _error(status: int, message: str, code: str = "invalid_request_error", param: str | None = None) -> web.Response:
-    kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                             status=status)
-
-
 @web.middleware
 async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """Unknown routes and methods answer with an OpenAI-shaped JSON error, as every other error does."""
@@ -54,7 +50,8 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
         return await handler(request)
     except web.HTTPNotFound:
         return _error(404, f"{request.method} {request.path} is not served here; this gateway serves GET /v1/models "
-                           "and POST /v1/chat/completions, /v1/responses, /v1/messages", code="not_found")
+                           "and POST /v1/chat/completions, /v1/responses, /v1/messages, /v1/completions, "
+                           "/inference/v1/generate", code="not_found")
     except web.HTTPMethodNotAllowed as e:
         return _error(405, f"{request.method} is not allowed on {request.path}; use {', '.join(sorted(e.allowed_methods))}",
                       code="method_not_allowed")
@@ -126,6 +123,8 @@ class Gateway:
         app = web.Application(client_max_size=self.max_body, middlewares=[_json_errors])
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
+        for path, handler in completions_routes(self):  # text and token prompts (completions.py)
+            app.router.add_post(path, handler)
         app.router.add_post("/v1/responses", responses_route(self))
         app.router.add_post("/v1/messages", messages_route(self))
         self._runner = web.AppRunner(app, access_log=None)

@@ -1,0 +1,78 @@
+"""Prompts without a chat template: `/v1/completions` through the real `openai` client and the token
+endpoint `/inference/v1/generate` (token ids in, token ids and logprobs out), each against an hf
+engine and token-exact against its request log; a client that sends the growing token list of
+a multi-turn conversation records one trajectory; refusals name the field."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+openai = pytest.importorskip("openai")
+
+from agent.gateway import Gateway  # noqa: E402
+from test_gateway import _with_gateway  # noqa: E402
+from test_tool_agent import _server_log, _tokenizer, check_against_server  # noqa: E402
+
+
+def test_completions_and_the_token_endpoint_are_token_exact(servers):
+    import aiohttp
+
+    srv = servers(1, backend="hf", model="tiny-llama")
+    tokenizer = _tokenizer("tiny-llama")
+    prompt = tokenizer("The capital of France is")["input_ids"]
+
+    async def body(gw: Gateway):
+        key = gw.open_session()
+        async with openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0) as oa:
+            text = await oa.completions.create(model="switchyard", prompt="The capital of France is", max_tokens=6,
+                                               logprobs=1, temperature=1.0, seed=3)
+            streamed = [c async for c in await oa.completions.create(
+                model="switchyard", prompt=[[5, 6, 7, 8]], max_tokens=4, stream=True)]
+            with pytest.raises(openai.BadRequestError, match="echo"):
+                await oa.completions.create(model="switchyard", prompt="x", max_tokens=2, echo=True)
+            with pytest.raises(openai.BadRequestError, match="n=2"):
+                await oa.completions.create(model="switchyard", prompt="x", max_tokens=2, n=2)
+        root = gw.base_url.removesuffix("/v1")
+        headers = {"Authorization": f"Bearer {key}"}
+        async with aiohttp.ClientSession() as http:
+            turns, ids = [], list(prompt)
+            for _ in range(2):  # a client that renders its own conversation: the token list only grows
+                async with http.post(f"{root}/inference/v1/generate", headers=headers, json={
+                        "model": "switchyard", "token_ids": ids,
+                        "sampling_params": {"max_tokens": 5, "temperature": 1.0}}) as r:
+                    assert r.status == 200, await r.text()
+                    turns.append(await r.json())
+                ids = ids + turns[-1]["choices"][0]["token_ids"] + tokenizer("\nAnd Italy's?")["input_ids"][1:]
+            async with http.post(f"{root}/inference/v1/generate", headers=headers, json={
+                    "token_ids": [1, 10 ** 9], "sampling_params": {"max_tokens": 2}}) as r:
+                bad_vocab = (r.status, await r.json())
+            async with http.post(f"{root}/inference/v1/generate", headers=headers, json={
+                    "token_ids": "hello"}) as r:
+                bad_ids = (r.status, await r.json())
+        return gw.close_session(key), text, streamed, turns, bad_vocab, bad_ids
+
+    conv, text, streamed, turns, bad_vocab, bad_ids = asyncio.run(_with_gateway(srv.addresses, tokenizer, body))
+    sent = _server_log(srv.request_logs)
+    raw = [s for s in conv.segments if getattr(s, "raw", False)]
+    assert len(raw) == 3  # the text prompt, the token prompt, and the two-turn token conversation as one
+    for seg in raw:
+        check_against_server(seg.to_output(), sent)  # mask-1 tokens = what the engine sent, in order
+    first = sent[raw[0].request_ids[0]]
+    assert raw[0].traj.prompt_ids == prompt and text.usage.prompt_tokens == len(prompt)
+    assert text.choices[0].logprobs.token_logprobs == pytest.approx([lp for lp in raw[0].traj.response_logprobs])
+    assert text.choices[0].text == tokenizer.decode(first["token_ids"], skip_special_tokens=True)
+    assert raw[1].traj.prompt_ids == [5, 6, 7, 8] and streamed[0].choices[0].text is not None
+    conversation = raw[2]
+    assert len(conversation.request_ids) == 2 and conversation.traj.prompt_ids == prompt
+    for turn, rid in zip(turns, conversation.request_ids):
+        choice = turn["choices"][0]
+        assert choice["token_ids"] == sent[rid]["token_ids"]
+        assert [c["token"] for c in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert conversation.traj.response_mask.count(0) == len(tokenizer("\nAnd Italy's?")["input_ids"]) - 1
+    assert bad_vocab[0] == 400 and "outside the vocabulary" in bad_vocab[1]["error"]["message"]
+    assert bad_ids[0] == 400 and bad_ids[1]["error"]["param"] == "token_ids"
