@@ -483,13 +483,9 @@ class RolloutPlane(WeightRoutes):
         if self.reward_engines is not None:
             self.reward_engines.close()
             self.reward_engines = None
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(30)
-            except Exception:
-                p.kill()
+        from rollout.bus.launcher import stop_processes
+
+        stop_processes(self.procs)
         self.procs = []
         import shutil
 

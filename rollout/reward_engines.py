@@ -70,13 +70,9 @@ class RewardEngines:
         return f"reward model ({m['kind']}) {m['path']}: {how}, {', '.join(addresses)}"
 
     def close(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(30)
-            except Exception:
-                p.kill()
+        from rollout.bus.launcher import stop_processes
+
+        stop_processes(self.procs)
         self.procs = []
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)

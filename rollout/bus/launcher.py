@@ -76,6 +76,18 @@ def read_endpoints(path: str | Path, proc: subprocess.Popen, timeout_s: float, l
     return list(json.loads(path.read_text()))
 
 
+def stop_processes(procs: Sequence[Any], timeout_s: float = 30.0) -> None:
+    """SIGTERM every engine process (the server then closes its engine, and vLLM's engine-core child
+    goes with it), then wait for each, killing one that outlives `timeout_s`."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout_s)
+        except Exception:
+            p.kill()
+
+
 def parse_options(pairs: list[str]) -> dict[str, Any]:
     """The server's `--option key=value` pairs back into engine options (values as JSON, else text)."""
     options: dict[str, Any] = {}
