@@ -61,7 +61,7 @@ def test_a_run_attaches_to_engines_it_did_not_start_and_survives_a_restart(tmp_p
     out = tmp_path / "run"
     try:
         train = subprocess.Popen(
-            [sys.executable, "launch/train.py", *TINY, "trainer.steps=30", "trainer.save_every=1000", f"trainer.output_dir={out}",
+            [sys.executable, "launch/train.py", *TINY, "trainer.steps=60", "trainer.save_every=1000", f"trainer.output_dir={out}",
              f"rollout.engines=[{','.join(addresses)}]", f"rollout.engine_keys={keys_file}"],
             cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 600
@@ -78,7 +78,7 @@ def test_a_run_attaches_to_engines_it_did_not_start_and_survives_a_restart(tmp_p
         assert "attached to 2 engine(s)" in log
         assert all(e.poll() is None for e in engines)  # the run never stopped them
         steps = [m for m in metrics(out) if "weight_version" in m]
-        assert [m["step"] for m in steps] == list(range(1, 31))
+        assert [m["step"] for m in steps] == list(range(1, 61))
         assert steps[-1]["time"] > back + 2, "the run ended before the restarted engine was back; raise its steps"
         final = int(steps[-1]["weight_version"])
         assert _versions(addresses, keys) == [final, final]  # it was brought to the current weights
