@@ -127,6 +127,23 @@ def weight_sync_section(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+KEPT = ("## GPU smoke suite",)  # measured on other machines (benchmarks/gpu_smoke.sh): carried over, never rerun
+
+
+def kept_sections(path: Path, headings: tuple[str, ...]) -> list[str]:
+    """The sections of the existing RESULTS.md that start with one of `headings`, as they are."""
+    if not path.exists():
+        return []
+    out: list[str] = []
+    keep = False
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            keep = line.startswith(headings)
+        if keep:
+            out.append(line)
+    return out + ([""] if out else [])
+
+
 def gateway_section(r: dict[str, Any]) -> list[str]:
     lines = ["## OpenAI gateway overhead", "",
              f"Echo engine, one chat of {r['prompt_tokens']} prompt tokens, {r['reply_tokens']}-token replies, a new "
@@ -140,6 +157,16 @@ def gateway_section(r: dict[str, Any]) -> list[str]:
         lines.append(f"| {c} | {b['p50_ms']:.2f} | {h['p50_ms']:.2f} | {o['p50_ms']:.2f} | "
                      f"{h['p50_ms'] - b['p50_ms']:.2f} | {o['p50_ms'] - b['p50_ms']:.2f} | {b['req_s']:.0f} | "
                      f"{h['req_s']:.0f} | {o['req_s']:.0f} |")
+    routes = {"gateway_responses": "responses (openai)", "gateway_messages": "messages (anthropic)"}
+    if all(k in r[str(c)] for c in r["counts"] for k in routes):
+        lines += ["", "The Responses route (`openai` package, `responses.create`) and the Messages route (`anthropic` "
+                  "package, `messages.create`) in the same run:", "",
+                  "| concurrency | route | p50 | added p50 vs bus | req/s |", "|---|---|---|---|---|"]
+        for c in r["counts"]:
+            x = r[str(c)]
+            for key, label in routes.items():
+                lines.append(f"| {c} | {label} | {x[key]['p50_ms']:.2f} | {x[key]['p50_ms'] - x['bus']['p50_ms']:.2f} "
+                             f"| {x[key]['req_s']:.0f} |")
     return lines
 
 
@@ -277,6 +304,7 @@ def main() -> None:
     lines += nodes_section(load("nodes")) + [""] + actor_memory_section(load("actor_memory")) + [""]
     lines += async_rl_section(load("async_rl")) + [""] + gateway_section(load("gateway_overhead")) + [""]
     lines += micro_batches_section(load("micro_batches")) + [""]
+    lines += kept_sections(Path(args.output), KEPT)
     Path(args.output).write_text("\n".join(lines))
     print(f"\nwrote {args.output} ({total / 60:.1f} min)")
 

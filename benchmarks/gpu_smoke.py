@@ -1,0 +1,401 @@
+"""The GPU smoke suite: six checks of the paths written for CUDA, each timed and caught on its own.
+
+    bash benchmarks/gpu_smoke.sh                  # on the GPU machine (installs what is missing, picks the model)
+    python benchmarks/gpu_smoke.py --device cpu --model tiny-llama --quick    # the same checks here (CI)
+
+  hf_engine    HFEngine in fp32 and bf16: greedy generations; their logprobs against transformers' own
+               forward over the same tokens in the same dtype (max |diff|; fp32 must stay under 1e-3)
+  sleep_wake   torch.cuda.mem_get_info around sleep(1), sleep(2) and wake: GB freed and taken back, and
+               the same generation after a reload (CUDA only: on CPU RSS is tests/test_hf_sleep.py's)
+  handle_route an engine server process with the hf engine; weights pushed as buckets it opens by memory
+               handle (CUDA IPC on a GPU; torch's file-backed shared memory on CPU, the same code): its
+               logprobs then equal the pushed model's, and a bucket with one flipped byte is refused
+  fsdp_actor   the torch actor sharded with FSDP2 (fully_shard over a one-rank group: TorchActor shards only
+               when world > 1, so the suite takes its FSDP2 branch by hand), bf16 compute, fp32 masters:
+               two update steps; loss, grad norm, step seconds, peak memory
+  drift        the bf16 engine's sampled tokens and logprobs against the bf16 FSDP2 actor's (and fp32's)
+  grpo_run     launch/train.py, 3 GRPO steps with the hf engine on the model; metrics.jsonl parsed
+
+Writes a JSON report (--out) and a last line `RESULT {...}` with the headline numbers; exits 1 if any
+check failed. A check that needs CUDA reports `skipped` with its reason on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_smoke_lib import (Ctx, Skip, checkpoint_tensors, engine_outputs, free_memory, fsdp2_actor,  # noqa: E402
+                           chosen, gb, load_model, one_rank_group, pad_id, perturbed_model, prompts, rollout_batch,
+                           teacher_forced)
+
+FP32_LOGPROB_TOL = 1e-3  # the engine's fp32 logprobs against a plain forward (measured ~1e-6 on CPU)
+BF16_LOGPROB_TOL = 1.0  # bf16 differs by kernel and batch shape; past 1 nat the weights or the math are wrong
+DRIFT_MEAN_TOL = 0.1  # mean |engine - actor| in bf16; a stale or garbled weight load is several nats
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_hf_engine(ctx: Ctx) -> dict[str, Any]:
+    """Greedy generations in fp32 and bf16, each logprob against transformers' forward in that dtype."""
+    from engines.inference.base import SamplingParams
+
+    ps = prompts(ctx, ctx.size(3, 6))
+    params = SamplingParams(max_tokens=ctx.size(8, 48), temperature=0.0, ignore_eos=True)
+    out: dict[str, Any] = {"prompts": len(ps), "max_tokens": params.max_tokens}
+    for dtype, tdtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        outs, seconds = engine_outputs(ctx, dtype, ps, params, dtype)
+        ref = load_model(ctx, tdtype)
+        diffs, agree, total = [], 0, 0
+        for p, o in zip(ps, outs):
+            logp = teacher_forced(ref, p, o.token_ids, ctx.device)
+            want = chosen(logp, o.token_ids)
+            diffs.append((torch.tensor(o.logprobs) - want).abs())
+            agree += int((logp.argmax(-1) == torch.tensor(o.token_ids)).sum())
+            total += len(o.token_ids)
+        del ref
+        free_memory(ctx)
+        d = torch.cat(diffs)
+        key = "fp32" if dtype == "float32" else "bf16"
+        out.update({f"{key}_max_abs_diff": float(d.max()), f"{key}_mean_abs_diff": float(d.mean()),
+                    f"{key}_greedy_agreement": agree / total, f"{key}_tokens_per_s": round(total / seconds, 1)})
+    if not out["fp32_max_abs_diff"] < FP32_LOGPROB_TOL:
+        raise AssertionError(f"fp32 engine logprobs differ from transformers' by {out['fp32_max_abs_diff']:.3g} "
+                             f"(> {FP32_LOGPROB_TOL}): {out}")
+    if not out["bf16_max_abs_diff"] < BF16_LOGPROB_TOL:
+        raise AssertionError(f"bf16 engine logprobs differ from transformers' by {out['bf16_max_abs_diff']:.3g}: {out}")
+    if out["fp32_greedy_agreement"] < 0.95:
+        raise AssertionError(f"the fp32 engine's greedy tokens are not the forward's argmax: {out}")
+    return out
+
+
+def check_sleep_wake(ctx: Ctx) -> dict[str, Any]:
+    """Device memory freed by sleep(1) (weights to host) and sleep(2) (weights discarded), back on wake."""
+    if not ctx.cuda:
+        raise Skip("needs CUDA: torch.cuda.mem_get_info (the CPU RSS form is tests/test_hf_sleep.py)")
+    from engines.inference.base import SamplingParams
+    from engines.inference.hf import HFEngine
+
+    prompt = prompts(ctx, 1)[0]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    state = checkpoint_tensors(ctx.model)
+
+    def free() -> int:
+        free_memory(ctx)
+        return torch.cuda.mem_get_info()[0]
+
+    async def main() -> dict[str, Any]:
+        engine = HFEngine(ctx.model, device="cuda", dtype="float32")
+        await engine.start()
+        try:
+            m: dict[str, Any] = {"weights_gb": gb(sum(p.numel() * p.element_size() for p in engine.model.parameters()))}
+            before = await engine.generate("before", prompt, params)
+            for level in (1, 2):
+                awake = free()
+                await engine.sleep(level=level)
+                asleep = free()
+                await engine.wake()
+                woken = free()
+                if level == 2:
+                    await engine.update_weights((n, t.to(engine.dtype)) for n, t in state.items())
+                    await engine.finish_weight_update()
+                after = await engine.generate(f"after{level}", prompt, params)
+                m[f"level{level}_freed_gb"] = gb(asleep - awake)
+                m[f"level{level}_taken_back_gb"] = gb(asleep - woken)
+                m[f"level{level}_same_tokens"] = after.token_ids == before.token_ids
+                m[f"level{level}_logprob_gap"] = max(abs(a - b) for a, b in zip(after.logprobs, before.logprobs))
+            return m
+        finally:
+            await engine.close()
+
+    m = asyncio.run(main())
+    for level in (1, 2):
+        if m[f"level{level}_freed_gb"] < 0.9 * m["weights_gb"] or not m[f"level{level}_same_tokens"]:
+            raise AssertionError(f"sleep(level={level}) freed {m[f'level{level}_freed_gb']} GB of "
+                                 f"{m['weights_gb']} GB of weights, or generated differently after wake: {m}")
+    return m
+
+
+def check_handle_route(ctx: Ctx) -> dict[str, Any]:
+    """Weights into an engine server process by memory handle; a flipped byte is refused."""
+    from rollout.bus import protocol as P
+    from rollout.bus.client import GenerateClient, RequestFailed
+    from rollout.bus.launcher import start_server_process
+    from rollout.weights.bus import push_weights
+    from rollout.weights.codec import slot_bucket
+    from rollout.weights.handle import HandleSlots
+
+    tmp = Path(tempfile.mkdtemp(prefix="gs-"))  # short: ipc socket paths are limited to ~107 bytes
+    log = ctx.work / "handle_engine.log"
+    slots = HandleSlots(ctx.torch_device)
+    ps = prompts(ctx, ctx.size(2, 4))
+    sampling = {"max_tokens": ctx.size(6, 24), "temperature": 0, "ignore_eos": True}
+    new: Any = None
+
+    async def greedy(client: Any, tag: str) -> list[Any]:
+        return [await client.generate(p, sampling, session_id=f"{tag}{i}") for i, p in enumerate(ps)]
+
+    async def main() -> dict[str, Any]:
+        async with GenerateClient([f"ipc://{tmp}/e0.sock"]) as client:
+            await client.wait_ready(timeout_s=ctx.size(120, 300))
+            base = await greedy(client, "base")
+            report = await push_weights(client, new.state_dict().items(), version=1,
+                                        bucket_bytes=ctx.size(1 << 20, 64 << 20), slots=slots)
+            pushed = await greedy(client, "pushed")
+            await client.broadcast(P.WeightsBegin(weight_version=2))
+            name, small = min(new.state_dict().items(), key=lambda kv: kv[1].numel())
+            bucket = slot_bucket(slots, 0, [(name, torch.zeros_like(small))], 2, 0)
+            slots.buffer(0, bucket.ref["total"])[5] ^= 1  # one byte flipped after the checksum was taken
+            refused = ""
+            try:
+                await client.broadcast(bucket)
+            except RequestFailed as e:
+                refused = str(e)
+            await client.broadcast(P.WeightsCommit(weight_version=2, num_buckets=0))  # nothing loaded: resume
+            return {"report": report, "base": base, "pushed": pushed, "refused": refused,
+                    "after": await greedy(client, "after")}
+
+    options = {"device": ctx.device, "dtype": "float32"}
+    proc = start_server_process("hf", ctx.model, f"ipc://{tmp}/e0.sock", "e0", options, log_file=log)
+    try:
+        new = perturbed_model(ctx)  # built while the server loads
+        r = asyncio.run(main())
+    except BaseException:
+        sys.stderr.write(log.read_text()[-3000:] if log.exists() else "")
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        slots.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    gap_new, gap_base = 0.0, 0.0
+    for p, reply, b in zip(ps, r["pushed"], r["base"]):
+        want = chosen(teacher_forced(new, p, reply.token_ids, ctx.device), reply.token_ids)
+        gap_new = max(gap_new, float((torch.tensor(reply.logprobs) - want).abs().max()))
+        gap_base = max(gap_base, float((torch.tensor(b.logprobs) - torch.tensor(reply.logprobs)).abs().max())
+                       if b.token_ids == reply.token_ids else float("inf"))
+    rep = r["report"]
+    m = {"handle": "cuda ipc" if ctx.cuda else "cpu (file-backed shared memory; CUDA IPC needs CUDA)",
+         "path": rep.path, "buckets": rep.buckets, "gb": gb(rep.bytes), "push_s": round(rep.seconds, 3),
+         "gb_per_s": round(rep.bytes / 2**30 / max(rep.seconds, 1e-9), 3), "pushed_logprob_gap": gap_new,
+         "changed_from_base": gap_base if gap_base != float("inf") else "tokens changed",
+         "flipped_byte_refused": "failed its checksum" in r["refused"],
+         "refused_bucket_left_weights": [(x.token_ids, x.logprobs) for x in r["after"]]
+         == [(x.token_ids, x.logprobs) for x in r["pushed"]] and all(x.weight_version == 2 for x in r["after"]),
+         "weight_version": r["pushed"][0].weight_version}
+    if rep.path != "handle" or m["weight_version"] != 1 or not gap_new < FP32_LOGPROB_TOL <= gap_base / 10:
+        raise AssertionError(f"the engine does not serve the pushed weights: {m}")
+    if not m["flipped_byte_refused"] or not m["refused_bucket_left_weights"]:
+        raise AssertionError(f"a bucket with a flipped byte was not refused cleanly ({r['refused']!r}): {m}")
+    return m
+
+
+def check_fsdp_actor(ctx: Ctx) -> dict[str, Any]:
+    """Two FSDP2 bf16 update steps on a synthetic batch of the model's vocabulary."""
+    from engines.training.losses import LossConfig
+
+    rows, plen, rlen = ctx.size(4, 16), ctx.size(12, 128), ctx.size(20, 384)
+    g = torch.Generator().manual_seed(0)
+    with one_rank_group(ctx):
+        actor = fsdp2_actor(ctx, "bfloat16", lr=1e-5, micro_batch_size=ctx.size(2, 8))
+        vocab = actor.module.config.get_text_config().vocab_size
+        data = [(torch.randint(3, vocab, (plen,), generator=g).tolist(),
+                 torch.randint(3, vocab, (rlen,), generator=g).tolist(), [-1.0] * rlen) for _ in range(rows)]
+        batch = rollout_batch(data, pad_id(ctx), group=2)
+        adv = torch.randn(rows, generator=g)[:, None] * batch.response_mask
+        first = next(p for p in actor.params if p.dim() == 2)
+        before = first.to_local().detach().clone()
+        if ctx.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        steps = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            m = actor.update(batch, adv, None, None, LossConfig())
+            if ctx.cuda:
+                torch.cuda.synchronize()
+            steps.append(time.perf_counter() - t0)
+        exported = sum(t.numel() for _, t in actor.named_hf_weights())
+        out = {"sharded": type(actor.module).__name__, "rows": rows, "tokens_per_row": plen + rlen,
+               "loss": m["loss"], "pg_loss": m["pg_loss"], "grad_norm": m["grad_norm"],
+               "step_s_first": round(steps[0], 3), "step_s": round(steps[1], 3),
+               "peak_gb": gb(torch.cuda.max_memory_allocated()) if ctx.cuda else None,
+               "actor_memory_gb": round(actor.memory_report()["total_gb"], 4), "exported_params": exported,
+               "weights_moved": not torch.equal(before, first.to_local().detach())}
+    del actor
+    free_memory(ctx)
+    if not (out["grad_norm"] > 0 and torch.isfinite(torch.tensor([out["loss"], out["grad_norm"]])).all()):
+        raise AssertionError(f"the FSDP2 update gave no finite gradient: {out}")
+    if not out["weights_moved"] or "FSDP" not in out["sharded"]:
+        raise AssertionError(f"the update did not move the sharded weights: {out}")
+    return out
+
+
+def check_drift(ctx: Ctx) -> dict[str, Any]:
+    """The bf16 engine's sampled tokens scored by the bf16 FSDP2 actor (and by fp32 transformers)."""
+    from engines.inference.base import SamplingParams
+
+    group = 2
+    ps = [p for p in prompts(ctx, ctx.size(2, 6)) for _ in range(group)]
+    params = SamplingParams(max_tokens=ctx.size(16, 96), temperature=1.0, ignore_eos=True)  # the engine's seeded stream
+    outs, _ = engine_outputs(ctx, "bfloat16", ps, params, "drift")
+    free_memory(ctx)
+    batch = rollout_batch([(p, o.token_ids, o.logprobs) for p, o in zip(ps, outs)], pad_id(ctx), group)
+    mask = batch.loss_mask.bool()
+    with one_rank_group(ctx):
+        actor = fsdp2_actor(ctx, "bfloat16", micro_batch_size=ctx.size(2, 8))
+        lp, _ = actor.compute_logprobs(batch)
+        del actor
+    free_memory(ctx)
+    ref = load_model(ctx, torch.float32)
+    exact = torch.cat([chosen(teacher_forced(ref, p, o.token_ids, ctx.device), o.token_ids) for p, o in zip(ps, outs)])
+    del ref
+    free_memory(ctx)
+    gap = (batch.rollout_logprobs - lp).abs()[mask]
+    engine = torch.tensor([x for o in outs for x in o.logprobs])
+    out = {"tokens": int(mask.sum()), "engine_vs_actor_bf16_mean": float(gap.mean()),
+           "engine_vs_actor_bf16_max": float(gap.max()),
+           "engine_bf16_vs_fp32_mean": float((engine - exact).abs().mean()),
+           "actor_bf16_vs_fp32_mean": float((lp[mask] - exact).abs().mean())}
+    if not out["engine_vs_actor_bf16_mean"] < DRIFT_MEAN_TOL:
+        raise AssertionError(f"engine and actor disagree by {out['engine_vs_actor_bf16_mean']:.3g} nats a token "
+                             f"on average (> {DRIFT_MEAN_TOL}): {out}")
+    return out
+
+
+def check_grpo_run(ctx: Ctx) -> dict[str, Any]:
+    """launch/train.py: 3 GRPO steps with the hf engine; step seconds and reward from metrics.jsonl."""
+    out_dir = ctx.work / "grpo_run"
+    args = [f"model.path={ctx.model}", "rollout.engine=hf", "trainer.steps=3", "sft.enabled=false",
+            "data.val_path=null", f"data.prompts_per_step={ctx.size(2, 8)}", f"rollout.n={ctx.size(2, 4)}",
+            f"rollout.max_tokens={ctx.size(16, 128)}", f"trainer.output_dir={out_dir}", "trainer.resume=false"]
+    if ctx.cuda:  # bf16 engine on the GPU (colocated with the actor: weights go by CUDA IPC handle)
+        args += ["model.dtype=bfloat16", "rollout.engine_options.device=cuda"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
+        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    log = ctx.work / "grpo_run.log"
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "launch/train.py", *args], cwd=REPO, env=env, stdout=f,
+                              stderr=subprocess.STDOUT, timeout=ctx.size(240, 420))
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise AssertionError(f"launch/train.py exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [m for m in rows if m.get("step", 0) > 0]
+    if [m["step"] for m in steps] != [1, 2, 3]:
+        raise AssertionError(f"metrics.jsonl has steps {[m.get('step') for m in rows]}, expected 1, 2, 3")
+    sync = sorted({k.split("sync/engines_")[1] for m in steps for k in m if k.startswith("sync/engines_")})
+    return {"wall_s": round(wall, 1), "step_s": [round(m["time/step_s"], 3) for m in steps],
+            "rollout_s": [round(m["time/rollout_s"], 3) for m in steps],
+            "update_s": [round(m["time/update_s"], 3) for m in steps],
+            "reward": [m["rollout/reward_mean"] for m in steps], "drift_mean": [m["drift/mean"] for m in steps],
+            "weight_route": sync, "args": args}
+
+
+CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
+    "hf_engine": check_hf_engine, "sleep_wake": check_sleep_wake, "handle_route": check_handle_route,
+    "fsdp_actor": check_fsdp_actor, "drift": check_drift, "grpo_run": check_grpo_run}
+
+
+def run_check(name: str, fn: Callable[[Ctx], dict[str, Any]], ctx: Ctx) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    try:
+        res: dict[str, Any] = {"status": "ok", **fn(ctx)}
+    except Skip as e:
+        res = {"status": "skipped", "reason": str(e)}
+    except Exception as e:  # one check's failure never stops the others
+        res = {"status": "failed", "error": f"{type(e).__name__}: {e}"[:4000],
+               "traceback": traceback.format_exc()[-4000:]}
+    finally:
+        free_memory(ctx)
+    res["seconds"] = round(time.perf_counter() - t0, 2)
+    brief = {k: v for k, v in res.items() if k not in ("traceback", "args")}
+    print(f"[gpu_smoke] {name}: {json.dumps(brief, default=str)[:1500]}", file=sys.stderr, flush=True)
+    return res
+
+
+def headline(report: dict[str, Any]) -> dict[str, Any]:
+    c = report["checks"]
+
+    def get(check: str, key: str) -> Any:
+        return c.get(check, {}).get(key)
+
+    grpo_steps = get("grpo_run", "step_s") or []
+    return {"device": report["device"], "gpu": report["gpu"], "model": Path(report["model"]).name,
+            **{s: sum(r["status"] == s for r in c.values()) for s in ("ok", "failed", "skipped")},
+            "hf_fp32_max_diff": get("hf_engine", "fp32_max_abs_diff"),
+            "hf_bf16_max_diff": get("hf_engine", "bf16_max_abs_diff"),
+            "sleep_l1_freed_gb": get("sleep_wake", "level1_freed_gb"),
+            "sleep_l2_freed_gb": get("sleep_wake", "level2_freed_gb"),
+            "handle_gb_per_s": get("handle_route", "gb_per_s"),
+            "handle_flip_refused": get("handle_route", "flipped_byte_refused"),
+            "fsdp_step_s": get("fsdp_actor", "step_s"), "fsdp_peak_gb": get("fsdp_actor", "peak_gb"),
+            "fsdp_grad_norm": get("fsdp_actor", "grad_norm"),
+            "drift_bf16_mean": get("drift", "engine_vs_actor_bf16_mean"),
+            "drift_bf16_max": get("drift", "engine_vs_actor_bf16_max"),
+            "grpo_step_s": round(sum(grpo_steps[1:]) / max(1, len(grpo_steps) - 1), 3) if grpo_steps else None,
+            "grpo_reward": (get("grpo_run", "reward") or [None])[-1],
+            "grpo_weight_route": get("grpo_run", "weight_route"), "seconds": report["seconds"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", default=os.environ.get("SMOKE_MODEL", "tiny-llama"),
+                    help="a local HF model directory or a built-in name (engines/models.py)")
+    ap.add_argument("--quick", action="store_true", help="small batches and few tokens (the CPU test)")
+    ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(CHECKS)}")
+    ap.add_argument("--out", default=None, help="JSON report path (default: $OUT/gpu_smoke.json, else runs/gpu_smoke/)")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_smoke: --device cuda but torch sees no CUDA device (torch "
+              f"{torch.__version__}); run with --device cpu to check the suite itself", file=sys.stderr)
+        return 2
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(CHECKS)
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        ap.error(f"unknown checks {unknown}; choose from {list(CHECKS)}")
+    from engines.models import resolve_model
+
+    model = str(resolve_model(args.model))
+    out = Path(args.out or Path(os.environ.get("OUT", REPO / "runs" / "gpu_smoke")) / "gpu_smoke.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpu-smoke-") as work:
+        ctx = Ctx(args.device, model, args.quick, Path(work))
+        checks = {name: run_check(name, CHECKS[name], ctx) for name in names}
+        for name in ("handle_route", "grpo_run"):  # keep the logs beside the report
+            for f in Path(work).glob(f"{name}*.log"):
+                (out.parent / f.name).write_text(f.read_text())
+    report = {"device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+              "torch": torch.__version__, "model": model, "quick": args.quick, "checks": checks,
+              "seconds": round(time.perf_counter() - t0, 1)}
+    report["result"] = headline(report)
+    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(f"report: {out}", file=sys.stderr)
+    print("RESULT " + json.dumps(report["result"], default=str), flush=True)
+    return 1 if any(c["status"] == "failed" for c in checks.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

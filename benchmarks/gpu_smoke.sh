@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU smoke suite in one command, for a machine with one CUDA GPU, a CUDA build of torch and
+# transformers, and no internet (benchmarks/gpu_smoke.py says what each check does):
+#
+#   bash benchmarks/gpu_wheels.sh      # first, on a box that reaches the package index
+#   (copy benchmarks/.gpu_wheels to the GPU machine's checkout)
+#   bash benchmarks/gpu_smoke.sh       # on the GPU machine; under 10 minutes
+#
+# Packages the checks import that the image lacks are installed from benchmarks/.gpu_wheels with
+# --no-deps into a folder of their own (benchmarks/.gpu_wheels/site-cpXY, put on PYTHONPATH): the
+# machine's environment is not touched. The model: $SMOKE_MODEL (a local HF directory) if set, else
+# the SmolLM2-135M-Instruct or tiny-llama copy gpu_wheels.sh put in benchmarks/.gpu_wheels/models.
+# Results: $OUT/gpu_smoke.json (runs/gpu_smoke/ without $OUT) and a last line `RESULT {...}`.
+# Arguments go to gpu_smoke.py: --device cpu runs the same checks on a CPU (the CUDA-only ones skip).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+WHEELS=benchmarks/.gpu_wheels
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+
+# import name -> distribution, for each package switchyard needs beyond torch + transformers
+NEEDED="zmq:pyzmq msgpack:msgpack xxhash:xxhash omegaconf:omegaconf"
+TAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+SITE="$PWD/$WHEELS/site-$TAG"
+[ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+missing=()
+for pair in $NEEDED; do
+    "$PY" -c "import ${pair%%:*}" 2>/dev/null || missing+=("${pair#*:}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    if ! ls "$WHEELS"/wheels/*.whl >/dev/null 2>&1; then
+        echo "gpu_smoke: ${missing[*]} not importable and no wheels in $WHEELS/wheels; run" \
+             "'bash benchmarks/gpu_wheels.sh' on a box with the package index and copy $WHEELS here" >&2
+        exit 2
+    fi
+    echo "gpu_smoke: installing ${missing[*]} from $WHEELS/wheels into $SITE" >&2
+    extra=()
+    if [[ " ${missing[*]} " == *" omegaconf "* ]] && ls "$WHEELS"/wheels/antlr4* >/dev/null 2>&1; then
+        extra=(antlr4-python3-runtime)  # omegaconf 2.3's one dependency outside the image
+    fi
+    "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --find-links "$WHEELS/wheels" \
+        --target "$SITE" "${missing[@]}" ${extra[@]+"${extra[@]}"}
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    for pair in $NEEDED; do
+        "$PY" -c "import ${pair%%:*}" || { echo "gpu_smoke: ${pair#*:} still does not import" >&2; exit 2; }
+    done
+fi
+
+MODEL=${SMOKE_MODEL:-}
+if [ -z "$MODEL" ]; then
+    for name in smollm2-135m-instruct tiny-llama; do
+        if [ -f "$WHEELS/models/$name/config.json" ]; then MODEL="$PWD/$WHEELS/models/$name"; break; fi
+    done
+fi
+MODEL=${MODEL:-tiny-llama}  # the built-in: found in the switchyard cache, or built (needs the index)
+
+exec "$PY" benchmarks/gpu_smoke.py --device "${SMOKE_DEVICE:-cuda}" --model "$MODEL" \
+    --out "${OUT:-runs/gpu_smoke}/gpu_smoke.json" "$@"

@@ -1,0 +1,75 @@
+"""The GPU smoke suite (benchmarks/gpu_smoke.sh) kept working on a box without a GPU: with --device cpu
+every check runs on the tiny llama (the one that needs CUDA skips and says why), so a GPU user who runs
+it meets checks that ran before; on a CUDA machine the whole suite must pass."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CHECKS = ("hf_engine", "sleep_wake", "handle_route", "fsdp_actor", "drift", "grpo_run")
+CUDA_ONLY = {"sleep_wake": "needs CUDA"}  # torch.cuda.mem_get_info; the handle route runs its CPU form here
+
+
+def smoke(args: list[str], out: Path, timeout: int) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
+    proc = subprocess.run(["bash", "benchmarks/gpu_smoke.sh", *args, "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.exists(), proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT ") and json.loads(last[len("RESULT "):]) == report["result"], proc.stdout[-2000:]
+    return proc, report
+
+
+def failures(report: dict[str, Any]) -> str:
+    return "\n".join(f"{name}: {c.get('error')}\n{c.get('traceback', '')}" for name, c in report["checks"].items()
+                     if c["status"] == "failed")
+
+
+def test_every_check_runs_on_cpu_or_says_why_not(tmp_path: Path) -> None:
+    proc, report = smoke(["--device", "cpu", "--model", "tiny-llama", "--quick"], tmp_path / "gpu_smoke.json", 300)
+    checks = report["checks"]
+    assert list(checks) == list(CHECKS)
+    assert proc.returncode == 0 and not failures(report), failures(report) or proc.stderr[-4000:]
+    for name, c in checks.items():
+        if name in CUDA_ONLY:
+            assert c["status"] == "skipped" and CUDA_ONLY[name] in c["reason"], c
+        else:
+            assert c["status"] == "ok", (name, c)
+    result = report["result"]
+    assert (result["ok"], result["skipped"], result["failed"]) == (len(CHECKS) - len(CUDA_ONLY), len(CUDA_ONLY), 0)
+    assert result["hf_fp32_max_diff"] < 1e-4 and result["handle_flip_refused"] is True, result
+    assert checks["handle_route"]["path"] == "handle" and checks["handle_route"]["refused_bucket_left_weights"]
+    assert "FSDP" in checks["fsdp_actor"]["sharded"] and checks["fsdp_actor"]["weights_moved"]
+    assert len(checks["grpo_run"]["step_s"]) == 3 and checks["grpo_run"]["weight_route"] == ["shm"]
+
+
+def test_a_failing_check_is_reported_and_the_others_still_run(tmp_path: Path) -> None:
+    """A model directory that cannot load fails every check that loads it, each on its own, and the
+    suite exits 1 with a report that names the errors."""
+    bad = tmp_path / "broken-model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")
+    proc, report = smoke(["--device", "cpu", "--model", str(bad), "--quick", "--only", "hf_engine,sleep_wake"],
+                         tmp_path / "gpu_smoke.json", 120)
+    assert proc.returncode == 1
+    assert report["checks"]["hf_engine"]["status"] == "failed" and report["checks"]["hf_engine"]["error"]
+    assert report["checks"]["sleep_wake"]["status"] == "skipped"
+    assert report["result"]["failed"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the whole suite on the GPU (bash "
+                    "benchmarks/gpu_smoke.sh, model from $SMOKE_MODEL or benchmarks/.gpu_wheels/models)")
+def test_the_whole_suite_passes_on_a_gpu(tmp_path: Path) -> None:
+    proc, report = smoke([], tmp_path / "gpu_smoke.json", 600)
+    assert report["device"] == "cuda"
+    assert proc.returncode == 0 and all(c["status"] == "ok" for c in report["checks"].values()), \
+        failures(report) or report["checks"]
