@@ -54,12 +54,27 @@ def test_completions_and_the_token_endpoint_are_token_exact(servers):
             async with http.post(f"{root}/inference/v1/generate", headers=headers, json={
                     "token_ids": "hello"}) as r:
                 bad_ids = (r.status, await r.json())
-        return gw.close_session(key), text, streamed, turns, bad_vocab, bad_ids
+            async with http.post(f"{root}/inference/v1/generate", headers=headers, json={
+                    "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3, "logit_bias": {"500": 100},
+                                                                "logprobs": 2}}) as r:
+                forced = await r.json()
+        forced_text = await oa_forced(gw, key)
+        return gw.close_session(key), text, streamed, turns, bad_vocab, bad_ids, forced, forced_text
 
-    conv, text, streamed, turns, bad_vocab, bad_ids = asyncio.run(_with_gateway(srv.addresses, tokenizer, body))
+    async def oa_forced(gw: Gateway, key: str):
+        async with openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0) as oa:
+            return await oa.completions.create(model="switchyard", prompt="Hi", max_tokens=3, logprobs=2,
+                                               logit_bias={"500": 100})
+
+    conv, text, streamed, turns, bad_vocab, bad_ids, forced, forced_text = asyncio.run(
+        _with_gateway(srv.addresses, tokenizer, body))
+    assert forced["choices"][0]["token_ids"] == [500, 500, 500]  # logit_bias reaches the engine on both routes
+    assert all(len(c["top_logprobs"]) == 2 for c in forced["choices"][0]["logprobs"]["content"])
+    assert forced_text.choices[0].text == tokenizer.decode([500] * 3, skip_special_tokens=True)
+    assert all(len(alt) >= 1 for alt in forced_text.choices[0].logprobs.top_logprobs)
     sent = _server_log(srv.request_logs)
     raw = [s for s in conv.segments if getattr(s, "raw", False)]
-    assert len(raw) == 3  # the text prompt, the token prompt, and the two-turn token conversation as one
+    assert len(raw) == 5  # text, token list, the two-turn token conversation as one, and the two forced ones
     for seg in raw:
         check_against_server(seg.to_output(), sent)  # mask-1 tokens = what the engine sent, in order
     first = sent[raw[0].request_ids[0]]

@@ -188,10 +188,10 @@ def test_rows_with_images_and_an_engine_without_them_stop_before_any_model_loads
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({**image_row((9, 9, 9)), "agent_name": "single_turn_agent"}) + "\n"
                             for _ in range(2)))
-    proc = train(["model.path=tiny-vlm", "data.val_path=null", "rollout.engine=vllm", "data.task=rows",
+    proc = train(["model.path=tiny-vlm", "data.val_path=null", "rollout.engine=sglang", "data.task=rows",
                   f"data.train_path={rows}", f"trainer.output_dir={tmp_path / 'run'}"], timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "rollout.engine=vllm does not take them" in proc.stderr and "['hf']" in proc.stderr
+    assert "rollout.engine=sglang does not take them" in proc.stderr and "['hf', 'vllm']" in proc.stderr
 
 
 def _image_rows(path: Path, n: int) -> Path:

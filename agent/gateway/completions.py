@@ -11,9 +11,10 @@ itself and sends the growing token list trains as one trajectory, token-exactly.
 encoded once with the tokenizer's own special tokens (its BOS, if it adds one); a token prompt is
 taken as it is.
 
-Honoured: `max_tokens`, `temperature`, `top_p`, `top_k` (generate), `seed`, `logprobs`; refused with a
-400 naming the field: `n` > 1, `echo`, `suffix`, `stop`, `best_of`, batched prompts, streaming on
-the token endpoint.
+Honoured: `max_tokens`, `temperature`, `top_p`, `top_k` (generate), `seed`, `frequency_penalty`,
+`presence_penalty`, `logit_bias`, `logprobs` (completions: the top-k alternatives too; generate:
+`sampling_params.logprobs`); refused with a 400 naming the field: `n` > 1, `echo`, `suffix`, `stop`,
+`best_of`, batched prompts, streaming on the token endpoint.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from agent.gateway.session import RequestError, Segment
 from agent.loop import Trajectory
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-REFUSED = ("echo", "suffix", "stop", "best_of", "logit_bias", "frequency_penalty", "presence_penalty")
+REFUSED = ("echo", "suffix", "stop", "best_of")
+ADJUSTMENTS = ("frequency_penalty", "presence_penalty", "logit_bias")  # checked by the gateway, as on chat
 GENERATE_KEYS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
 
 
@@ -123,6 +125,21 @@ class RawPrompts:
         conv.segments.append(seg)
         return seg
 
+    def _alternatives(self, result: Any, text: bool) -> list[Any]:
+        """Per generated token its top-k alternatives: {token text: logprob} (completions) or
+        [{token: "token_id:N", logprob}] (the token endpoint); empty where the engine sent none."""
+        ids, lps = getattr(result, "top_ids", None), getattr(result, "top_logprobs", None)
+        if ids is None or lps is None:
+            return [{} if text else [] for _ in result.token_ids]
+        out: list[Any] = []
+        for row_ids, row_lps in zip(ids, lps):
+            if text:
+                out.append({self.gw.tokenizer.decode([int(t)], skip_special_tokens=False): float(x)
+                            for t, x in zip(row_ids, row_lps)})
+            else:
+                out.append([{"token": f"token_id:{int(t)}", "logprob": float(x)} for t, x in zip(row_ids, row_lps)])
+        return out
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         gw = self.gw
         try:
@@ -146,8 +163,11 @@ class RawPrompts:
             if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                          or not 0 <= logprobs <= 5):
                 raise RequestError(400, f"logprobs={logprobs!r} must be an integer in [0, 5]", param="logprobs")
-            result, prompt_tokens = await self._generate(request, body, prompt, _sampling(
-                body, {k: v for k, v in GENERATE_KEYS.items() if k != "top_k"}))
+            sampling = {**_sampling(body, {k: v for k, v in GENERATE_KEYS.items() if k != "top_k"}),
+                        **gw._adjustments({k: body.get(k) for k in ADJUSTMENTS})}
+            if logprobs:
+                sampling["top_logprobs"] = logprobs
+            result, prompt_tokens = await self._generate(request, body, prompt, sampling)
         except RequestError as e:
             return openai_error(e.status, str(e), e.code, e.param)
         text = gw.tokenizer.decode(result.token_ids, skip_special_tokens=True)
@@ -159,7 +179,7 @@ class RawPrompts:
                 offsets.append(at)
                 at += len(t)
             lp = {"tokens": tokens, "token_logprobs": [float(x) for x in result.logprobs],
-                  "top_logprobs": [{} for _ in tokens] if logprobs else None, "text_offset": offsets}
+                  "top_logprobs": self._alternatives(result, text=True) if logprobs else None, "text_offset": offsets}
         reply = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                  "model": gw.model_name, "choices": [{
                      "index": 0, "text": text, "logprobs": lp,
@@ -192,11 +212,19 @@ class RawPrompts:
                 if sp.get(key) not in (None, 1 if key != "stop" else None, [], ""):
                     raise RequestError(400, f"sampling_params.{key} is not supported by the token endpoint",
                                        param=f"sampling_params.{key}")
-            result, prompt_tokens = await self._generate(request, body, prompt, _sampling(sp, GENERATE_KEYS))
+            sampling = {**_sampling(sp, GENERATE_KEYS), **gw._adjustments({k: sp.get(k) for k in ADJUSTMENTS})}
+            k = sp.get("logprobs")
+            if k not in (None, 0, 1, True, False):
+                if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20:
+                    raise RequestError(400, f"sampling_params.logprobs={k!r} must be an integer in [0, 20]",
+                                       param="sampling_params.logprobs")
+                sampling["top_logprobs"] = k
+            result, prompt_tokens = await self._generate(request, body, prompt, sampling)
         except RequestError as e:
             return openai_error(e.status, str(e), e.code, e.param)
-        content = [{"token": f"token_id:{t}", "logprob": float(x), "top_logprobs": []}
-                   for t, x in zip(result.token_ids, result.logprobs)]
+        tops = self._alternatives(result, text=False)
+        content = [{"token": f"token_id:{t}", "logprob": float(x), "top_logprobs": top}
+                   for t, x, top in zip(result.token_ids, result.logprobs, tops)]
         return web.json_response({
             "id": f"gen-{uuid.uuid4().hex}", "model": gw.model_name,
             "choices": [{"index": 0, "token_ids": [int(t) for t in result.token_ids], "logprobs": {"content": content},

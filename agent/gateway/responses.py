@@ -71,6 +71,10 @@ def check_options(body: dict[str, Any]) -> None:
     if body.get("parallel_tool_calls") is False:
         raise RequestError(400, "parallel_tool_calls=false is not supported: the model may write several calls in "
                                 "one reply and all are returned", param="parallel_tool_calls")
+    if body.get("tool_choice") not in (None, "auto", "none"):  # the chat route forces calls; this one does not
+        raise RequestError(400, f"tool_choice={body['tool_choice']!r} is not supported by the gateway's Responses "
+                                "API: use 'auto' or 'none' (/v1/chat/completions honours required and a named "
+                                "function)", param="tool_choice")
     if body.get("truncation") not in (None, "disabled"):
         raise RequestError(400, f"truncation={body['truncation']!r} is not supported: a prompt over the context "
                                 "gets 413; use 'disabled'", param="truncation")

@@ -202,7 +202,8 @@ class Gateway:
                                         f"{self.max_inflight}); retry after a moment", code="rate_limit_exceeded")
             self.inflight += 1
             try:
-                replies = await conv.generate(self.client, messages, tools, sampling, n, parse_calls)
+                replies = await conv.generate(self.client, messages, tools, sampling, n, parse_calls,
+                                              tool_choice=body.get("tool_choice"))
             finally:
                 self.inflight -= 1
         except RequestError as e:
@@ -251,9 +252,7 @@ class Gateway:
                 raise RequestError(400, "tools must be a list of {type: function, function: {name, parameters}}",
                                    param="tools")
         choice = body.get("tool_choice")
-        if choice not in (None, "auto", "none"):
-            raise RequestError(400, f"tool_choice={choice!r} is not supported: the engine samples freely; use "
-                                    "'auto' or 'none'", param="tool_choice")
+        Conversation.forced_call(choice, tools)  # a 400 unless auto, none, required (with tools) or a declared function
         sampling: dict[str, Any] = {}
         for key, kind in SAMPLING_KEYS.items():
             if body.get(key) is not None:
@@ -261,6 +260,7 @@ class Gateway:
                     sampling[key] = kind(body[key])
                 except (TypeError, ValueError):
                     raise RequestError(400, f"{key}={body[key]!r} must be a number", param=key) from None
+        sampling.update(self._adjustments(body))
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         if limit is not None:
             if not isinstance(limit, int) or limit < 1:
@@ -273,7 +273,45 @@ class Gateway:
             if body.get(key):
                 raise RequestError(400, f"{key} is not supported by the gateway (the engines stop on token ids)",
                                    param=key)
+        if body.get("parallel_tool_calls") is False:
+            raise RequestError(400, "parallel_tool_calls=false is not supported: the model may write several calls in "
+                                    "one reply and all are returned", param="parallel_tool_calls")
         return messages, tools, sampling, n, choice != "none"
+
+    def _adjustments(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`frequency_penalty`, `presence_penalty`, `logit_bias` and `top_logprobs` as the engines'
+        sampling fields (engines/inference/base.py), checked here so a bad one is a 400 naming it."""
+        from engines.inference.base import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS
+
+        def number(key: str, value: Any, bound: float) -> float:
+            if type(value) not in (int, float) or not -bound <= value <= bound:  # NaN fails the range too
+                raise RequestError(400, f"{key}={value!r} must be a number in [{-bound:g}, {bound:g}]", param=key)
+            return float(value)
+
+        out: dict[str, Any] = {}
+        for key in ("frequency_penalty", "presence_penalty"):
+            if body.get(key) is not None:
+                out[key] = number(key, body[key], MAX_PENALTY)
+        bias = body.get("logit_bias")
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise RequestError(400, f"logit_bias={bias!r:.100} must be a map of token ids to biases",
+                                   param="logit_bias")
+            vocab = len(self.tokenizer)
+            for key in bias:
+                if not (key.isascii() and key.isdigit() and int(key) < vocab):
+                    raise RequestError(400, f"logit_bias key {key!r} is not a token id of this model (an integer in "
+                                            f"[0, {vocab}))", param="logit_bias")
+            out["logit_bias"] = {str(int(k)): number("logit_bias", v, MAX_LOGIT_BIAS) for k, v in bias.items()}
+        top = body.get("top_logprobs")
+        if top is not None:
+            if type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise RequestError(400, f"top_logprobs={top!r} must be an integer in [0, {MAX_TOP_LOGPROBS}]",
+                                   param="top_logprobs")
+            if top and body.get("logprobs") is not True:
+                raise RequestError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+            out["top_logprobs"] = top
+        return out
 
     # -------------------------------------------------------------- responses
     def _message(self, r: Reply, call_ids: list[str]) -> dict[str, Any]:
@@ -289,10 +327,17 @@ class Gateway:
         return "length" if r.finish_reason == "length" else "stop"
 
     def _logprobs(self, r: Reply) -> dict[str, Any]:
-        out = []
-        for tid, lp in zip(r.token_ids, r.logprobs):
+        """Per token its logprob and, when the request asked for top_logprobs, its alternatives (the
+        engine's most likely tokens there, most likely first), each decoded as the token is."""
+        def entry(tid: int, lp: float) -> dict[str, Any]:
             tok = self.tokenizer.decode([tid], skip_special_tokens=False)
-            out.append({"token": tok, "logprob": float(lp), "bytes": list(tok.encode()), "top_logprobs": []})
+            return {"token": tok, "logprob": float(lp), "bytes": list(tok.encode())}
+
+        top_ids, top_lps = getattr(r, "top_ids", None) or [], getattr(r, "top_logprobs", None) or []
+        out = []
+        for i, (tid, lp) in enumerate(zip(r.token_ids, r.logprobs)):
+            alts = [entry(t, a) for t, a in zip(top_ids[i], top_lps[i])] if i < len(top_ids) else []
+            out.append({**entry(tid, lp), "top_logprobs": alts})
         return {"content": out}
 
     def _completion(self, replies: list[Reply], want_logprobs: bool) -> dict[str, Any]:

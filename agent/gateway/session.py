@@ -9,6 +9,12 @@ messages; otherwise (the client edited or summarized earlier turns, a sub-agent 
 history, the client continues another of `n` choices) it opens a new segment that renders the
 incoming history once. Nothing is ever re-tokenized, and each segment is a trainable trajectory
 with its own mask.
+
+`tool_choice` required or a named function forces a call: the tool parser's call opening
+(`ToolParser.call_prefix`) is appended after the generation prompt as template tokens (mask 0,
+never counted as the model's), the model continues inside the call, and the parser reads opening +
+generation. The recorded assistant message holds that whole text, as any reply's does, so a client
+that resends it continues the segment.
 """
 
 from __future__ import annotations
@@ -108,6 +114,30 @@ def normalize(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+def forced_call(choice: Any, tools: list[dict[str, Any]] | None) -> bool | str:
+    """What an OpenAI `tool_choice` forces: False (absent, auto, none), True (required: some call)
+    or the name of the function to call; a RequestError (400) for any other value, for required
+    without tools, and for a function the request's tools do not declare."""
+    if choice in (None, "auto", "none"):
+        return False
+    names = [str(t["function"]["name"]) for t in tools or []
+             if isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]]
+    if choice == "required":
+        if not names:
+            raise RequestError(400, "tool_choice='required' is not supported without tools: the request declares "
+                                    "no function to call", param="tool_choice")
+        return True
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(fn, dict)
+            and isinstance(fn.get("name"), str) and fn["name"]):
+        raise RequestError(400, f"tool_choice={choice!r} is not supported: use 'auto', 'none', 'required' or "
+                                "{type: function, function: {name}}", param="tool_choice")
+    if fn["name"] not in names:
+        raise RequestError(400, f"tool_choice names function {fn['name']!r}, which is not among the request's "
+                                f"tools ({', '.join(map(repr, names)) or 'none'})", param="tool_choice")
+    return fn["name"]
+
+
 def _key(m: dict[str, Any]) -> tuple:
     """What must match for a held message to count as the same one (ids the gateway made up and
     empty-vs-null content do not matter)."""
@@ -128,6 +158,8 @@ class Reply:
     text: str
     parsed: ParseResult
     prompt_tokens: int
+    top_ids: list[list[int]] | None = None  # with top_logprobs: per token the engine's k most likely ids
+    top_logprobs: list[list[float]] | None = None  # and their logprobs
 
 
 @dataclass(eq=False)
@@ -167,6 +199,8 @@ class Segment:
 
 class Conversation:
     """The segments of one session (one API key or X-Session-Id)."""
+
+    forced_call = staticmethod(forced_call)  # the gateway's routes check tool_choice with it
 
     def __init__(self, session_id: str, tokenizer: Any, tool_parser: str = "hermes",
                  end_of_turn_id: int | None = None, max_context: int | None = None,
@@ -239,13 +273,32 @@ class Conversation:
             str(t["function"]["name"]): t["function"].get("parameters") or {} for t in tools or []
             if isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]})
 
+    def _opening(self, parser: ToolParser, force: bool | str) -> str:
+        """The call opening that forces `force` (see forced_call); "" when nothing is forced."""
+        if force is False:
+            return ""
+        prefix = parser.call_prefix(None if force is True else force)
+        if not prefix:
+            what = "'required'" if force is True else f"naming function {force!r}"
+            raise RequestError(400, f"tool_choice {what} is not supported with tool_parser {self.tool_parser!r}: its "
+                                    "call format has no opening to force the call with; use 'auto'",
+                               param="tool_choice")
+        return prefix
+
     async def generate(self, client: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                       sampling: dict[str, Any], n: int = 1, parse_calls: bool = True) -> list[Reply]:
+                       sampling: dict[str, Any], n: int = 1, parse_calls: bool = True,
+                       tool_choice: Any = None) -> list[Reply]:
         """Generate `n` choices continuing `messages`; the first continues the segment in place,
-        the others each get a copy of it (their own segment)."""
+        the others each get a copy of it (their own segment). `tool_choice` required or a named
+        function forces a call (the parser's call opening is appended to the prompt, mask 0)."""
+        force = forced_call(tool_choice, tools)
+        parser = self.parser(tools)
+        prefix = self._opening(parser, force)
         async with self._lock:  # one session's calls are sequential, as an agent's are
             self.last_used = time.monotonic()
             seg = self._continue(messages, tools)
+            if prefix:  # template tokens: the engine continues after them, the trainer never trains on them
+                seg.traj.add_context(self.tokenizer.encode(prefix, add_special_tokens=False))
             prompt = seg.traj.all_ids()
             params = {**sampling, **self.sampling}
             if "max_tokens" in sampling and "max_tokens" in self.sampling:
@@ -269,16 +322,16 @@ class Conversation:
             images = {} if pv is None else {"pixel_values": pv}
             results = await asyncio.gather(*(client.generate(prompt, params, session_id=self.session_id,
                                                              group_id=self.group_id, **images) for _ in bases))
-            parser = self.parser(tools)
             declared = {t["function"]["name"] for t in tools or []}
             replies = []
             for target, result in zip(bases, results):
-                replies.append(self._record(target, result, parser, parse_calls, len(prompt),
-                                            time.perf_counter() - t0, declared))
+                replies.append(self._record(target, result, parser, parse_calls or bool(prefix), len(prompt),
+                                            time.perf_counter() - t0, declared, prefix, force))
             return replies
 
     def _record(self, seg: Segment, result: Any, parser: ToolParser, parse_calls: bool, prompt_tokens: int,
-                latency: float, declared: set[str] | frozenset[str] = frozenset()) -> Reply:
+                latency: float, declared: set[str] | frozenset[str] = frozenset(), prefix: str = "",
+                force: bool | str = False) -> Reply:
         seg.traj.add_model(result.token_ids, result.logprobs)
         seg.unclosed = list(result.token_ids)
         seg.request_ids.append(result.request_id)
@@ -289,9 +342,14 @@ class Conversation:
         ids = list(result.token_ids)
         if ids and ids[-1] == seg.encoder.end_of_turn_id:
             ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        text = prefix + self.tokenizer.decode(ids, skip_special_tokens=False)  # a forced call's opening and the rest
+        if prefix:
+            seg.turns[-1]["forced_call"] = force if isinstance(force, str) else "required"
         parsed = parser.parse(text) if parse_calls else ParseResult(content=text)
-        if parsed.errors and not parsed.calls:
+        if isinstance(force, str) and parsed.calls and parsed.calls[0].name != force:  # it wrote on past the name
+            parsed = ParseResult(content=text.strip(), errors=[f"the forced call to {force!r} became a call to "
+                                                               f"{parsed.calls[0].name!r}"])
+        if (parsed.errors or prefix) and not parsed.calls:
             parsed = ParseResult(content=text.strip(), errors=parsed.errors)  # let the agent see what was written
         undeclared = sorted({c.name for c in parsed.calls} - set(declared))
         if undeclared:  # a call to a tool the request did not offer is text, never a tool_call the agent cannot run
@@ -302,7 +360,7 @@ class Conversation:
             {"tool_calls": [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                             for c in parsed.calls]} if parsed.calls else {})}]
         return Reply(seg, list(result.token_ids), list(result.logprobs), result.finish_reason, text, parsed,
-                     prompt_tokens)
+                     prompt_tokens, getattr(result, "top_ids", None), getattr(result, "top_logprobs", None))
 
     def latest(self) -> Segment | None:
         """The segment that generated last (the one holding the agent's final answer)."""

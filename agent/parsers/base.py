@@ -61,6 +61,18 @@ class ToolParser:
     def parse(self, text: str) -> ParseResult:
         raise NotImplementedError
 
+    def call_prefix(self, name: str | None = None) -> str | None:
+        """The text that opens a call in this format, for forcing one (`tool_choice` required: `name`
+        None; a named function: its name): the gateway appends it to the prompt as template tokens,
+        the model's generation continues inside the call, and `parse(prefix + generation)` reads it.
+        None when the format has no well-defined opening (the gateway then answers a 400); that is the
+        default, so a format of the user's own forces nothing until it says how.
+
+        A prefix ends where a tokenizer's pre-tokenization splits anyway (after a special marker, a
+        newline, a `:` or a name; never after a space or before a name), so its tokens, encoded on
+        their own, are the ones the model would have produced writing the same call."""
+        return None
+
     def param_type(self, tool: str, param: str) -> Any:
         """The JSON-schema `type` declared for `param` of `tool`, or None when unknown."""
         props = (self.tools.get(tool) or {}).get("properties") or {}
@@ -85,6 +97,15 @@ class ToolParser:
             pass
         python = {"True": True, "False": False, "None": None}
         return python[text] if text in python else raw
+
+
+_PLAIN_NAME = re.compile(r"[\w.\-]+")
+
+
+def plain_name(name: str) -> str | None:
+    """`name` when a tag or marker format can write it as is (letters, digits, `_`, `.`, `-`); None
+    otherwise (quotes, brackets or spaces would end the tag early)."""
+    return name if _PLAIN_NAME.fullmatch(name) else None
 
 
 def call_from_obj(obj: Any, where: str, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCall | str:

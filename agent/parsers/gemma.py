@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agent.parsers.base import ParseResult, ToolCall, ToolParser, tagged_blocks
+from agent.parsers.base import ParseResult, ToolCall, ToolParser, plain_name, tagged_blocks
 
 _MAX_DEPTH = 64
 
@@ -111,9 +111,18 @@ class _Reader:
 
 
 class GemmaParser(ToolParser):
+    """Forced call: `<|tool_call>call` (required; the model writes `:NAME{...}`, since a
+    pre-tokenizer may join the `:` to the name); `<|tool_call>call:f` (named; the model writes
+    `{...}<tool_call|>`). FunctionGemma's are the same after `<start_function_call>`."""
+
     name = "gemma"
     open_tag, close_tag, quote = "<|tool_call>", "<tool_call|>", '<|"|>'
     markers = (open_tag,)
+
+    def call_prefix(self, name: str | None = None) -> str | None:
+        if name is None:
+            return f"{self.open_tag}call"
+        return None if plain_name(name) is None else f"{self.open_tag}call:{name}"
 
     def parse(self, text: str) -> ParseResult:
         return tagged_blocks(text, self.open_tag, self.close_tag, self._block)

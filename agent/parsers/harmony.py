@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from agent.parsers.base import ParseResult, ToolParser, json_then, named_call
+from agent.parsers.base import ParseResult, ToolParser, json_then, named_call, plain_name
 
 _ENDS = ("<|end|>", "<|call|>", "<|return|>")
 _MARKUP = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>") + _ENDS
@@ -31,8 +31,20 @@ def _first(text: str, at: int, marks: tuple[str, ...]) -> tuple[int, str]:
 
 
 class HarmonyParser(ToolParser):
+    """Forced call: `<|channel|>commentary to=functions` (required; the model writes `.NAME
+    <|constrain|>json<|message|>{...}<|call|>`: o200k's pre-tokenizer starts a word with the `.`
+    before it, so the opening stops before the dot); `<|channel|>commentary to=functions.f
+    <|constrain|>json<|message|>` (named). Both skip the analysis channel, as a forced call does."""
+
     name = "gpt-oss"
     markers = ("<|call|>",)
+
+    def call_prefix(self, name: str | None = None) -> str | None:
+        if name is None:
+            return "<|channel|>commentary to=functions"
+        if plain_name(name) is None:
+            return None
+        return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
 
     def parse(self, text: str) -> ParseResult:
         result = ParseResult(content="")

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 from agent.parsers.base import (ParseResult, ToolParser, call_from_obj, json_at, json_then, named_call, skip_ws,
@@ -18,12 +19,20 @@ from agent.parsers.base import (ParseResult, ToolParser, call_from_obj, json_at,
 
 class HermesParser(ToolParser):
     """`<tool_call>...</tool_call>` blocks. An unclosed tag (typically a reply cut by the length
-    limit) is an error rather than a guess, because executing half a call is worse than reporting it."""
+    limit) is an error rather than a guess, because executing half a call is worse than reporting it.
+
+    Forced call: `<tool_call>\n` (required); `<tool_call>\n{"name": "f", "arguments":` (named; the
+    model writes ` {...}}</tool_call>`)."""
 
     name = "hermes"
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
     markers = (open_tag,)
+
+    def call_prefix(self, name: str | None = None) -> str | None:
+        if name is None:
+            return f"{self.open_tag}\n"
+        return f'{self.open_tag}\n{{"name": {json.dumps(name)}, "arguments":'
 
     def parse(self, text: str) -> ParseResult:
         return tagged_blocks(text, self.open_tag, self.close_tag, self._block)
@@ -53,12 +62,18 @@ class Llama3JsonParser(ToolParser):
     `{` or `[` is meant to be calls, and JSON that does not decode there is an error; inside
     prose, only JSON objects with a "name" key count as calls and other text (including
     unbalanced braces) stays content.
+
+    Forced call: `{"name":` (required); `{"name": "f", "parameters":` (named), as Llama 3.1's
+    template writes a call.
     """
 
     name = "llama3_json"
     python_tag = "<|python_tag|>"
     markers = (python_tag,)
     _start = re.compile(r"[\[{]")
+
+    def call_prefix(self, name: str | None = None) -> str | None:
+        return '{"name":' if name is None else f'{{"name": {json.dumps(name)}, "parameters":'
 
     def parse(self, text: str) -> ParseResult:
         result = ParseResult(content="")
@@ -104,11 +119,17 @@ class Llama3JsonParser(ToolParser):
 
 class MistralParser(ToolParser):
     """`[TOOL_CALLS]` followed by a JSON list of calls (old tokenizers) or by `name[ARGS]{...}`
-    (`name[CALL_ID]id[ARGS]{...}` in v11). Text before and between the calls is content."""
+    (`name[CALL_ID]id[ARGS]{...}` in v11). Text before and between the calls is content.
+
+    Forced call: `[TOOL_CALLS]` (required only: a named call is written differently by the tokenizer
+    versions, a JSON list before v11 and `name[ARGS]` after, so there is no one opening to force)."""
 
     name = "mistral"
     marker = "[TOOL_CALLS]"
     markers = (marker,)
+
+    def call_prefix(self, name: str | None = None) -> str | None:
+        return self.marker if name is None else None
 
     def parse(self, text: str) -> ParseResult:
         result = ParseResult(content="")

@@ -11,15 +11,21 @@
 
 from __future__ import annotations
 
-from agent.parsers.base import ParseResult, ToolParser, json_then, named_call, skip_ws
+from agent.parsers.base import ParseResult, ToolParser, json_then, named_call, plain_name, skip_ws
 
 
 class _SectionParser(ToolParser):
     """Calls inside a section `section_begin ... section_end`, each `call_begin HEAD arg_sep JSON
     call_end`. Text outside the sections is content; an unclosed section (a reply cut by the length
-    limit) still yields the complete calls in it and an error for the cut one."""
+    limit) still yields the complete calls in it and an error for the cut one.
+
+    Forced call (required): `section_begin call_begin`; the model writes the head, the separator and
+    the arguments."""
 
     section_begin = section_end = call_begin = call_end = arg_sep = ""
+
+    def call_prefix(self, name: str | None = None) -> str | None:
+        return self.section_begin + self.call_begin if name is None else None
 
     def name_and_args(self, text: str, at: int, head: str) -> tuple[str, int] | str:
         """(tool name, where the arguments' JSON starts) for a call whose text before the separator
@@ -96,6 +102,9 @@ class _SectionParser(ToolParser):
 
 
 class DeepSeekParser(_SectionParser):
+    """Forced call: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>` (required only: V3 writes a named call
+    `function<｜tool▁sep｜>NAME` and V3.1 `NAME<｜tool▁sep｜>`, so a named opening is not one string)."""
+
     name = "deepseek"
     section_begin = "<｜tool▁calls▁begin｜>"
     section_end = "<｜tool▁calls▁end｜>"
@@ -127,6 +136,10 @@ class DeepSeekParser(_SectionParser):
 
 
 class KimiK2Parser(_SectionParser):
+    """Forced call: `<|tool_calls_section_begin|><|tool_call_begin|>` (required);
+    `...<|tool_call_begin|>functions.f:` (named; the model writes the call's index, which counts the
+    conversation's calls, and `<|tool_call_argument_begin|>{...}`)."""
+
     name = "kimi_k2"
     section_begin = "<|tool_calls_section_begin|>"
     section_end = "<|tool_calls_section_end|>"
@@ -134,6 +147,11 @@ class KimiK2Parser(_SectionParser):
     call_end = "<|tool_call_end|>"
     arg_sep = "<|tool_call_argument_begin|>"
     markers = (section_begin,)
+
+    def call_prefix(self, name: str | None = None) -> str | None:
+        if name is None:
+            return self.section_begin + self.call_begin
+        return None if plain_name(name) is None else f"{self.section_begin}{self.call_begin}functions.{name}:"
 
     def name_and_args(self, text: str, at: int, head: str) -> tuple[str, int] | str:
         """The id `functions.NAME:INDEX` names the tool (an id without the prefix or index is taken whole)."""

@@ -23,7 +23,7 @@ import json
 import re
 from typing import Any
 
-from agent.parsers.base import ParseResult, ToolCall, ToolParser, closed_after, skip_ws, tagged_blocks
+from agent.parsers.base import ParseResult, ToolCall, ToolParser, closed_after, plain_name, skip_ws, tagged_blocks
 
 
 class _BlockError(Exception):
@@ -73,7 +73,14 @@ class _TaggedBlocks(ToolParser):
 
 
 class Qwen3CoderParser(_TaggedBlocks):
+    """Forced call: `<tool_call>\n` (required); `<tool_call>\n<function=f>\n` (named)."""
+
     name = "qwen3_coder"
+
+    def call_prefix(self, name: str | None = None) -> str | None:
+        if name is None:
+            return f"{self.open_tag}\n"
+        return None if plain_name(name) is None else f"{self.open_tag}\n<function={name}>\n"
 
     def block(self, text: str, at: int) -> tuple[ToolCall, int]:
         k = skip_ws(text, at)
@@ -108,7 +115,15 @@ class Qwen3CoderParser(_TaggedBlocks):
 
 
 class Glm4Parser(_TaggedBlocks):
+    """Forced call: `<tool_call>` (required); `<tool_call>f` (named; GLM-4.5 goes on with a newline,
+    4.7 straight with `<arg_key>`, so the opening stops at the name)."""
+
     name = "glm4"
+
+    def call_prefix(self, name: str | None = None) -> str | None:
+        if name is None:
+            return self.open_tag
+        return None if plain_name(name) is None else f"{self.open_tag}{name}"
 
     def block(self, text: str, at: int) -> tuple[ToolCall, int]:
         stops = [i for i in (text.find("<arg_key>", at), text.find(self.close_tag, at), text.find("\n", at)) if i >= 0]
@@ -162,12 +177,23 @@ class _InvokeBlocks(_TaggedBlocks):
     arguments. The name follows `=` in the tag (`<function=NAME>`) or, with `by_attribute`, sits in a
     `name="..."` attribute. A complete call is kept when a later one of its block is broken or the
     block is cut off (each of those is an error of its own), and the scan goes on at the block's next
-    call, as in a section of deepseek or kimi_k2 calls."""
+    call, as in a section of deepseek or kimi_k2 calls.
+
+    Forced call: `open_tag` and a newline (required); then the call tag, `<function=f>` or
+    `<invoke name="f">`, and a newline (named)."""
 
     call_tag = call_close = param_tag = param_close = ""
     call_form = param_form = ""  # how a well-formed tag looks, for the error messages
     by_attribute = False
     trim_newlines = True  # a newline right after a parameter's tag and one right before its close are markup
+
+    def call_prefix(self, name: str | None = None) -> str | None:
+        if name is None:
+            return f"{self.open_tag}\n"
+        if plain_name(name) is None:
+            return None
+        tag = f'{self.call_tag} name="{name}">' if self.by_attribute else f"{self.call_tag}{name}>"
+        return f"{self.open_tag}\n{tag}\n"
 
     def _block(self, text: str, at: int, where: str, result: ParseResult) -> int:
         index, p = 0, at
@@ -253,6 +279,8 @@ class _InvokeBlocks(_TaggedBlocks):
 
 
 class SeedOssParser(_InvokeBlocks):
+    """Forced call: `<seed:tool_call>\n` (required); `<seed:tool_call>\n<function=f>\n` (named)."""
+
     name = "seed_oss"
     open_tag, close_tag = "<seed:tool_call>", "</seed:tool_call>"
     markers = (open_tag,)
@@ -261,6 +289,8 @@ class SeedOssParser(_InvokeBlocks):
 
 
 class MiniMaxParser(_InvokeBlocks):
+    """Forced call: `<minimax:tool_call>\n` (required); `<minimax:tool_call>\n<invoke name="f">\n` (named)."""
+
     name = "minimax"
     open_tag, close_tag = "<minimax:tool_call>", "</minimax:tool_call>"
     markers = (open_tag,)
@@ -271,7 +301,9 @@ class MiniMaxParser(_InvokeBlocks):
 
 class DeepSeekV4Parser(_InvokeBlocks):
     """DSML values are as written (no newline is markup); `string="false"` values are decoded as
-    JSON, and one that does not decode is typed by the schema like a value without the attribute."""
+    JSON, and one that does not decode is typed by the schema like a value without the attribute.
+
+    Forced call: `<｜DSML｜tool_calls>\n` (required); then `<｜DSML｜invoke name="f">\n` (named)."""
 
     name = "deepseek_v4"
     open_tag, close_tag = "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>"

@@ -27,8 +27,9 @@ class EngineSpec:
 
 ENGINES: dict[str, EngineSpec] = {
     "hf": EngineSpec("engines.inference.hf:HFEngine", {"max_batch_size": 64}, in_process="hf", images=True),
-    "vllm": EngineSpec("engines.inference.vllm:VLLMEngine", in_process="vllm_inproc", in_process_one_rank=True),
-    "vllm_inproc": EngineSpec("engines.inference.vllm_inproc:VLLMInProcessEngine", rollout=False),
+    "vllm": EngineSpec("engines.inference.vllm:VLLMEngine", in_process="vllm_inproc", in_process_one_rank=True,
+                       images=True),
+    "vllm_inproc": EngineSpec("engines.inference.vllm_inproc:VLLMInProcessEngine", rollout=False, images=True),
     "sglang": EngineSpec("engines.inference.sglang:SGLangEngine"),  # its scheduler runs in processes of its own
     "echo": EngineSpec("engines.inference.echo:EchoEngine", rollout=False),
     # a reward model (sequence classification, one output): scores prompts, is never a policy nor weight-synced

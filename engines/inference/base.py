@@ -34,6 +34,7 @@ def check_sleep_level(level: int) -> None:
 
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
+MAX_PENALTY, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS = 2.0, 100.0, 20  # OpenAI's ranges
 
 
 def _int(name: str, value: Any, low: int | None = None) -> None:
@@ -43,9 +44,26 @@ def _int(name: str, value: Any, low: int | None = None) -> None:
         raise ValueError(f"{name}={value} must be >= {low}")
 
 
-def _real(name: str, value: Any) -> None:
+def _real(name: str, value: Any, bound: float | None = None) -> None:
     if type(value) not in (int, float) or not math.isfinite(value):
         raise ValueError(f"{name}={value!r} must be a finite number")
+    if bound is not None and not -bound <= value <= bound:
+        raise ValueError(f"{name}={value!r} must be in [{-bound:g}, {bound:g}]")
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """{token id: bias} with int keys; JSON and msgpack maps carry the ids as strings ("123")."""
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias={value!r:.100} must be a map of token ids to biases")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        tid = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if type(tid) is not int or tid < 0:
+            raise ValueError(f"logit_bias key {key!r} must be a token id (a non-negative integer, or its digits "
+                             f"as a string)")
+        _real(f"logit_bias[{key!r}]", bias, MAX_LOGIT_BIAS)
+        out[tid] = float(bias)
+    return out
 
 
 @dataclass
@@ -55,6 +73,15 @@ class SamplingParams:
     Logprobs are of the temperature-scaled distribution before top-k/top-p truncation,
     i.e. log_softmax(logits / temperature) (raw logits when temperature == 0), which is what
     the actor recomputes during training.
+
+    OpenAI's logits adjustments, applied before temperature: `logit_bias` ({token id: bias in
+    [-100, 100]}) is added to those tokens' logits; `presence_penalty` and `frequency_penalty` (each
+    in [-2, 2]) subtract `presence * (count > 0) + frequency * count` from the logit of every token
+    this request has generated so far (`count` times; prompt tokens do not count). They change
+    what is sampled, not what the logprobs are of on the hf engine (the policy's distribution, so
+    the rollout is off-policy and `algorithm.loss.off_policy` corrects for it); vLLM reports them
+    after the adjustments (engines/inference/vllm.py). `top_logprobs` (0..20) also returns, per
+    generated token, the k most likely tokens and their logprobs under that same distribution.
     """
 
     max_tokens: int = 256
@@ -64,6 +91,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         """Every field checked for type and range, so a request that would poison a batch (a
@@ -89,9 +120,18 @@ class SamplingParams:
             raise ValueError(f"ignore_eos={self.ignore_eos!r} must be true or false")
         if self.seed is not None:
             _int("seed", self.seed, low=0)
+        _real("frequency_penalty", self.frequency_penalty, MAX_PENALTY)
+        _real("presence_penalty", self.presence_penalty, MAX_PENALTY)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        _int("top_logprobs", self.top_logprobs, low=0)
+        if self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs={self.top_logprobs} must be at most {MAX_TOP_LOGPROBS}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """A dict for the bus: msgpack maps take string keys only, so logit_bias ids go as strings."""
+        d = asdict(self)
+        d["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
@@ -107,6 +147,10 @@ class GenerateOutput:
     finish_reason: str  # one of FINISH_REASONS
     cached_prompt_tokens: int = 0  # prompt tokens the engine served from its prefix cache
     score: float | None = None  # a reward model's scalar for the whole prompt (hf_reward); None for generations
+    # with SamplingParams.top_logprobs = k > 0: per generated token the k most likely token ids [n, k]
+    # and their logprobs [n, k], most likely first (lists of lists or 2-D arrays); None otherwise
+    top_ids: Any = None
+    top_logprobs: Any = None
 
 
 @dataclass

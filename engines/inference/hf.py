@@ -9,7 +9,8 @@ there is work, and each iteration does one compute step in a single worker threa
 asyncio loop keeps answering health and load messages): one decode token for every running
 row, plus a prefill for newly admitted requests, which then join the running batch. All rows
 share one left-padded DynamicCache; rows are merged into it on admission and cut out of it
-when they finish, so a long generation never holds up new requests.
+when they finish, so a long generation never holds up new requests. Sampling (logit_bias, penalties,
+which distribution the logprobs and top_logprobs are of) is engines/inference/sampling.py's.
 
 Sleep gives a colocated trainer the memory back: level 1 parks CUDA weights in host RAM, level 2
 frees every parameter's storage (and trims the heap, so the RSS really falls).
@@ -27,14 +28,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from engines.inference.base import (
-    EngineStats,
-    GenerateOutput,
-    SamplingParams,
-    check_sleep_level,
-    id_list,
-)
-from engines.inference.sampling import sample
+from engines.inference.base import EngineStats, GenerateOutput, SamplingParams, check_sleep_level, id_list
+from engines.inference.sampling import check_vocab, sample
 from engines.models import image_token_layout, is_vision_language, load_pretrained, resolve_model
 
 PREFIX_BLOCK = 16  # tokens per block of the modelled prefix cache (vLLM's default block size)
@@ -53,13 +48,16 @@ class _Request:
     cached_prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per token, with top_logprobs
     finish_reason: str | None = None
     pixel_values: torch.Tensor | None = None  # [n, C, H, W]: the images behind the prompt's image tokens
     aborted: bool = False  # set on the loop thread, read by the worker between steps
 
     def output(self) -> GenerateOutput:
+        k = self.params.top_logprobs
         return GenerateOutput(list(self.token_ids), list(self.logprobs), self.finish_reason or "abort",
-                              self.cached_prompt_tokens)
+                              self.cached_prompt_tokens, top_ids=[t[0] for t in self.top] if k else None,
+                              top_logprobs=[t[1] for t in self.top] if k else None)
 
 
 @dataclass
@@ -145,6 +143,7 @@ class HFEngine:
                                f"update_weights() and call finish_weight_update() before generating")
         prompt_ids = id_list(prompt_ids)
         self._check_prompt(prompt_ids)
+        check_vocab(params, self.model.config.get_text_config().vocab_size)
         pixels = self._check_images(prompt_ids, pixel_values)
         gen = None
         if params.seed is not None and params.temperature > 0:
@@ -384,12 +383,13 @@ class HFEngine:
 
     def _advance(self, b: _Batch, logits: torch.Tensor, finished: list[_Request]) -> _Batch | None:
         """Sample one token per row, record it, and cut the rows that are done out of the batch."""
-        tokens, logprobs = sample(logits.float(), [r.params for r in b.rows],
-                                   [r.generator or self._generator for r in b.rows])
+        tokens, logprobs, tops = sample(logits.float(), [r.params for r in b.rows],
+                                        [r.generator or self._generator for r in b.rows], [r.token_ids for r in b.rows])
         keep = []
         for i, (r, t, lp) in enumerate(zip(b.rows, tokens.tolist(), logprobs.tolist())):
             r.token_ids.append(t)
             r.logprobs.append(lp)
+            r.top += [tops[i]] if tops[i] else []
             p = r.params
             if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
                 r.finish_reason = "stop"

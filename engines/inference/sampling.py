@@ -1,23 +1,85 @@
 """Sampling one token per row from logits, the way the hf engine does it: the logprob of the
-chosen token under log_softmax(logits / T), before top-k and top-p (what the actor recomputes)."""
+chosen token under log_softmax(logits / T), before top-k and top-p (what the actor recomputes).
+
+OpenAI's logits adjustments (`logit_bias`, `presence_penalty`, `frequency_penalty`; `adjust`)
+change which token is drawn, and are applied before temperature, top-k and top-p, as vLLM does.
+They do not change what the returned logprobs are of: the raw model's log_softmax(logits / T),
+the policy the trainer recomputes. A penalised or biased rollout is therefore off-policy (its
+tokens were drawn from another distribution than the logprobs describe), which the trainer's
+off-policy corrections (`algorithm.loss.off_policy`) are for. `top_logprobs` alternatives are of
+that same distribution, so the sampled token's logprob equals its entry when it is among them.
+"""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
 from engines.inference.base import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-            generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row tokens and their logprobs under log_softmax(logits / T), before top-k/top-p."""
+def check_vocab(params: SamplingParams, vocab: int) -> None:
+    """A logit_bias id outside the model's vocabulary fails its own request, not a batched step."""
+    bad = sorted(t for t in params.logit_bias if t >= vocab)
+    if bad:
+        raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+
+def adjust(logits: torch.Tensor, params: list[SamplingParams], generated: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Per row: logits + logit_bias - presence_penalty * (count > 0) - frequency_penalty * count,
+    `count` being how often each token is in that row's `generated` ids (this request's output so
+    far, never its prompt). `logits` is [B, V]; it is returned as is when no row adjusts anything,
+    else a new tensor (one [B, V] bias and one scatter_add of the counts for the whole batch)."""
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    penalised = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and len(generated[i])]
+    if not biased and not penalised:
+        return logits
+    out = logits.clone()
+    if biased:
+        rows = [i for i in biased for _ in params[i].logit_bias]
+        cols = [t for i in biased for t in params[i].logit_bias]
+        vals = [b for i in biased for b in params[i].logit_bias.values()]
+        dev = logits.device
+        out.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                       torch.tensor(vals, dtype=out.dtype, device=dev), accumulate=True)
+    if penalised:
+        width = max(len(generated[i]) for i in penalised)
+        ids = torch.zeros(len(penalised), width, dtype=torch.long)
+        ones = torch.zeros(len(penalised), width, dtype=out.dtype)
+        for j, i in enumerate(penalised):
+            ids[j, :len(generated[i])] = torch.as_tensor(list(generated[i]), dtype=torch.long)
+            ones[j, :len(generated[i])] = 1
+        counts = torch.zeros(len(penalised), out.shape[1], dtype=out.dtype).scatter_add_(1, ids, ones).to(out.device)
+        freq = torch.tensor([params[i].frequency_penalty for i in penalised], dtype=out.dtype, device=out.device)
+        pres = torch.tensor([params[i].presence_penalty for i in penalised], dtype=out.dtype, device=out.device)
+        rows_t = torch.tensor(penalised, device=out.device)
+        out[rows_t] -= freq[:, None] * counts + pres[:, None] * (counts > 0).to(out.dtype)
+    return out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+           generated: Sequence[Sequence[int]] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], list[float]] | None]]:
+    """Per-row tokens, their logprobs under log_softmax(logits / T) before top-k/top-p and before the
+    logits adjustments, and per row its `top_logprobs` most likely (ids, logprobs) under that same
+    distribution, most likely first (None for a row that asks for none). `generated` is each row's
+    output so far (for the penalties)."""
     temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-    tokens = logits.argmax(dim=-1)
+    steered = adjust(logits, params, generated if generated is not None else [[] for _ in params])
+    draw_logp = logp if steered is logits else torch.log_softmax(steered / temps[:, None], dim=-1)
+    tokens = steered.argmax(dim=-1)
     for i, p in enumerate(params):
         if p.temperature > 0:
-            tokens[i] = draw(logp[i], p.top_k, p.top_p, generators[i])
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+            tokens[i] = draw(draw_logp[i], p.top_k, p.top_p, generators[i])
+    tops: list[tuple[list[int], list[float]] | None] = [None] * len(params)
+    k = max(p.top_logprobs for p in params)
+    if k:  # one topk for the batch; each row keeps its own first k
+        vals, idx = (x.tolist() for x in logp.topk(min(k, logp.shape[-1]), dim=-1))
+        tops = [(idx[i][:p.top_logprobs], vals[i][:p.top_logprobs]) if p.top_logprobs else None
+                for i, p in enumerate(params)]
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1), tops
 
 
 def draw(logp: torch.Tensor, top_k: int, top_p: float, gen: torch.Generator) -> torch.Tensor:

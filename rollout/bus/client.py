@@ -48,6 +48,9 @@ class GenerateResult:
     segments: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     preemptions: int = 0
     score: float | None = None  # a reward model's score of the prompt (engine hf_reward); None for generations
+    # with sampling top_logprobs = k > 0: per token its k most likely ids and their logprobs, most likely first
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
 
 def _expire(fut: asyncio.Future) -> None:
@@ -167,6 +170,7 @@ class GenerateClient:
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         ids: list[int] = []
         lps: list[float] = []
+        tops: tuple[list[list[int]], list[list[float]]] | None = None  # (top_ids, top_logprobs) when asked
         segments: list[tuple[int, int]] = []
         budget = sp.get("max_tokens")
         preempted = 0
@@ -181,6 +185,10 @@ class GenerateClient:
                 return part
             ids += part.token_ids
             lps += part.logprobs
+            if part.top_ids is not None:
+                tops = tops or ([], [])
+                tops[0].extend(part.top_ids)
+                tops[1].extend(part.top_logprobs or [])
             if part.token_ids or not segments:
                 segments.append((part.weight_version, len(part.token_ids)))
             reason = part.finish_reason
@@ -189,7 +197,8 @@ class GenerateClient:
             if reason != "preempted":
                 return dataclasses.replace(part, token_ids=ids, logprobs=lps, finish_reason=reason,
                                            weight_version=min(v for v, _ in segments), segments=segments,
-                                           preemptions=preempted)
+                                           preemptions=preempted, top_ids=tops and tops[0],
+                                           top_logprobs=tops and tops[1])
             preempted += 1
             min_weight_version = max(min_weight_version, part.weight_version + 1)
 
@@ -220,7 +229,9 @@ class GenerateClient:
             assert isinstance(reply, P.Result)
             return GenerateResult(reply.token_ids.tolist(), reply.logprobs.tolist(), reply.finish_reason,
                                   reply.weight_version, reply.engine_id, engine, reply.cached_prompt_tokens, attempt,
-                                  reply.rid, score=reply.score)
+                                  reply.rid, score=reply.score,
+                                  top_ids=None if reply.top_ids is None else reply.top_ids.tolist(),
+                                  top_logprobs=None if reply.top_logprobs is None else reply.top_logprobs.tolist())
         raise RequestFailed("unavailable", f"request {rid} failed on {self.max_attempts} attempts (engines {sorted(failed)})")
 
     def _stale(self, need: int) -> set[int]:

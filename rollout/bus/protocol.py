@@ -86,6 +86,8 @@ class Message:
                 tail += list(value)
             elif value is not None:
                 arr = np.ascontiguousarray(value, dtype=f.metadata["frame"])
+                if arr.size == 0 and arr.ndim != f.metadata["rank"]:  # an empty list of rows: [] is shape (0,)
+                    arr = arr.reshape((0,) * f.metadata["rank"])
                 head[f.name] = list(arr.shape)
                 typed.append(memoryview(arr).cast("B") if arr.size else b"")
         return [msgpack.packb(head, use_bin_type=True), *typed, *tail]
@@ -158,10 +160,18 @@ class Result(Message):
     cached_prompt_tokens: int = 0
     load: int = 0  # waiting + running on the engine when this reply left
     score: float | None = None  # a reward model's score of the prompt (engine hf_reward); None for generations
+    # with sampling top_logprobs = k > 0: per token the k most likely ids and their logprobs, [n, k] each
+    top_ids: np.ndarray | None = frame("<i4", rank=2, optional=True)
+    top_logprobs: np.ndarray | None = frame("<f4", rank=2, optional=True)
 
     def check(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ProtocolError(f"result has {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs")
+        if (self.top_ids is None) != (self.top_logprobs is None) or (self.top_ids is not None and not (
+                np.shape(self.top_ids) == np.shape(self.top_logprobs) and len(self.top_ids) == len(self.token_ids))):
+            raise ProtocolError(f"result top_ids {list(np.shape(self.top_ids))} and top_logprobs "
+                                f"{list(np.shape(self.top_logprobs))} must both be [n, k] for its {len(self.token_ids)} "
+                                f"tokens, or both absent")
 
 
 @dataclass

