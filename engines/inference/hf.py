@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.inference.base import EngineStats, GenerateOutput, SamplingParams, check_sleep_level, id_list
+from engines.inference.queued import QueuedEngine
 from engines.inference.sampling import check_vocab, sample
 from engines.models import image_token_layout, is_vision_language, load_pretrained, resolve_model
 
@@ -75,7 +76,7 @@ class _Batch:
     last: torch.Tensor  # [B]
 
 
-class HFEngine:
+class HFEngine(QueuedEngine):
     """Engine protocol on a transformers causal LM (any model AutoModelForCausalLM loads).
 
     stats().cached_prompt_tokens models what a prefix cache would hit, it does not skip any
@@ -212,28 +213,6 @@ class HFEngine:
         await asyncio.get_running_loop().run_in_executor(self._pool, self._restore)
         self._stats.sleeping = False
         self._set_runnable()
-
-    def stats(self) -> EngineStats:
-        """Counters plus load; kv_cache_usage is the fraction of batch slots in use (no fixed KV pool)."""
-        s = self._stats
-        s.waiting = len(self._pending)
-        s.running = self._running
-        s.kv_cache_usage = self._running / self.max_batch_size
-        return EngineStats(**s.to_dict())
-
-    async def close(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.cancel()
-            try:
-                await self._scheduler
-            except asyncio.CancelledError:
-                pass
-        for req in list(self._live.values()):
-            if not req.future.done():
-                req.future.set_exception(RuntimeError(f"engine closed while {req.request_id!r} was in flight"))
-        self._live.clear()
-        self._pending.clear()
-        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
 
     # ------------------------------------------------------------------ loop side
 

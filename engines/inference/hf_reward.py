@@ -31,6 +31,7 @@ from typing import Any, Iterable
 import torch
 
 from engines.inference.base import EngineStats, GenerateOutput, SamplingParams, check_sleep_level, id_list
+from engines.inference.queued import QueuedEngine
 from engines.models import resolve_model
 
 log = logging.getLogger("switchyard.hf_reward")
@@ -49,7 +50,7 @@ class _Request:
     aborted: bool = False  # set on the loop thread; the row's score is dropped when its forward ends
 
 
-class HFRewardEngine:
+class HFRewardEngine(QueuedEngine):
     """Engine protocol on a transformers sequence-classification model with one output (num_labels=1).
 
     `params` (sampling) are accepted and ignored: scoring samples nothing. stats() counts prompt
@@ -151,27 +152,6 @@ class HFRewardEngine:
             await asyncio.get_running_loop().run_in_executor(self._pool, self.model.to, self.device)
         self._stats.sleeping = False
         self._awake.set()
-
-    def stats(self) -> EngineStats:
-        s = self._stats
-        s.waiting = len(self._pending)
-        s.running = self._running
-        s.kv_cache_usage = self._running / self.max_batch_size
-        return EngineStats(**s.to_dict())
-
-    async def close(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.cancel()
-            try:
-                await self._scheduler
-            except asyncio.CancelledError:
-                pass
-        for req in list(self._live.values()):
-            if not req.future.done():
-                req.future.set_exception(RuntimeError(f"engine closed while {req.request_id!r} was in flight"))
-        self._live.clear()
-        self._pending.clear()
-        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
 
     # ------------------------------------------------------------------ loop side
 
