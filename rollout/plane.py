@@ -195,7 +195,9 @@ class RolloutPlane(WeightRoutes):
         tmp = Path(tempfile.mkdtemp(prefix="switchyard-"))  # mode 0700: the ipc sockets' trust boundary
         self.tmp_dirs.append(tmp)  # removed by close()
         keys_file = self.keys.write(tmp / "bus_keys.json") if self.keys is not None else None
-        options = {**ENGINES[cfg.engine].defaults, "dtype": self.dtype, **cfg.engine_options}
+        on_gpus = torch.cuda.is_available() and self.placement != "cpu"  # each engine sees its own GPUs as cuda:0..
+        device = {"device": "cuda"} if on_gpus and cfg.engine == "hf" else {}  # the hf engine defaults to the CPU
+        options = {**ENGINES[cfg.engine].defaults, "dtype": self.dtype, **device, **cfg.engine_options}
         host = bind_host(cfg.bind_host) if tcp else None
         started = []
         for i, slot in enumerate(slots):
