@@ -8,7 +8,7 @@ user `tool_result` block a `tool` message (`tool_call_id` = `tool_use_id`; `is_e
 "Error: " unless the text already says so, which is how the model and the tool-round metrics
 see it). The reply comes back as an Anthropic Message, or with `stream: true` as its event
 stream. `max_tokens` is required; `temperature`, `top_p` and `top_k` are honoured; `metadata` and
-other fields are ignored. Refused with a 400: `tool_choice` any/tool (no forced calls),
+other fields are ignored. `tool_choice` any and tool force a call as on the chat route. Refused with a 400:
 `stop_sequences`, `output_config.format`, a final assistant message (prefill), and content blocks
 other than text, image, tool_use and tool_result. Errors are Anthropic-shaped: {"type": "error",
 "error": {"type", "message"}}. The key comes as `x-api-key` or `Authorization: Bearer`.
@@ -160,9 +160,13 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
     kind = choice.get("type") if isinstance(choice, dict) else None
     if choice is not None and kind not in ("auto", "any", "tool", "none"):
         raise _refuse("tool_choice must be {type: auto | any | tool | none}", "tool_choice")
-    if kind in ("any", "tool"):
-        raise _refuse(f"tool_choice.type={kind!r} is not supported: the engine samples freely (no forced calls); "
-                      "use 'auto' or 'none'", "tool_choice")
+    forced: Any = kind
+    if kind == "any":
+        forced = "required"
+    elif kind == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise _refuse("tool_choice {type: tool} needs the tool's name", "tool_choice")
+        forced = {"type": "function", "function": {"name": choice["name"]}}
     top_k = body.get("top_k")
     if top_k is not None and (type(top_k) is not int or top_k < 1):
         raise _refuse(f"top_k={top_k!r} must be a positive integer", "top_k")
@@ -202,7 +206,7 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
               "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
         chat_tools.append({"type": "function", "function": fn})
     chat = {"model": body.get("model"), "messages": messages, "tools": chat_tools or None,
-            "tool_choice": kind, "max_tokens": body["max_tokens"],
+            "tool_choice": forced, "max_tokens": body["max_tokens"],
             **{k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None}}
     return chat, top_k
 
@@ -298,7 +302,8 @@ def messages_route(gw: Any) -> Callable[[web.Request], Awaitable[web.StreamRespo
                                         f"{gw.max_inflight}); retry after a moment")
             gw.inflight += 1
             try:
-                [reply] = await conv.generate(gw.client, messages, tools, sampling, 1, parse_calls)
+                [reply] = await conv.generate(gw.client, messages, tools, sampling, 1, parse_calls,
+                                              tool_choice=chat["tool_choice"])
             finally:
                 gw.inflight -= 1
         except RequestError as e:

@@ -11,7 +11,7 @@ OpenAI keeps it) is kept in memory, the least recently used forgotten past `max_
 with `previous_response_id` and only new items continues it, in the same session only.
 
 What cannot be honoured is refused with a 400 naming it, never silently ignored: tools other than
-function tools, `tool_choice` other than auto/none, `parallel_tool_calls: false`, an output format
+function tools, `parallel_tool_calls: false`, an output format
 other than text (`text.format` json_schema/json_object), `text.verbosity`, `reasoning` settings,
 `truncation: auto`, `top_logprobs`, `background`, `conversation`, stored `prompt`s, `max_tool_calls`,
 and any parameter the API does not have. `strict` on a function tool is accepted but not enforced.
@@ -71,10 +71,6 @@ def check_options(body: dict[str, Any]) -> None:
     if body.get("parallel_tool_calls") is False:
         raise RequestError(400, "parallel_tool_calls=false is not supported: the model may write several calls in "
                                 "one reply and all are returned", param="parallel_tool_calls")
-    if body.get("tool_choice") not in (None, "auto", "none"):  # the chat route forces calls; this one does not
-        raise RequestError(400, f"tool_choice={body['tool_choice']!r} is not supported by the gateway's Responses "
-                                "API: use 'auto' or 'none' (/v1/chat/completions honours required and a named "
-                                "function)", param="tool_choice")
     if body.get("truncation") not in (None, "disabled"):
         raise RequestError(400, f"truncation={body['truncation']!r} is not supported: a prompt over the context "
                                 "gets 413; use 'disabled'", param="truncation")
@@ -84,6 +80,14 @@ def check_options(body: dict[str, Any]) -> None:
     limit = body.get("max_output_tokens")
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise RequestError(400, f"max_output_tokens={limit!r} must be a positive integer", param="max_output_tokens")
+
+
+def chat_choice(choice: Any) -> Any:
+    """The Responses API's `tool_choice` in chat's form: a named function is flat here
+    ({type: function, name}) and nested there ({type: function, function: {name}})."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice and "function" not in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
 
 
 def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
@@ -212,7 +216,8 @@ class Responses:
                 raise RequestError(400, "instructions must be a string", param="instructions")
             chat = {"model": body.get("model"), "tools": chat_tools(body.get("tools")),
                     "messages": ([{"role": "system", "content": instructions}] if instructions else []) + history,
-                    "tool_choice": body.get("tool_choice"), "max_completion_tokens": body.get("max_output_tokens"),
+                    "tool_choice": chat_choice(body.get("tool_choice")),
+                    "max_completion_tokens": body.get("max_output_tokens"),
                     **{k: body.get(k) for k in ("temperature", "top_p", "seed")}}
             messages, tools, sampling, n, parse_calls = gw._parse(chat)
             chars = sum(len(m["content"]) if isinstance(m["content"], str) else
@@ -226,7 +231,8 @@ class Responses:
                                         f"{gw.max_inflight}); retry after a moment", code="rate_limit_exceeded")
             gw.inflight += 1
             try:
-                reply = (await conv.generate(gw.client, messages, tools, sampling, n, parse_calls))[0]
+                reply = (await conv.generate(gw.client, messages, tools, sampling, n, parse_calls,
+                                             tool_choice=chat["tool_choice"]))[0]
             finally:
                 gw.inflight -= 1
         except RequestError as e:
