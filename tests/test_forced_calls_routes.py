@@ -24,8 +24,18 @@ REST = ' {"expression": "2+3"}}\n</tool_call>'  # what the model writes after th
 OPENING = '<tool_call>\n{"name": "calculator", "arguments":'
 
 
+class Recording(ScriptedClient):
+    """Keeps each request's sampling too."""
+
+    sampling: list[dict] = []
+
+    async def generate(self, prompt_ids, sampling, *args, **kwargs):  # type: ignore[override]
+        self.sampling = [*self.sampling, dict(sampling)]
+        return await super().generate(prompt_ids, sampling, *args, **kwargs)
+
+
 def test_the_responses_and_messages_routes_force_a_named_call(tok):  # noqa: F811
-    client = ScriptedClient(tok, [REST, REST, '{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'])
+    client = Recording(tok, [REST, REST, '{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'])
 
     async def body():
         gw = Gateway(client, tok)
@@ -34,7 +44,8 @@ def test_the_responses_and_messages_routes_force_a_named_call(tok):  # noqa: F81
             key = gw.open_session()
             async with openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0) as oa:
                 r = await oa.responses.create(model="switchyard", input="What is 2+3?", tools=[CALCULATOR],
-                                              tool_choice={"type": "function", "name": "calculator"})
+                                              tool_choice={"type": "function", "name": "calculator"},
+                                              top_logprobs=3, include=["message.output_text.logprobs"])
             async with _client(gw, key) as an:
                 m = await an.messages.create(model="switchyard", max_tokens=32, tools=[ANTHROPIC_CALCULATOR],
                                              messages=[{"role": "user", "content": "2+3?"}],
@@ -51,6 +62,7 @@ def test_the_responses_and_messages_routes_force_a_named_call(tok):  # noqa: F81
     assert [(c.name, c.arguments) for c in calls] == [("calculator", '{"expression": "2+3"}')]
     assert [(b.type, b.name, b.input) for b in m.content] == [("tool_use", "calculator", {"expression": "2+3"})]
     assert m.stop_reason == "tool_use" and anyone.content[-1].input == {"expression": "1+1"}
+    assert client.sampling[0].get("top_logprobs") == 3  # the Responses route asks the engine for alternatives
     opening = tok.encode(OPENING, add_special_tokens=False)
     for prompt in client.prompts[:2]:  # the prompt the engine got ends with the opening
         assert list(prompt[-len(opening):]) == opening

@@ -13,7 +13,7 @@ with `previous_response_id` and only new items continues it, in the same session
 What cannot be honoured is refused with a 400 naming it, never silently ignored: tools other than
 function tools, `parallel_tool_calls: false`, an output format
 other than text (`text.format` json_schema/json_object), `text.verbosity`, `reasoning` settings,
-`truncation: auto`, `top_logprobs`, `background`, `conversation`, stored `prompt`s, `max_tool_calls`,
+`truncation: auto`, `background`, `conversation`, stored `prompt`s, `max_tool_calls`,
 and any parameter the API does not have. `strict` on a function tool is accepted but not enforced.
 The bus returns whole generations, so a streamed response sends the finished reply as events.
 """
@@ -74,9 +74,6 @@ def check_options(body: dict[str, Any]) -> None:
     if body.get("truncation") not in (None, "disabled"):
         raise RequestError(400, f"truncation={body['truncation']!r} is not supported: a prompt over the context "
                                 "gets 413; use 'disabled'", param="truncation")
-    if body.get("top_logprobs"):
-        raise RequestError(400, "top_logprobs is not supported (the engines return the sampled token's logprob)",
-                           param="top_logprobs")
     limit = body.get("max_output_tokens")
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise RequestError(400, f"max_output_tokens={limit!r} must be a positive integer", param="max_output_tokens")
@@ -218,7 +215,8 @@ class Responses:
                     "messages": ([{"role": "system", "content": instructions}] if instructions else []) + history,
                     "tool_choice": chat_choice(body.get("tool_choice")),
                     "max_completion_tokens": body.get("max_output_tokens"),
-                    **{k: body.get(k) for k in ("temperature", "top_p", "seed")}}
+                    **{k: body.get(k) for k in ("temperature", "top_p", "seed")},
+                    **({"logprobs": True, "top_logprobs": body["top_logprobs"]} if body.get("top_logprobs") else {})}
             messages, tools, sampling, n, parse_calls = gw._parse(chat)
             chars = sum(len(m["content"]) if isinstance(m["content"], str) else
                         sum(len(p.get("text", "")) for p in m["content"]) for m in messages)
