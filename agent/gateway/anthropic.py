@@ -297,15 +297,7 @@ def messages_route(gw: Any) -> Callable[[web.Request], Awaitable[web.StreamRespo
             if _chars(messages) > gw.max_context * CHARS_PER_TOKEN:
                 raise RequestError(413, f"the messages hold {_chars(messages)} characters, more than a context of "
                                         f"{gw.max_context} tokens can take: shorten the conversation")
-            if gw.inflight >= gw.max_inflight:
-                raise RequestError(429, f"{gw.inflight} requests are already running (max_inflight="
-                                        f"{gw.max_inflight}); retry after a moment")
-            gw.inflight += 1
-            try:
-                [reply] = await conv.generate(gw.client, messages, tools, sampling, 1, parse_calls,
-                                              tool_choice=chat["tool_choice"])
-            finally:
-                gw.inflight -= 1
+            [reply] = await gw.generate(conv, messages, tools, sampling, 1, parse_calls, chat["tool_choice"])
         except RequestError as e:
             return error(e.status, str(e))
         except asyncio.CancelledError:

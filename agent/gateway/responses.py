@@ -224,15 +224,7 @@ class Responses:
                 raise RequestError(413, f"the input holds {chars} characters, more than a context of {gw.max_context}"
                                         " tokens can take: shorten the conversation", code="context_length_exceeded",
                                    param="input")
-            if gw.inflight >= gw.max_inflight:
-                raise RequestError(429, f"{gw.inflight} requests are already running (max_inflight="
-                                        f"{gw.max_inflight}); retry after a moment", code="rate_limit_exceeded")
-            gw.inflight += 1
-            try:
-                reply = (await conv.generate(gw.client, messages, tools, sampling, n, parse_calls,
-                                             tool_choice=chat["tool_choice"]))[0]
-            finally:
-                gw.inflight -= 1
+            reply = (await gw.generate(conv, messages, tools, sampling, n, parse_calls, chat["tool_choice"]))[0]
         except RequestError as e:
             return _error(e.status, str(e), e.code, e.param)
         except asyncio.CancelledError:

@@ -182,6 +182,20 @@ class Gateway:
             self.sessions[sid].max_segments = IMPLICIT_SEGMENTS
         return self.sessions[sid]
 
+    async def generate(self, conv: Conversation, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       sampling: dict[str, Any], n: int = 1, parse_calls: bool = True, tool_choice: Any = None
+                       ) -> list[Reply]:
+        """`conv.generate` under the gateway's cap on requests in flight (a 429 past `max_inflight`):
+        what every chat-shaped route calls."""
+        if self.inflight >= self.max_inflight:
+            raise RequestError(429, f"{self.inflight} requests are already running (max_inflight="
+                                    f"{self.max_inflight}); retry after a moment", code="rate_limit_exceeded")
+        self.inflight += 1
+        try:
+            return await conv.generate(self.client, messages, tools, sampling, n, parse_calls, tool_choice=tool_choice)
+        finally:
+            self.inflight -= 1
+
     # -------------------------------------------------------------- handlers
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -197,15 +211,7 @@ class Gateway:
                 raise RequestError(413, f"the messages hold {text_chars(messages)} characters, more than a context of "
                                         f"{self.max_context} tokens can take: shorten the conversation",
                                    code="context_length_exceeded", param="messages")
-            if self.inflight >= self.max_inflight:
-                raise RequestError(429, f"{self.inflight} requests are already running (max_inflight="
-                                        f"{self.max_inflight}); retry after a moment", code="rate_limit_exceeded")
-            self.inflight += 1
-            try:
-                replies = await conv.generate(self.client, messages, tools, sampling, n, parse_calls,
-                                              tool_choice=body.get("tool_choice"))
-            finally:
-                self.inflight -= 1
+            replies = await self.generate(conv, messages, tools, sampling, n, parse_calls, body.get("tool_choice"))
         except RequestError as e:
             return _error(e.status, str(e), e.code, e.param)
         except asyncio.CancelledError:
