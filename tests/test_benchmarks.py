@@ -118,5 +118,5 @@ def test_gateway_overhead_small_run(tmp_path):
     last, report = _run("benchmarks/gateway_overhead.py", ["--requests", "64"], tmp_path)
     assert last.startswith("RESULT added_ms_c1=")
     for c in ("1", "64"):
-        assert set(report[c]) == {"bus", "gateway_http", "gateway_openai"}
+        assert set(report[c]) == {"bus", "gateway_http", "gateway_openai", "gateway_responses", "gateway_messages"}
         assert all(v["req_s"] > 0 and v["p50_ms"] > 0 for v in report[c].values())
