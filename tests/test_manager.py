@@ -127,7 +127,8 @@ def test_two_workers_two_servers_mixed_agents(servers, tool_caller, tmp_path):
         assert len(set(mgr.worker_pids)) == 2
         bad = rows[:2] + [{**rows[2], "agent_name": "no_such_agent"}]
         with pytest.raises(ValueError, match=r"row 2: unknown agent_name 'no_such_agent'; known: "
-                                             r"\['langgraph_agent', 'openai_agent', 'single_turn_agent', 'tool_agent'\]"):
+                                             r"\['gym_agent', 'langgraph_agent', 'openai_agent', "
+                                             r"'single_turn_agent', 'tool_agent'\]"):
             mgr.generate(bad)
         assert server_log(srv.request_logs) == {}  # refused before anything was dispatched
         outs = mgr.generate_outputs(rows)
