@@ -80,7 +80,9 @@ async def commit(client: "GenerateClient", version: int, buckets: int, begun: in
                                   skip_down=True)
     wrong = [a for a in acks if not isinstance(a, Ack) or a.weight_version != version]
     down = sum(not client.router.alive[i] for i in (range(len(client.addresses)) if engines is None else engines))
-    if wrong or not acks or len(acks) + down < begun:
+    # none begun (a node whose engines are all down) leaves nothing to commit there; some begun and
+    # none acked means every one of them went down mid-push
+    if wrong or len(acks) + down < begun or (begun and not acks):
         raise RuntimeError(f"weight version {version} was not committed by every engine ({len(acks)} acks for "
                            f"{begun} engines, unexpected: {wrong[:3]}); check the engine server logs")
     return acks
