@@ -1,5 +1,5 @@
 """The learning half of one RL step, top to bottom: rewards -> reference and old logprobs ->
-advantages -> the actor's update. `launch/train.py` calls `learn` once per step with the batch
+(the critic's values) -> advantages -> the actor's update (-> the critic's update). `launch/train.py` calls `learn` once per step with the batch
 rollout produced; everything here runs on every rank (each actor takes its share of rows).
 """
 
@@ -37,9 +37,48 @@ def drift(rollout_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, mask: to
     return {"drift/mean": total / max(count, 1.0), "drift/max": top}
 
 
-def learn(batch: Batch, actor: Any, ref: Any, algorithm: Any, actor_cfg: ActorConfig) -> dict[str, Any]:
-    """One PPO/GRPO update from `batch`; `algorithm` is the run's `AlgorithmConfig`. Returns the
-    step's metrics (actor/*, drift/*, kl_in_reward, time/update_s)."""
+def _masked_stats(mask: torch.Tensor, shard: bool, **tensors: torch.Tensor) -> dict[str, tuple[float, float]]:
+    """(mean, variance) of each tensor over the mask-1 tokens (of every rank when `shard`)."""
+    keep = mask.bool()
+    sums = [float(keep.sum())]
+    for t in tensors.values():
+        x = t.double()[keep]
+        sums += [float(x.sum()), float((x * x).sum())]
+    sums, _ = _over_ranks(sums, 0.0, shard)
+    n = max(sums[0], 1.0)
+    out = {}
+    for i, name in enumerate(tensors):
+        mean = sums[1 + 2 * i] / n
+        out[name] = (mean, max(0.0, sums[2 + 2 * i] / n - mean * mean))
+    return out
+
+
+def _with_critic(batch: Batch, rewards: torch.Tensor, mask: torch.Tensor, critic: Any, algorithm: Any,
+                 kwargs: dict[str, Any], token_rewards: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """GAE: the critic's values of this batch (recomputed now, whatever policy sampled it), the
+    advantages whitened over the batch's mask-1 tokens, and the critic's update toward the returns."""
+    if critic is None:
+        raise ValueError(f"algorithm.advantage={algorithm.advantage} needs a critic and the run has none")
+    values = critic.compute_values(batch)
+    adv, returns = ESTIMATORS[algorithm.advantage].fn(rewards, mask, values=values, token_rewards=token_rewards,
+                                                      **kwargs)
+    st = _masked_stats(mask, batch.is_shard, values=values, returns=returns, adv=adv, error=returns - values)
+    mean, var = st["adv"]
+    adv = torch.where(mask.bool(), (adv - mean) / ((var ** 0.5 + 1e-8) if algorithm.norm_by_std else 1.0), 0.0)
+    metrics = {"critic/values_mean": st["values"][0], "critic/returns_mean": st["returns"][0],
+               "critic/advantages_mean": mean, "critic/advantages_std": var ** 0.5,
+               # 1 = the values explain the returns; 0 = no better than their mean; < 0 worse
+               "critic/vf_explained_var": 1.0 - st["error"][1] / st["returns"][1] if st["returns"][1] > 0 else 0.0}
+    upd = critic.update_values(batch, returns, values, mask)
+    metrics.update({f"critic/{k}": v for k, v in upd.items()})
+    return adv.float(), metrics
+
+
+def learn(batch: Batch, actor: Any, ref: Any, algorithm: Any, actor_cfg: ActorConfig,
+          critic: Any = None) -> dict[str, Any]:
+    """One PPO/GRPO update from `batch`; `algorithm` is the run's `AlgorithmConfig`, `critic` the
+    run's value model when the estimator takes values (gae). Returns the step's metrics (actor/*,
+    critic/*, drift/*, kl_in_reward, time/update_s)."""
     loss = algorithm.loss
     mask = batch.loss_mask.float()
 
@@ -55,21 +94,33 @@ def learn(batch: Batch, actor: Any, ref: Any, algorithm: Any, actor_cfg: ActorCo
     metrics: dict[str, Any] = {"kl_in_reward": 0.0}
     if old_lp is not None:
         metrics.update(drift(batch.rollout_logprobs, old_lp, mask, batch.is_shard))
-    if kl_in_reward:  # KL to the reference as a per-sequence reward penalty
-        kl = (kl_penalty(old_lp, ref_lp, "k1") * mask).sum(1)
-        rewards = rewards - loss.kl_coef * kl
+    estimator = ESTIMATORS[algorithm.advantage]
+    token_rewards = None
+    if kl_in_reward:  # KL to the reference as a reward penalty: per token with a critic, else per sequence
+        kl_tok = kl_penalty(old_lp, ref_lp, "k1") * mask
+        kl = kl_tok.sum(1)
+        if estimator.values:
+            token_rewards = -loss.kl_coef * kl_tok
+        else:
+            rewards = rewards - loss.kl_coef * kl
         (kl_sum, rows), _ = _over_ranks([float(kl.sum()), float(len(kl))], 0.0, batch.is_shard)
         metrics["kl_in_reward"] = kl_sum / max(rows, 1.0)
 
     # 3. advantages; invalid rows are groups of their own (advantage 0, no effect on siblings)
-    estimator = ESTIMATORS[algorithm.advantage]
     kwargs = {name: getattr(algorithm, name) for name in estimator.options}
     kwargs.update({name: getattr(batch, name) for name in estimator.batch_fields})
-    adv = compute_advantages(algorithm.advantage, rewards, mask, group_index=batch.group_index,
-                             valid=batch.valid, **kwargs)
+    t0 = time.perf_counter()
+    if estimator.values:  # with a critic, which also learns here
+        adv, critic_metrics = _with_critic(batch, rewards, mask, critic, algorithm, kwargs, token_rewards)
+        metrics.update(critic_metrics)
+        if critic.rl_steps <= critic.critic_cfg.value_warmup_steps:  # the critic's head start: no actor update
+            metrics.update({"critic/warmup": 1.0, "time/update_s": time.perf_counter() - t0})
+            return metrics
+    else:
+        adv = compute_advantages(algorithm.advantage, rewards, mask, group_index=batch.group_index,
+                                 valid=batch.valid, **kwargs)
 
     # 4. the update
-    t0 = time.perf_counter()
     upd = actor.update(batch, adv, old_lp, ref_lp, loss)
     metrics["time/update_s"] = time.perf_counter() - t0
     if on_policy:

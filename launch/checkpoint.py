@@ -83,21 +83,36 @@ def set_rng_state(s: dict[str, Any]) -> None:
 
 
 def save_run(ckpt: Checkpointer, step: int, actor: Any, stream: Any, version: int, rank: int, sharded: bool,
-             barrier: Callable[[], None], rollout: dict[str, Any] | None = None) -> None:
+             barrier: Callable[[], None], rollout: dict[str, Any] | None = None, critic: Any = None) -> None:
     """A run's checkpoint: the data position and weight version, and the actor (rank 0's replica,
-    or every rank's own shard when `sharded`); under asynchronous RL also the running rollout's
-    state (`rollout`, rank 0: buffered groups and rows in flight, with its own data position)."""
+    or every rank's own shard when `sharded`) with the critic beside it when there is one (held the
+    same way: a sharded actor's critic is saved by every rank, under its shard's "critic" key);
+    under asynchronous RL also the running rollout's state (`rollout`, rank 0: buffered groups and
+    rows in flight, with its own data position)."""
     common = {"data": rollout["stream"] if rollout else stream.state_dict(), "version": version, "rollout": rollout}
     if sharded:
-        ckpt.save(step, common if rank == 0 else None, shard=actor.state_dict(), rank=rank, barrier=barrier)
-    elif rank == 0:
-        ckpt.save(step, {**common, "actor": actor.state_dict()})
+        shard = actor.state_dict()
+        if critic is not None:
+            shard = {**shard, "critic": critic.state_dict()}
+        ckpt.save(step, common if rank == 0 else None, shard=shard, rank=rank, barrier=barrier)
+        return
+    critic_state = critic.state_dict() if critic is not None else None  # every rank: a sharded critic gathers
+    if rank == 0:
+        ckpt.save(step, {**common, "actor": actor.state_dict(),
+                         **({"critic": critic_state} if critic is not None else {})})
 
 
 def load_run(ckpt: Checkpointer, path: Path, actor: Any, stream: Any, rank: int,
-             sharded: bool) -> tuple[int, int, dict[str, Any] | None]:
+             sharded: bool, critic: Any = None) -> tuple[int, int, dict[str, Any] | None]:
     """Restore what `save_run` wrote; (step, weight version, the running rollout's state or None)."""
     state = ckpt.load(path, rank=rank if sharded else None)
-    actor.load_state_dict(state["shard"] if sharded else state["actor"])
+    held = dict(state["shard"]) if sharded else state
+    critic_state = held.pop("critic", None)
+    actor.load_state_dict(held if sharded else state["actor"])
+    if critic is not None:
+        if critic_state is None:
+            raise ValueError(f"{path} holds no critic; it was saved by a run without one (algorithm.advantage was "
+                             "not gae): resume with that estimator, or start a new trainer.output_dir")
+        critic.load_state_dict(critic_state)
     stream.load_state_dict(state["data"])
     return int(state["step"]), int(state["version"]), state.get("rollout")

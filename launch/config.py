@@ -18,7 +18,7 @@ from agent.rewards.function import RewardConfig
 from engines.config_checks import choice, positive
 from engines.inference import ENGINES
 from engines.training.advantages import ESTIMATORS
-from engines.training.config import DTYPES, ActorConfig
+from engines.training.config import DTYPES, ActorConfig, CriticConfig
 from launch.data.curriculum import CurriculumConfig
 from engines.training.losses import LossConfig
 from engines.training.reference import REFERENCES
@@ -81,12 +81,18 @@ class ReferenceConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = "grpo"
-    norm_by_std: bool = True
+    advantage: str = "grpo"  # grpo | rloo | reinforce_pp | turn_grpo | gae (with the `critic:` section)
+    norm_by_std: bool = True  # grpo/turn_grpo: divide by the group's std; gae: by the batch's (whitening)
+    gamma: float = 1.0  # gae: the discount per model token
+    lam: float = 1.0  # gae: lambda, the bias/variance trade-off of the advantage (1 = Monte Carlo returns)
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
         choice("algorithm", "advantage", self.advantage, tuple(ESTIMATORS), error=ConfigError)
+        if not 0 < self.gamma <= 1:
+            raise ConfigError(f"algorithm.gamma={self.gamma} must be in (0, 1] (1 = no discounting)")
+        if not 0 <= self.lam <= 1:
+            raise ConfigError(f"algorithm.lam={self.lam} must be in [0, 1] (GAE's lambda)")
 
 
 @dataclass
@@ -159,6 +165,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)  # algorithm.advantage=gae only
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -233,6 +240,10 @@ def resolve_path(p: str | None) -> Path | None:
 def validate(cfg: Config) -> None:
     """Cross-section checks that import classes but load no model."""
     from agent.loop import AgentLoopRegistry
+
+    if ESTIMATORS[cfg.algorithm.advantage].values and cfg.actor.backend != "torch":
+        raise ConfigError(f"algorithm.advantage={cfg.algorithm.advantage} trains a critic beside the actor and needs "
+                          f"actor.backend=torch (got {cfg.actor.backend!r}); use grpo or rloo with megatron")
 
     try:
         registry = AgentLoopRegistry(cfg.rollout.agent_loops)

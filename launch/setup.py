@@ -27,6 +27,7 @@ class Run:
     actor: Any
     ref: Any
     plane: Any
+    critic: Any = None  # the value model of algorithm.advantage=gae
 
 
 def setup(cfg: Config) -> Run:
@@ -93,6 +94,19 @@ def setup(cfg: Config) -> Run:
               + (f" + fp32 main weights {m['main_weights_gb']:.3g} GB" if m["main_weights_gb"] else "") + " = "
               f"{m['total_gb']:.3g} GB for {m['parameters'] / 1e6:.0f}M parameters ({m['bytes_per_parameter']:.1f} bytes "
               "each), plus activations", flush=True)
+    critic = None
+    from engines.training.advantages import ESTIMATORS
+
+    if ESTIMATORS[cfg.algorithm.advantage].values:
+        from engines.training.critic import make_critic
+
+        critic_dir = model_dir
+        if cfg.critic.model:
+            if rank == 0:
+                resolve_model(cfg.critic.model)
+            barrier()
+            critic_dir = str(resolve_model(cfg.critic.model))
+        critic = make_critic(cfg.critic, cfg.actor, critic_dir, cfg.model.dtype, cfg.trainer.seed)
     ref = None
     if cfg.algorithm.loss.kl_coef > 0:
         ref = make_reference(cfg.reference.backend, model_dir, dtype=cfg.model.dtype, temperature=r.temperature,
@@ -105,4 +119,4 @@ def setup(cfg: Config) -> Run:
         stream: Any = CurriculumStream(rows, cfg.data.curriculum, seed=cfg.data.seed)
     else:
         stream = RowStream(rows, seed=cfg.data.seed)
-    return Run(rank, barrier, rows, val_rows, stream, tools, model_dir, actor, ref, plane)
+    return Run(rank, barrier, rows, val_rows, stream, tools, model_dir, actor, ref, plane, critic)

@@ -25,7 +25,7 @@ from launch.config import Config, ConfigError, load_config  # noqa: E402
 REWARD_KEY = "rollout/reward_mean"
 VAL_KEY = "val/accuracy"
 CONSOLE_KEYS = (REWARD_KEY, VAL_KEY, "rollout/tool_calls_per_trajectory", "rollout/response_length_mean", "drift/mean",
-                "actor/pg_loss", "time/rollout_s", "time/update_s", "time/step_s")
+                "actor/pg_loss", "critic/vf_explained_var", "time/rollout_s", "time/update_s", "time/step_s")
 
 
 def train(cfg: Config) -> dict[str, Any]:
@@ -41,7 +41,7 @@ def train(cfg: Config) -> dict[str, Any]:
     ckpt = Checkpointer(out)
     latest = ckpt.latest() if cfg.trainer.resume else None
     if latest is not None:
-        start, version, rollout_state = load_run(ckpt, latest, actor, stream, rank, sharded)
+        start, version, rollout_state = load_run(ckpt, latest, actor, stream, rank, sharded, critic=run.critic)
         print(f"resuming from {latest} (step {start}, data position {stream.position})", flush=True)
     overlap = cfg.rollout.staleness > 0  # asynchronous RL: rollout runs on through updates
     logger = MetricsLogger(out, cfg.trainer.wandb_project, resume_step=start) if rank == 0 else None
@@ -53,7 +53,7 @@ def train(cfg: Config) -> dict[str, Any]:
 
             turns = int(cfg.rollout.agent.get("tool_agent", {}).get("max_assistant_turns", 3))
             warm_up(actor, run.rows, run.tools, run.model_dir, cfg.sft, turns - 1, show=rank == 0)
-            save_run(ckpt, 0, actor, stream, version, rank, sharded, barrier)
+            save_run(ckpt, 0, actor, stream, version, rank, sharded, barrier, critic=run.critic)
         plane.start_workers()
         barrier()  # no node runs ahead (e.g. a resumed run with no steps left) while rank 0 connects
         if latest is not None or cfg.sft.enabled:  # engines start from the base model; bring them to the actor
@@ -81,7 +81,7 @@ def train(cfg: Config) -> dict[str, Any]:
             metrics.update({**plane.engine_metrics(t_rollout), **plane.sleep()})
             plane.training(True)
             t_update, busy = time.time(), plane.engine_busy_s()
-            metrics.update(learn(batch, actor, run.ref, cfg.algorithm, cfg.actor))
+            metrics.update(learn(batch, actor, run.ref, cfg.algorithm, cfg.actor, critic=run.critic))
             plane.training(False)
             if rank == 0:  # how much the engines generated while the trainer updated (0: they idled)
                 metrics["time/engine_busy_in_update"] = (plane.engine_busy_s() - busy) / max(
@@ -101,7 +101,7 @@ def train(cfg: Config) -> dict[str, Any]:
                 logger.log(step, metrics, console=CONSOLE_KEYS)
             if step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
                 save_run(ckpt, step, actor, stream, version, rank, sharded, barrier,
-                         rollout=plane.rollout_state() if rank == 0 else None)
+                         rollout=plane.rollout_state() if rank == 0 else None, critic=run.critic)
             barrier()
         summary = summarize(logger, REWARD_KEY, VAL_KEY) if logger is not None else {}
         if cfg.trainer.export_hf:

@@ -1,7 +1,8 @@
 """Run under `torchrun --nproc-per-node 2` by test_distributed.py: the torch actor sharded with
 FSDP2 over gloo. Logprobs, one SGD update (the weight change is the gradient) and the weights
 it exports are written for the test to compare with one unsharded process; so are the AdamW
-state bytes each rank holds, a checkpoint round trip and a sharded HF export.
+state bytes each rank holds, a checkpoint round trip and a sharded HF export; and the critic
+(`algorithm.advantage=gae`) sharded the same way: its values before and after one SGD step.
 
     torchrun --nproc-per-node 2 tests/dist_fsdp.py MODEL_DIR OUT_DIR
 """
@@ -20,11 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batches import advantages_for, make_batch  # noqa: E402
 
-from engines.training.config import ActorConfig  # noqa: E402
+from engines.training.config import ActorConfig, CriticConfig  # noqa: E402
+from engines.training.critic import Critic  # noqa: E402
 from engines.training.fsdp import optimizer_bytes  # noqa: E402
 from engines.training.losses import LossConfig  # noqa: E402
 from engines.training.torch_actor import TorchActor  # noqa: E402
 from parallel.mesh import init_distributed  # noqa: E402
+
+
+def critic_returns(batch) -> torch.Tensor:
+    return torch.where(batch.loss_mask.bool(), 1.0 + batch.rewards[:, None].expand(-1, batch.responses.shape[1]), 0.0)
 
 
 def main() -> None:
@@ -56,6 +62,15 @@ def main() -> None:
     info = {"rank": rank, "world": world, "metrics": metrics, "optimizer_bytes": optimizer_bytes(adam.optimizer),
             "restored": restored, "local_numel": sum(p.to_local().numel() for p in adam.params),
             "yielded": len(weights)}
+    critic = Critic(CriticConfig(micro_batch_size=2), ActorConfig(sharding="fsdp"), model, progress=False)
+    assert critic.fsdp
+    critic.optimizer = torch.optim.SGD(critic.params, lr=1.0)
+    start = critic.compute_values(batch)
+    cm = critic.update_values(batch, critic_returns(batch), start)
+    if rank == 0:
+        torch.save({"start": start, "after": critic.compute_values(batch), "metrics": cm}, out / "critic.pt")
+    else:
+        critic.compute_values(batch)  # collective: every rank takes part
     (out / f"fsdp_rank{rank}.json").write_text(json.dumps(info))
     dist.barrier()
     dist.destroy_process_group()

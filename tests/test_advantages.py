@@ -169,9 +169,9 @@ def test_compute_advantages_dispatch_and_errors():
                        grpo(rewards, groups, mask, norm_by_std=False))
     assert torch.equal(compute_advantages("rloo", rewards, mask, groups), rloo(rewards, groups, mask))
     assert torch.equal(compute_advantages("reinforce_pp", rewards, mask), reinforce_pp(rewards, mask))
-    assert set(ESTIMATORS) == {"grpo", "rloo", "reinforce_pp", "turn_grpo"}
-    with pytest.raises(ValueError, match=r"'gae'.*\['grpo', 'rloo', 'reinforce_pp', 'turn_grpo'\]"):
-        compute_advantages("gae", rewards, mask, groups)
+    assert set(ESTIMATORS) == {"grpo", "rloo", "reinforce_pp", "turn_grpo", "gae"}
+    with pytest.raises(ValueError, match=r"'vtrace'.*\['grpo', 'rloo', 'reinforce_pp', 'turn_grpo', 'gae'\]"):
+        compute_advantages("vtrace", rewards, mask, groups)
     with pytest.raises(ValueError, match="needs group_index"):
         compute_advantages("rloo", rewards, mask)
 

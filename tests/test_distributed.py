@@ -127,6 +127,19 @@ def test_fsdp_actor_matches_one_process_and_holds_half_the_optimizer(tmp_path: P
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # gathered tensor by tensor, loads in HF
     assert sum(p.numel() for p in exported.parameters()) == sum(p.numel() for p in whole.module.parameters())
 
+    from dist_fsdp import critic_returns
+    from engines.training.config import CriticConfig
+    from engines.training.critic import Critic
+
+    sharded = torch.load(tmp_path / "critic.pt")  # the critic under FSDP: its head read as zero, one SGD step alike
+    critic = Critic(CriticConfig(micro_batch_size=2), ActorConfig(), tiny, progress=False)
+    critic.optimizer = torch.optim.SGD(critic.params, lr=1.0)
+    cm = critic.update_values(batch, critic_returns(batch), critic.compute_values(batch))
+    assert torch.count_nonzero(sharded["start"]) == 0
+    assert torch.allclose(sharded["after"], critic.compute_values(batch), atol=1e-5)
+    assert torch.count_nonzero(sharded["after"]) > 0
+    assert sharded["metrics"]["value_loss"] == pytest.approx(cm["value_loss"], rel=1e-5)
+
 
 @pytest.mark.slow
 @needs_deepspeed

@@ -256,11 +256,40 @@ class ActorBase:
         |rollout - actor| logprob gap over mask-1 tokens, measured on that same forward.
         """
         mask = batch.loss_mask
-        n = batch.total_rows
-        mini = self.cfg.mini_batch(n)
-        if old_logprobs is None and not self.cfg.on_policy(n):
+        if old_logprobs is None and not self.cfg.on_policy(batch.total_rows):
             raise ValueError("update(old_logprobs=None) is only valid for one epoch over one mini-batch; compute "
                              "old logprobs with compute_logprobs() first")
+
+        def loss_for(denom: float, tally: _Tally) -> LossFn:
+            def loss_fn(mb: MicroBatch, lp: torch.Tensor, ent: torch.Tensor | None) -> torch.Tensor:
+                k = lp.shape[1]
+                pick = lambda t: None if t is None else t[mb.rows, :k].to(self.device)  # noqa: E731
+                msk, old = pick(mask), pick(old_logprobs)
+                if old is None:
+                    old = lp.detach().float()
+                    tally.add_drift(pick(batch.rollout_logprobs), old, msk)
+                value, met = compute_loss(loss, lp.float(), old, pick(advantages), msk, pick(ref_logprobs),
+                                          None if ent is None else ent.float(), denom,
+                                          rollout_logprobs=pick(batch.rollout_logprobs))
+                tally.add(met, float(msk.sum()))
+                return value
+            return loss_fn
+
+        tally, out = self._train_epochs(batch, loss.agg, loss.entropy_coef > 0, loss_for)
+        if old_logprobs is None:
+            out.update(self._reduce_drift(tally))
+        return out
+
+    def _train_epochs(self, batch: Batch, agg: str, want_entropy: bool,
+                      loss_for: Callable[[float, "_Tally"], LossFn],
+                      mask: torch.Tensor | None = None) -> tuple["_Tally", dict[str, float]]:
+        """`actor.ppo_epochs` epochs over the batch's mini-batches, one optimizer step each;
+        `loss_for(denominator, tally)` gives a mini-batch's loss function (the policy's, or the
+        critic's), the denominator counted over `mask` (default: the batch's loss mask). Returns
+        the tally and the reduced metrics with grad_norm, lr and optimizer_steps."""
+        mask = batch.loss_mask if mask is None else mask
+        n = batch.total_rows
+        mini = self.cfg.mini_batch(n)
         if min(mini, n) < self.dp_size:
             raise ValueError(f"a mini-batch of {min(mini, n)} trajectories cannot be split over {self.dp_size} "
                              "data-parallel ranks; raise actor.ppo_mini_batch_size or data.prompts_per_step x rollout.n")
@@ -278,35 +307,19 @@ class ActorBase:
         for _ in range(self.cfg.ppo_epochs):
             for idx in self._mini_batches(batch, mini, gen, shuffle):
                 if batch.is_shard:
-                    denom = self._global_denominator(mask[idx], loss.agg)
+                    denom = self._global_denominator(mask[idx], agg)
                 else:
-                    denom = _denominator(mask[idx], loss.agg)
+                    denom = _denominator(mask[idx], agg)
                 if denom == 0:  # nothing to learn from (all rows invalid or empty); every rank skips alike
                     continue
-
-                def loss_fn(mb: MicroBatch, lp: torch.Tensor, ent: torch.Tensor | None) -> torch.Tensor:
-                    k = lp.shape[1]
-                    pick = lambda t: None if t is None else t[mb.rows, :k].to(self.device)  # noqa: E731
-                    msk, old = pick(mask), pick(old_logprobs)
-                    if old is None:
-                        old = lp.detach().float()
-                        tally.add_drift(pick(batch.rollout_logprobs), old, msk)
-                    value, met = compute_loss(loss, lp.float(), old, pick(advantages), msk, pick(ref_logprobs),
-                                              None if ent is None else ent.float(), denom,
-                                              rollout_logprobs=pick(batch.rollout_logprobs))
-                    tally.add(met, float(msk.sum()))
-                    return value
-
                 mine = idx if batch.is_shard else self._local_rows(idx)
                 micro = self._micro_batches(batch, mine)
-                self._forward_backward(micro, loss.entropy_coef > 0, self.temperature, loss_fn, bar)
+                self._forward_backward(micro, want_entropy, self.temperature, loss_for(denom, tally), bar)
                 norms.append(self._step_optimizer())
         bar.close()
         out = self._reduce(tally, len(norms))
-        if old_logprobs is None:
-            out.update(self._reduce_drift(tally))
         out.update({"grad_norm": sum(norms) / max(1, len(norms)), "lr": self._lr, "optimizer_steps": float(len(norms))})
-        return out
+        return tally, out
 
     # ------------------------------------------------------------------ SFT
     def sft_step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, float]:

@@ -1,5 +1,5 @@
-"""Advantages without a critic: GRPO, RLOO and REINFORCE++ from outcome rewards, and turn-level
-GRPO from rewards attached to turns.
+"""Advantages: GRPO, RLOO and REINFORCE++ from outcome rewards, turn-level GRPO from rewards
+attached to turns, and GAE with a critic's values.
 
 Every estimator takes the padded batch the rollout manager builds from finished trajectories:
 `rewards` [B] (one scalar per trajectory) and `response_mask` [B, T] (1 = a token the model
@@ -15,9 +15,10 @@ batch holds some groups only).
 Statistics are computed in float64 (rewards are few, and a group's std can be tiny) and the
 result is returned as float32, the dtype the loss works in.
 
-GAE is absent on purpose: it needs a value model, and there is none yet. A new estimator is one
-function here plus its `ESTIMATORS` entry (which names the `algorithm` options and the batch
-fields, such as `turn_rewards`, it takes).
+GAE takes the critic's values (`engines/training/critic.py`) besides the rewards and returns the
+returns the critic learns from with the advantages. A new estimator is one function here plus its
+`ESTIMATORS` entry (which names the `algorithm` options and the batch fields, such as
+`turn_rewards`, it takes).
 """
 
 from __future__ import annotations
@@ -248,16 +249,72 @@ def turn_grpo(rewards: torch.Tensor, group_index: GroupIndex, response_mask: tor
     return torch.where(mask, adv, 0.0).float()
 
 
+def gae(rewards: torch.Tensor, response_mask: torch.Tensor, values: torch.Tensor, gamma: float = 1.0,
+        lam: float = 1.0, turn_rewards: torch.Tensor | None = None,
+        token_rewards: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016) over the model's own tokens:
+    (advantages, returns), both [B, T] and 0 where the mask is 0. Not whitened (the trainer does).
+
+    The time steps are the mask-1 tokens only: a tool's output or template tokens between two turns
+    are not actions of the policy, carry no value target, and neither discount nor break the chain;
+    the next state of a turn's last token is the next turn's first token. With V_t the critic's
+    value of the state before token t and r_t the token's reward,
+    delta_t = r_t + gamma * V_next - V_t,  A_t = delta_t + gamma * lam * A_next,  R_t = A_t + V_t,
+    and V_next = 0, A_next = 0 after the last model token (the episode ends).
+
+    Rewards: `token_rewards` [B, T] per token (a KL penalty, say); `turn_rewards` [B, T] at the
+    positions a turn earned them (already part of `rewards`, as `turn_grpo` reads them); the rest of
+    the trajectory's total `rewards` [B] at its last token. A reward at a mask-0 position goes to the
+    model token before it.
+    """
+    r, mask = _as_batch(rewards, response_mask)
+    B, T = mask.shape
+    dev = mask.device
+
+    def per_token(t: torch.Tensor | None, name: str) -> torch.Tensor:
+        if t is None:
+            return torch.zeros(B, T, dtype=torch.float64, device=dev)
+        t = torch.as_tensor(t).to(device=dev, dtype=torch.float64)
+        if t.shape != mask.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; it must match response_mask {tuple(mask.shape)}")
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{name} contain non-finite values; every one must be a finite number")
+        return t
+
+    v = per_token(values, "values")
+    if not 0 < gamma <= 1 or not 0 <= lam <= 1:
+        raise ValueError(f"gamma={gamma}, lam={lam}; GAE needs 0 < gamma <= 1 and 0 <= lam <= 1")
+    turns = per_token(turn_rewards, "turn_rewards")
+    reward = per_token(token_rewards, "token_rewards") + turns
+    if T:
+        reward[:, -1] += r - turns.sum(1)  # the outcome (net of turn rewards) at the end ...
+    adv = torch.zeros(B, T, dtype=torch.float64, device=dev)
+    zero = torch.zeros(B, dtype=torch.float64, device=dev)
+    pending, next_value, next_adv = zero, zero, zero
+    for t in range(T - 1, -1, -1):  # ... and every reward at a mask-0 position moves to the token before it
+        m = mask[:, t]
+        pending = pending + reward[:, t]
+        delta = pending + gamma * next_value - v[:, t]
+        a = delta + gamma * lam * next_adv
+        adv[:, t] = torch.where(m, a, 0.0)
+        next_adv = torch.where(m, a, next_adv)
+        next_value = torch.where(m, v[:, t], next_value)
+        pending = torch.where(m, 0.0, pending)
+    returns = torch.where(mask, adv + v, 0.0)
+    return adv.float(), returns.float()
+
+
 @dataclass(frozen=True)
 class Estimator:
     """One advantage estimator: `fn`, whether it compares the samples of one prompt (then it takes
     `group_index` after the rewards), the `algorithm` config fields it reads as keywords, and the
-    training batch's fields it reads as keywords (`Batch.turn_rewards`)."""
+    training batch's fields it reads as keywords (`Batch.turn_rewards`), and whether it needs a critic."""
 
-    fn: Callable[..., torch.Tensor]
+    fn: Callable[..., Any]
     grouped: bool
     options: tuple[str, ...] = ()
     batch_fields: tuple[str, ...] = ()
+    values: bool = False  # takes the critic's `values` and returns (advantages, returns), not whitened
 
 
 # the registry `algorithm.advantage` names; config validation and `launch/algorithm.learn` read it
@@ -266,6 +323,7 @@ ESTIMATORS: dict[str, Estimator] = {
     "rloo": Estimator(rloo, grouped=True),
     "reinforce_pp": Estimator(reinforce_pp, grouped=False),
     "turn_grpo": Estimator(turn_grpo, grouped=True, options=("norm_by_std",), batch_fields=("turn_rewards",)),
+    "gae": Estimator(gae, grouped=False, options=("gamma", "lam"), batch_fields=("turn_rewards",), values=True),
 }
 
 
@@ -281,6 +339,9 @@ def compute_advantages(name: str, rewards: torch.Tensor, response_mask: torch.Te
     est = ESTIMATORS.get(name)
     if est is None:
         raise ValueError(f"unknown advantage estimator {name!r}; choose one of {list(ESTIMATORS)}")
+    if est.values:
+        raise ValueError(f"advantage estimator {name!r} needs a critic's values; call it directly with values= "
+                         "(the trainer does, with the run's critic)")
     if not est.grouped:
         return est.fn(rewards, response_mask, **kwargs)
     if group_index is None:

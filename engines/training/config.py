@@ -83,3 +83,50 @@ class ActorConfig:
         """One epoch over one mini-batch: the policy being updated is the one that sampled, so the
         update's own forward can stand in for the old logprobs."""
         return self.ppo_epochs == 1 and self.mini_batch(batch_size) >= batch_size
+
+
+@dataclass
+class CriticConfig:
+    """The `critic:` section: the value model `algorithm.advantage=gae` learns with
+    (`engines/training/critic.py`). It is the policy's checkpoint (or `model`) with its vocabulary
+    head replaced by a one-output value head, trained by its own AdamW on the same ranks as the
+    actor. The batch geometry keys mean what they mean under `actor:`."""
+
+    model: str = ""  # "" = the policy's checkpoint (model.path)
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0  # learning-rate warm-up, as actor.warmup_steps
+    grad_clip: float = 1.0
+    micro_batch_size: int = 8
+    max_tokens_per_micro_batch: int = 0
+    ppo_mini_batch_size: int = 0
+    ppo_epochs: int = 1
+    gradient_checkpointing: bool = False
+    trainable: list[str] = field(default_factory=list)  # parameter-name regexes, as actor.trainable; the head always trains
+    sharding: str = ""  # "" = as actor.sharding; none (DDP) | fsdp
+    value_clip: float = 0.5  # a value moves at most this far from its scored value per update; 0 = no clipping
+    value_warmup_steps: int = 0  # the first N RL steps train the critic only (the actor waits for useful values)
+
+    def __post_init__(self) -> None:
+        if self.value_clip < 0:
+            raise ValueError(f"critic.value_clip={self.value_clip} must be >= 0 (0 = no value clipping)")
+        if self.value_warmup_steps < 0:
+            raise ValueError(f"critic.value_warmup_steps={self.value_warmup_steps} must be >= 0")
+        if self.sharding not in ("", *SHARDINGS["torch"]):
+            raise ValueError(f"critic.sharding={self.sharding!r} is not allowed; choose one of "
+                             f"{['', *SHARDINGS['torch']]} ('' = as actor.sharding)")
+        self.optim(ActorConfig())  # the shared checks of the batch geometry and optimizer keys
+
+    def optim(self, actor: ActorConfig) -> ActorConfig:
+        """The critic's keys as the `ActorConfig` its torch trainer takes (errors name `critic.`)."""
+        try:
+            return ActorConfig(backend="torch", lr=self.lr, weight_decay=self.weight_decay,
+                               warmup_steps=self.warmup_steps, grad_clip=self.grad_clip,
+                               micro_batch_size=self.micro_batch_size,
+                               max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
+                               ppo_mini_batch_size=self.ppo_mini_batch_size, ppo_epochs=self.ppo_epochs,
+                               gradient_checkpointing=self.gradient_checkpointing,
+                               trainable=[*self.trainable, r"^lm_head\."] if self.trainable else [],
+                               sharding=self.sharding or (actor.sharding if actor.backend == "torch" else "none"))
+        except ValueError as e:
+            raise ValueError(str(e).replace("actor.", "critic.")) from None

@@ -69,10 +69,13 @@ def _parameters_on_meta() -> Iterator[None]:
 
 
 def load_sharded(path: str, device: torch.device, compute_dtype: torch.dtype,
-                 prepare: Callable[[torch.nn.Module], None] = lambda m: None) -> torch.nn.Module:
+                 prepare: Callable[[torch.nn.Module], None] = lambda m: None,
+                 fresh: tuple[str, ...] = ()) -> torch.nn.Module:
     """The HF model at `path`, sharded over the ranks without any rank ever holding all of it:
-    built with meta parameters, `prepare`d (trainable flags, checkpointing), sharded, then each
-    rank reads only its dim-0 slice of every tensor from the safetensors files."""
+    built with meta parameters, `prepare`d (trainable flags, checkpointing, a new head), sharded,
+    then each rank reads only its dim-0 slice of every tensor from the safetensors files.
+    Parameters whose names start with a `fresh` prefix are not read: they start at zero (a
+    critic's value head)."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -104,7 +107,7 @@ def load_sharded(path: str, device: torch.device, compute_dtype: torch.dtype,
                 for key in st.keys():
                     name = _param_name(key, params)
                     p = params.get(name)
-                    if p is None:
+                    if p is None or name.startswith(fresh):  # startswith(()) is False
                         continue  # e.g. a tied lm_head stored twice
                     local = p.to_local() if is_dtensor(p) else p
                     if local.dim() == 0:
@@ -118,6 +121,10 @@ def load_sharded(path: str, device: torch.device, compute_dtype: torch.dtype,
                                          f"its shard {tuple(local.shape)}; the checkpoint does not match the config")
                     local.copy_(mine)
                     loaded.add(name)
+        for name, p in params.items():
+            if name.startswith(fresh):
+                (p.to_local() if is_dtensor(p) else p).zero_()
+                loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"{path} holds no tensor for {missing[:5]}{' ...' if len(missing) > 5 else ''}; is it "

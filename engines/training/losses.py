@@ -92,6 +92,29 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean
     return total / count.clamp_min(1).to(total.dtype)
 
 
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor,
+               clip: float = 0.0, denominator: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The critic's loss: 0.5 * (V - R)^2 token-mean over mask-1 tokens. With `clip` > 0 a value
+    may move at most `clip` from the value it had when the batch was scored (`old_values`), the
+    larger of the clipped and unclipped errors counting (PPO's value clipping), so one batch cannot
+    drag the critic far. `denominator` as in `agg_loss` (mask-1 tokens of the whole mini-batch)."""
+    _check_like(response_mask, values=values, old_values=old_values, returns=returns)
+    if clip < 0:
+        raise ValueError(f"value clip={clip}; it must be >= 0 (0 = no clipping)")
+    keep = response_mask.bool()
+    err = (values - returns) ** 2
+    clipped = torch.zeros((), dtype=torch.bool)
+    if clip > 0:
+        moved = old_values + (values - old_values).clamp(-clip, clip)
+        err_clipped = (moved - returns) ** 2
+        clipped = keep & (err_clipped > err)
+        err = torch.maximum(err, err_clipped)
+    loss = agg_loss(0.5 * err, response_mask, "token-mean", denominator)
+    n = keep.sum().clamp_min(1)
+    return loss, {"loss": float(loss.detach()), "vf_clipfrac": float(clipped.sum() / n),
+                  "values_mean": float(torch.where(keep, values.detach(), 0).sum() / n)}
+
+
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 response_mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
                 dual_clip_c: float | None = None, agg: str = "token-mean",

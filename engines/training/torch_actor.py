@@ -41,6 +41,8 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
 class TorchActor(ActorBase):
+    fresh: tuple[str, ...] = ()  # parameter-name prefixes `_prepare` creates (not read from the checkpoint)
+
     def __init__(self, cfg: ActorConfig, model: str, dtype: str = "float32", temperature: float = 1.0,
                  seed: int = 0, progress: bool = True, device: torch.device | None = None) -> None:
         if cfg.backend != "torch":
@@ -54,7 +56,7 @@ class TorchActor(ActorBase):
         if self.fsdp:  # no rank ever loads the whole model: meta build, shard, read its slices
             from engines.training.fsdp import load_sharded
 
-            self.module = load_sharded(model, self.device, self.compute_dtype, self._prepare)
+            self.module = load_sharded(model, self.device, self.compute_dtype, self._prepare, fresh=self.fresh)
             self.params = [p for p in self.module.parameters() if p.requires_grad]
         else:
             self.module = load_causal_lm(model, torch.float32, self.device)
@@ -100,6 +102,11 @@ class TorchActor(ActorBase):
         return pairs
 
     # ------------------------------------------------------------------ the backend hooks
+    def _score(self, model: torch.nn.Module, mb: MicroBatch, temperature: float,
+               want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[b, k] per-target numbers the loss works on: the policy's logprobs (and entropy)."""
+        return micro_logprobs(model, mb, temperature, want_entropy)
+
     def _set_train(self, mode: bool) -> None:
         self.module.train(mode)
 
@@ -112,7 +119,7 @@ class TorchActor(ActorBase):
                 self.module.set_requires_gradient_sync(sync)
             with nullcontext() if sync or self.fsdp else self.model.no_sync():
                 with self._autocast():
-                    lp, ent = micro_logprobs(self.model, mb.to(self.device), temperature, want_entropy)
+                    lp, ent = self._score(self.model, mb.to(self.device), temperature, want_entropy)
                 loss = loss_fn(mb, lp, ent) if real else lp.float().sum() * 0.0
                 (loss * self.world).backward()
             if real:
@@ -122,7 +129,7 @@ class TorchActor(ActorBase):
         out = []
         for mb, real in self._padded(micro):
             with self._autocast():
-                lp, ent = micro_logprobs(self.module, mb.to(self.device), self.temperature, True)
+                lp, ent = self._score(self.module, mb.to(self.device), self.temperature, True)
             assert ent is not None
             if real:
                 out.append((lp.float().cpu(), ent.float().cpu()))
