@@ -39,6 +39,10 @@ GATE_TIMEOUT_S = 1800.0  # longest a generate waits for the engine to wake, fini
 MAX_GATED_PER_PEER = 4096
 STOP_TIMEOUT_S = 5.0  # how long a stopping server waits for its tasks before it closes the engine anyway
 PEER_TIMEOUT_S = 30.0  # a heartbeating peer silent this long is gone
+# a socket with messages waiting answers recv at once, without yielding to the loop: the receive loop
+# yields every RECV_BATCH messages (every one once stopping), or a client sending without pause would
+# hold off everything else (the requests' own tasks, timers, SIGTERM and the parent watch)
+RECV_BATCH = 64
 CONTROL = (P.Sleep, P.Wake, P.WeightsBegin, P.WeightsBucket, P.WeightsCommit)  # the trainer's messages only
 
 
@@ -167,7 +171,11 @@ class EngineServer:
         """Messages of socket `index`; a peer is known as (socket index byte + ZMQ identity), so
         replies leave by the socket the request came in on."""
         sock, secured = self._socks[index], needs_auth(self.addresses[index])
+        received = 0
         while True:
+            received += 1
+            if received % RECV_BATCH == 0 or self._stop.is_set():  # stopping: the held requests' answers first
+                await asyncio.sleep(0)
             frames = await sock.recv_multipart(copy=False)
             identity, body = bytes([index]) + frames[0].bytes, [f.buffer for f in frames[1:]]
             try:
@@ -198,6 +206,10 @@ class EngineServer:
         elif identity in self._heartbeats:
             self._heartbeats[identity] = time.monotonic()
         if isinstance(msg, P.Generate):
+            if self._stop.is_set():  # answered here: a client still sending cannot keep a stopping server busy
+                self._reply(identity, P.Error(rid=msg.rid, code="engine_stopping", message=(
+                    f"engine {self.engine_id} is shutting down; the request was not run")))
+                return
             key = (identity, msg.rid)
             if key in self._inflight:
                 self._reply(identity, P.Error(rid=msg.rid, code="duplicate_rid",
