@@ -2,7 +2,8 @@
 streamed and not, and the `responses.stream` helper) against an hf engine, token-exact against the
 engine's request log; a function tool round continued with `previous_response_id`; OpenAI-shaped
 refusals; and the OpenAI Agents SDK's default Responses path running a function tool, when
-`openai-agents` is installed. Tool rounds use a scripted bus client (the tests are about the gateway)."""
+`openai-agents` is installed: on a scripted bus client (exact replies), and on an hf engine serving the
+tool-calling tiny model, token-exact against the engine's request log."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from agent.gateway import Gateway  # noqa: E402
 from test_gateway import _with_gateway  # noqa: E402
 from test_tool_agent import _server_log, _tokenizer, check_against_server  # noqa: E402
 from test_tool_agent_states import ScriptedClient, tok  # noqa: E402,F401
+from tool_model import SYSTEM, gsm8k_rows  # noqa: E402
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
 CALCULATOR = {"type": "function", "name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -195,3 +197,68 @@ def test_the_openai_agents_sdk_runs_a_function_tool_through_the_gateway(tok):  #
         assert seg.to_output().num_turns == 2 and [t["calls"] for t in seg.turns if t["kind"] == "tools"] == [1]
         assert [m["role"] for m in seg.held] == ["system", "user", "assistant", "tool", "assistant"]
     assert called == ["2+3", "2+3"]
+
+
+def test_the_openai_agents_sdk_on_a_real_engine_is_token_exact(servers, tool_caller):  # noqa: F811
+    """The Agents SDK's default model (`/v1/responses`) drives the tool-calling tiny model on an hf
+    engine: function-tool rounds run, and every recorded trajectory holds exactly the engine's
+    prompt and output tokens; the usage the SDK saw is the engine's too."""
+    agents = pytest.importorskip("agents")
+    from test_tool_agent import GSM8K
+
+    from gateway_agent import _calc
+
+    agents.set_tracing_disabled(True)
+    srv = servers(1, backend="hf", model=str(tool_caller))
+    tokenizer = _tokenizer(tool_caller)
+    rows = gsm8k_rows(GSM8K / "test.jsonl", 4)
+    called: list[str] = []
+
+    @agents.function_tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression."""
+        called.append(expression)
+        return _calc(json.dumps({"expression": expression}))
+
+    async def run(gw: Gateway, row: dict) -> tuple[Any, Any]:
+        key = gw.open_session()
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        # greedy: the calls the tiny model was taught, whichever machine trained it
+        agent = agents.Agent(name="calc", instructions=SYSTEM, tools=[calculator],
+                             model=agents.OpenAIResponsesModel(model="switchyard", openai_client=client),
+                             model_settings=agents.ModelSettings(temperature=0.0, max_tokens=48))
+        try:
+            result = await agents.Runner.run(agent, row["prompt"][1]["content"], max_turns=3)
+            responses = result.raw_responses
+        except agents.exceptions.MaxTurnsExceeded as e:  # a model that keeps calling: its rounds still count
+            responses = e.run_data.raw_responses if e.run_data is not None else []
+        finally:
+            await client.close()
+        return responses, gw.close_session(key)
+
+    async def body(gw: Gateway):
+        two = asyncio.Semaphore(2)
+
+        async def one(row: dict):
+            async with two:
+                return await run(gw, row)
+        return await asyncio.gather(*(one(r) for r in rows))
+
+    results = asyncio.run(_with_gateway(srv.addresses, tokenizer, body))
+    sent = _server_log(srv.request_logs)
+    assert called, "the tiny model made no function call through the SDK"  # a tool round really ran
+    rounds = 0
+    for responses, conv in results:
+        assert len(conv.segments) == 1  # the SDK resends the history: one trajectory per run
+        seg = conv.segments[0]
+        out = seg.to_output()
+        check_against_server(out, sent)  # prompt and output tokens are the engine's, exactly
+        assert out.num_turns == len(responses) >= 1
+        for r, rid in zip(responses, seg.request_ids):  # what the SDK was told is what the engine did
+            assert r.usage.input_tokens == sent[rid]["prompt_len"]
+            assert r.usage.output_tokens == len(sent[rid]["token_ids"])
+        tools = [t for t in seg.turns if t["kind"] == "tools"]
+        rounds += len(tools)
+        assert [m["role"] for m in seg.held][:2] == ["system", "user"] and seg.held[0]["content"] == SYSTEM
+        assert sum(m["role"] == "tool" for m in seg.held) == sum(t["calls"] for t in tools)
+    assert rounds >= 1 and len(sent) == sum(len(c.segments[0].request_ids) for _, c in results)
