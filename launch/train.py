@@ -59,7 +59,7 @@ def train(cfg: Config) -> dict[str, Any]:
         if latest is not None or cfg.sft.enabled:  # engines start from the base model; bring them to the actor
             # a resumed run's weights are the checkpoint's version (fresh engines are at 0): no gap
             version = max(version, 1) if latest is not None else version + 1
-            plane.push_weights(actor.named_hf_weights(), version)
+            plane.push_weights(actor.named_sync_weights(plane.takes_adapters()), version)
         if validator is not None and logger is not None and cfg.trainer.val_before_train and start == 0 \
                 and not logger.logged(0, VAL_KEY):  # once: not again after a kill during step 1
             logger.log(0, _validate(validator, plane, 0, version), console=(VAL_KEY,))
@@ -71,7 +71,7 @@ def train(cfg: Config) -> dict[str, Any]:
                 batch, metrics = plane.take_batch(version)
             else:
                 if plane.behind(version):  # an attached engine restarted: bring it to the current weights
-                    plane.push_weights(actor.named_hf_weights(), version)
+                    plane.push_weights(actor.named_sync_weights(plane.takes_adapters()), version)
                 rows = stream.next_batch(cfg.data.prompts_per_step)
                 batch, metrics = plane.generate(rows, version, more_rows=stream.next_batch,
                                                 record=getattr(stream, "record", None))
@@ -89,7 +89,7 @@ def train(cfg: Config) -> dict[str, Any]:
             version += 1
             plane.wake()  # colocated engines come back; the push below is what they serve with
             # asynchronous: running generations stop for the push and go on with the new weights
-            t_sync = plane.push_weights(actor.named_hf_weights(), version, preempt=overlap)
+            t_sync = plane.push_weights(actor.named_sync_weights(plane.takes_adapters()), version, preempt=overlap)
             metrics.update({"weight_version": version, "time/rollout_s": t_rollout, "time/sync_s": t_sync,
                             "time/step_s": time.perf_counter() - t0, "data/epoch": stream.position[0],
                             "data/index": stream.position[1], **plane.last_sync})

@@ -109,10 +109,11 @@ class _Control:
 class RolloutPlane(WeightRoutes):
     def __init__(self, cfg: RolloutConfig, model_dir: str, dtype: str, rank: int, world: int,
                  tools_config: Path | None = None, interaction_config: Path | None = None, dp_rank: int = 0,
-                 reward: dict[str, Any] | None = None) -> None:
-        """`dp_rank`: this rank's data-parallel replica, whose rows of each batch it receives."""
+                 reward: dict[str, Any] | None = None, adapter_rank: int = 0) -> None:
+        """`dp_rank`: this rank's data-parallel replica, whose rows of each batch it receives.
+        `adapter_rank`: the actor trains a LoRA adapter of that rank (0: none; see `takes_adapters`)."""
         self.cfg, self.model_dir, self.dtype, self.rank, self.world = cfg, model_dir, dtype, rank, world
-        self.dp_rank = dp_rank
+        self.dp_rank, self.adapter_rank = dp_rank, adapter_rank
         self.replica_of: list[int] = [dp_rank]
         self.tools_config, self.interaction_config = tools_config, interaction_config
         self.reward = dict(reward or {})  # the `reward:` section, for the agent workers
@@ -197,7 +198,8 @@ class RolloutPlane(WeightRoutes):
         keys_file = self.keys.write(tmp / "bus_keys.json") if self.keys is not None else None
         on_gpus = torch.cuda.is_available() and self.placement != "cpu"  # each engine sees its own GPUs as cuda:0..
         device = {"device": "cuda"} if on_gpus and cfg.engine == "hf" else {}  # the hf engine defaults to the CPU
-        options = {**ENGINES[cfg.engine].defaults, "dtype": self.dtype, **device, **cfg.engine_options}
+        options = {**ENGINES[cfg.engine].defaults, "dtype": self.dtype, **device, **self.adapter_options(),
+                   **cfg.engine_options}
         host = bind_host(cfg.bind_host) if tcp else None
         started = []
         for i, slot in enumerate(slots):

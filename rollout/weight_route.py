@@ -4,7 +4,10 @@ packs each bucket into a shared-memory slot its node's engines map (`shm`), or, 
 GPU, into a device buffer they open by its CUDA IPC handle (`handle`). Several nodes: rank 0
 broadcasts each bucket to every node's leader, which feeds its engines the same way
 (`collective`). `rollout.weight_path=bus`: frames over the sockets (`bus`); `rollout.in_process`:
-tensors by reference (`in_process`)."""
+tensors by reference (`in_process`).
+
+Whatever the route, a LoRA actor's push is the adapter alone (`engines/lora.py`) when the run's
+engines apply adapters (`takes_adapters`), and the merged weights otherwise."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Any
 
 import torch
 
+from engines.inference import ENGINES
 from rollout.weights.link import Link, Placement, Push, drain
 from rollout.weights.routes import ROUTES, choose
 from rollout.weights.shm import free_bytes, shm_dir
@@ -39,6 +43,25 @@ class WeightRoutes:
     last_sync: dict[str, float]
     _no_room: bool
     inproc: Any
+    sleeps: bool
+    adapter_rank: int
+
+    def takes_adapters(self) -> bool:
+        """Whether each push carries only the actor's LoRA adapter: it trains one, and this run's
+        engines apply one (`EngineSpec.adapters`) on top of base weights they keep. Merged weights
+        instead go to engines started elsewhere (they may not have been told to take adapters) and
+        to colocated engines that free their weights while asleep (`rollout.sleep_level=2`)."""
+        spec = ENGINES[self.cfg.engine]
+        if self.cfg.in_process and spec.in_process:
+            spec = ENGINES[spec.in_process]
+        return (self.adapter_rank > 0 and spec.adapters and not self.cfg.engines
+                and not (self.sleeps and self.cfg.sleep_level == 2))
+
+    def adapter_options(self) -> dict[str, Any]:
+        """Engine options that ready an engine for adapters of the actor's rank (`EngineSpec.adapter_option`)."""
+        spec = ENGINES[self.cfg.engine]
+        option = spec.adapter_option
+        return {option: self.adapter_rank} if option and self.takes_adapters() else {}
 
     def route(self) -> str:
         """How weights reach the engines: the first route of `rollout.weights.routes.ROUTES` that

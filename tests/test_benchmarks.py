@@ -103,6 +103,9 @@ def test_actor_memory_small_run(tmp_path):
     assert 0.45 <= report["held_ratio_fsdp_vs_dp1"] <= 0.55  # FSDP over 2 ranks: half of everything per rank
     assert report["held_ratio_ddp_vs_dp1"] == pytest.approx(1.0, rel=0.02)  # DDP: a full replica each
     assert report["projection_gb"]["7"]["dp1_ddp"] == pytest.approx(16 * 7e9 / 2**30)
+    # LoRA: gradients and AdamW for the adapter alone, the fp32 base 4 of the 16 bytes per parameter
+    assert 0.24 <= report["held_ratio_lora_vs_dp1"] <= 0.3
+    assert 0.12 <= report["held_ratio_fsdp_lora_vs_dp1"] <= 0.15  # ...and sharded over 2 ranks
 
 
 def test_micro_batches_small_run(tmp_path):

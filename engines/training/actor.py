@@ -162,6 +162,11 @@ class ActorBase:
         """The fraction of its parameters' optimizer state this rank holds (1/DP when sharded)."""
         return 1.0
 
+    def named_sync_weights(self, adapter: bool) -> Any:
+        """What the weight sync sends the engines: the HF weights (`named_hf_weights`); a LoRA
+        actor sends only its adapter when `adapter` (the engines apply one; TorchActor)."""
+        return self.named_hf_weights()  # type: ignore[attr-defined]
+
     # ------------------------------------------------------------------ shared helpers
     @property
     def lr(self) -> float:

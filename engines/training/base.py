@@ -41,6 +41,10 @@ class Actor(Protocol):
     def named_hf_weights(self) -> Iterator[tuple[str, "torch.Tensor"]]:
         """The policy's weights as HF checkpoint names and layouts (each tensor once)."""
 
+    def named_sync_weights(self, adapter: bool) -> Iterator[tuple[str, "torch.Tensor"]]:
+        """What a weight sync sends: `named_hf_weights()`, or with a LoRA actor and `adapter` (the
+        engines apply adapters) the adapter alone (engines/lora.py)."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engines.config_checks import from_mapping
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("torch", "megatron")
 SHARDINGS = {  # per backend: what is sharded over the data-parallel ranks besides TP/PP
@@ -24,6 +26,43 @@ def compute_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype={name!r}; choose one of {list(DTYPES)}")
     return DTYPES[name]
+
+
+@dataclass
+class LoraConfig:
+    """`actor.lora`: train a LoRA adapter (peft) instead of every weight. The base weights stay
+    frozen; each update changes only the adapter, weight sync sends only the adapter to engines that
+    apply one (merged weights to the others), the reference is the base with the adapter switched
+    off, and the HF export is the adapter (plus the merged model with `export_merged`)."""
+
+    rank: int = 8
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input while training (0 keeps actor and engine logprobs equal)
+    # module names (or name suffixes) of the Linear layers to adapt, as peft takes them; "all-linear" =
+    # every Linear layer except the output head
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    export_merged: bool = False  # the HF export also writes the merged model (output_dir/hf/merged)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"actor.lora.rank={self.rank!r} must be a positive integer (e.g. 8, 16 or 64)")
+        if not self.alpha > 0:
+            raise ValueError(f"actor.lora.alpha={self.alpha!r} must be > 0 (the adapter is scaled by alpha / rank; "
+                             "2 x rank is common)")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"actor.lora.dropout={self.dropout!r} must be in [0, 1)")
+        modules = list(self.target_modules)
+        if not modules or not all(isinstance(m, str) and m.strip() for m in modules):
+            raise ValueError(f"actor.lora.target_modules={modules!r} must name at least one module, e.g. "
+                             "[q_proj, k_proj, v_proj, o_proj] or [all-linear]")
+        if "all-linear" in modules and len(modules) > 1:
+            raise ValueError(f"actor.lora.target_modules={modules!r}: 'all-linear' already takes every Linear "
+                             "layer; give it alone or list module names without it")
+
+    @property
+    def scaling(self) -> float:
+        """What the adapter's product B @ A is multiplied by."""
+        return self.alpha / self.rank
 
 
 @dataclass
@@ -49,8 +88,11 @@ class ActorConfig:
     tp: int = 1  # megatron: tensor parallel size
     pp: int = 1  # megatron: pipeline parallel size
     sharding: str = "none"  # torch: none (DDP) | fsdp (FSDP2); megatron: none | optimizer (ZeRO-1 over DP)
+    lora: LoraConfig | None = None  # train a LoRA adapter (engines/training/lora.py); None = every weight
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):
+            self.lora = from_mapping(LoraConfig, self.lora, "actor.lora")
         if self.backend not in BACKENDS:
             raise ValueError(f"actor.backend={self.backend!r} is not allowed; choose one of {list(BACKENDS)}")
         for name in ("micro_batch_size", "ppo_epochs", "tp", "pp"):
@@ -74,6 +116,12 @@ class ActorConfig:
                              "(0 = actor.micro_batch_size rows per micro-batch)")
         if self.ppo_mini_batch_size < 0:
             raise ValueError(f"actor.ppo_mini_batch_size={self.ppo_mini_batch_size} must be >= 0 (0 = the whole batch)")
+        if self.lora is not None and self.backend != "torch":
+            raise ValueError(f"actor.lora is set with actor.backend={self.backend!r}; LoRA trains on the torch actor "
+                             "(actor.backend=torch, with actor.sharding=none or fsdp), or unset it (actor.lora=null)")
+        if self.lora is not None and self.trainable:
+            raise ValueError(f"actor.lora and actor.trainable={list(self.trainable)} both choose what trains; with "
+                             "LoRA only the adapter trains: set actor.trainable=[] (or actor.lora=null)")
 
     def mini_batch(self, batch_size: int) -> int:
         """Trajectories per optimizer step for a batch of `batch_size`."""

@@ -70,12 +70,14 @@ def _parameters_on_meta() -> Iterator[None]:
 
 def load_sharded(path: str, device: torch.device, compute_dtype: torch.dtype,
                  prepare: Callable[[torch.nn.Module], None] = lambda m: None,
-                 fresh: tuple[str, ...] = ()) -> torch.nn.Module:
+                 fresh: tuple[str, ...] = (),
+                 init: Callable[[str, torch.Size], torch.Tensor | None] | None = None) -> torch.nn.Module:
     """The HF model at `path`, sharded over the ranks without any rank ever holding all of it:
     built with meta parameters, `prepare`d (trainable flags, checkpointing, a new head), sharded,
     then each rank reads only its dim-0 slice of every tensor from the safetensors files.
     Parameters whose names start with a `fresh` prefix are not read: they start at zero (a
-    critic's value head)."""
+    critic's value head). A parameter the files lack (a LoRA adapter's) takes its dim-0 slice of
+    `init(name, shape)`, its whole first value, alike on every rank."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -125,6 +127,12 @@ def load_sharded(path: str, device: torch.device, compute_dtype: torch.dtype,
             if name.startswith(fresh):
                 (p.to_local() if is_dtensor(p) else p).zero_()
                 loaded.add(name)
+            first = None if name in loaded or init is None else init(name, p.shape)
+            if first is not None:
+                local = p.to_local() if is_dtensor(p) else p
+                per = -(-first.shape[0] // world)
+                local.copy_(first[min(first.shape[0], rank * per):min(first.shape[0], (rank + 1) * per)])
+                loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"{path} holds no tensor for {missing[:5]}{' ...' if len(missing) > 5 else ''}; is it "
@@ -142,6 +150,9 @@ def _param_name(key: str, params: dict[str, Any]) -> str:
     are renamed, as transformers' from_pretrained does)."""
     if key in params:
         return key
+    head, _, leaf = key.rpartition(".")
+    if f"{head}.base_layer.{leaf}" in params:  # a layer wrapped by a LoRA adapter (engines/training/lora.py)
+        return f"{head}.base_layer.{leaf}"
     for old, new in LEGACY_PREFIXES:
         if key.startswith(old) and new + key[len(old):] in params:
             return new + key[len(old):]
@@ -154,11 +165,15 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def full_named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def full_named_tensors(module: torch.nn.Module, keep: Callable[[str], bool] | None = None
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) one at a time, on every rank (each is an all-gather of its shards), so
-    no rank ever holds more than one whole tensor beyond its own shards. Tied weights once."""
+    no rank ever holds more than one whole tensor beyond its own shards. Tied weights once; with
+    `keep`, only the names it keeps (the others are not gathered)."""
     seen: set[int] = set()
     for name, t in module.state_dict().items():
+        if keep is not None and not keep(name):
+            continue
         local = t.to_local() if is_dtensor(t) else t
         key = local.untyped_storage().data_ptr() if local.numel() else id(t)
         if key in seen:
@@ -167,23 +182,27 @@ def full_named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
         yield name, (t.full_tensor() if is_dtensor(t) else t)
 
 
-def local_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """This rank's shards of the weights and the optimizer state, as plain tensors (a checkpoint
-    holds one such file per rank and resumes on the same number of ranks)."""
+def local_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                keep: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """This rank's shards of the weights (`keep`: of those names only, e.g. a LoRA adapter's) and
+    the optimizer state, as plain tensors (a checkpoint holds one such file per rank and resumes on
+    the same number of ranks)."""
     local = lambda v: v.to_local() if isinstance(v, torch.Tensor) and is_dtensor(v) else v  # noqa: E731
     opt = optimizer.state_dict()
-    return {"model": {k: local(v) for k, v in module.state_dict().items()},
+    return {"model": {k: local(v) for k, v in module.state_dict().items() if keep is None or keep(k)},
             "optimizer": {"state": {i: {k: local(v) for k, v in s.items()} for i, s in opt["state"].items()},
                           "param_groups": opt["param_groups"]}}
 
 
-def load_local_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Undo `local_state` on a module sharded the same way."""
+def load_local_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                     keep: Callable[[str], bool] | None = None) -> None:
+    """Undo `local_state` (with the same `keep`) on a module sharded the same way."""
     from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
         for name, t in module.state_dict().items():
-            (t.to_local() if is_dtensor(t) else t).copy_(state["model"][name])
+            if keep is None or keep(name):
+                (t.to_local() if is_dtensor(t) else t).copy_(state["model"][name])
     params = [p for g in optimizer.param_groups for p in g["params"]]
     saved = state["optimizer"]
     rebuilt = {}

@@ -1,6 +1,8 @@
 """The frozen reference policy by config name: "torch" (a replica per rank) or "deepspeed"
 (ZeRO-3, partitioned over the ranks: `engines/training/deepspeed_ref.py`). Either scores each
-rank's share of rows and gathers them, so every rank gets [B, R] reference logprobs."""
+rank's share of rows and gathers them, so every rank gets [B, R] reference logprobs. With a LoRA
+actor the reference is the actor itself with its adapter switched off (`AdapterOffReference`):
+the frozen base it trains on is the starting policy, so no second copy is loaded."""
 
 from __future__ import annotations
 
@@ -35,6 +37,17 @@ class TorchReference:
                for mb in local.split(self.micro_batch_size)]
         lp = torch.cat(out) if out else torch.zeros(0, batch.responses.shape[1])
         return lp if batch.is_shard else gather_rows(lp, len(batch), self.world)
+
+
+class AdapterOffReference:
+    """The starting policy of a LoRA actor: its own frozen base, scored with the adapter off."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        with self.actor.adapters_off():
+            return self.actor.compute_logprobs(batch)[0]
 
 
 def make_reference(backend: str, model: str, dtype: str = "float32", temperature: float = 1.0,

@@ -6,6 +6,10 @@ the ranks torchrun starts, in one of two ways (`actor.sharding`):
   fsdp  FSDP2 (`engines/training/fsdp.py`): weights, gradients and AdamW state sharded over the
         ranks, gathered layer by layer for compute, optionally in bf16 with fp32 master weights
 
+With `actor.lora` only a LoRA adapter trains (`engines/training/lora.py`): the frozen base is held
+once (in the compute dtype without FSDP: it needs no fp32 master), gradients and AdamW state exist
+for the adapter alone, checkpoints hold the adapter, and weight sync can send the adapter alone.
+
 The PPO loop, SFT step and metrics are `ActorBase`'s; this file only says how micro-batches go
 forward and backward. Both wrappers average gradients over the ranks, so each loss is multiplied
 by the world size to turn that average into the sum the global-denominator losses need.
@@ -14,9 +18,9 @@ by the world size to turn that average into the sum the global-denominator losse
 from __future__ import annotations
 
 import re
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -53,13 +57,16 @@ class TorchActor(ActorBase):
         self.device = device or default_device()
         torch.manual_seed(seed)
         self.fsdp = cfg.sharding == "fsdp" and self.world > 1
+        self.lora = cfg.lora  # LoraConfig | None: only a LoRA adapter trains
         if self.fsdp:  # no rank ever loads the whole model: meta build, shard, read its slices
             from engines.training.fsdp import load_sharded
 
-            self.module = load_sharded(model, self.device, self.compute_dtype, self._prepare, fresh=self.fresh)
+            self.module = load_sharded(model, self.device, self.compute_dtype, self._prepare, fresh=self.fresh,
+                                       init=self._initial_value if self.lora is not None else None)
             self.params = [p for p in self.module.parameters() if p.requires_grad]
-        else:
-            self.module = load_causal_lm(model, torch.float32, self.device)
+        else:  # a frozen LoRA base needs no fp32 master copy: it is held in the compute dtype
+            self.module = load_causal_lm(model, torch.float32 if self.lora is None else self.compute_dtype,
+                                         self.device)
             self._prepare(self.module)
         self.model: torch.nn.Module = self.module
         if not self.fsdp and self.world > 1:
@@ -73,7 +80,18 @@ class TorchActor(ActorBase):
         """Activation checkpointing and the trainable subset, set before any wrapping."""
         if self.cfg.gradient_checkpointing:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.cfg.lora is not None:
+            from engines.training.lora import add_adapter
+
+            self.params = add_adapter(module, self.cfg.lora, str(self.model_path))
+            return
         self.params = self._select_trainable(module, list(self.cfg.trainable))
+
+    def _initial_value(self, name: str, shape: torch.Size) -> torch.Tensor | None:
+        """Sharded with LoRA: the whole first value of an adapter tensor (none is in the checkpoint)."""
+        from engines.training.lora import initial_value
+
+        return initial_value(name, shape, self.seed)
 
     @staticmethod
     def _select_trainable(module: torch.nn.Module, patterns: list[str]) -> list[torch.nn.Parameter]:
@@ -146,63 +164,135 @@ class TorchActor(ActorBase):
     def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF checkpoint names, each storage once (a tied lm_head is its embedding), in the
         compute dtype; rank 0 yields. Sharded, every rank must iterate: each tensor is gathered
-        from its shards just before it is yielded, never the whole model at once."""
+        from its shards just before it is yielded, never the whole model at once. With LoRA: the
+        merged weights (each adapted weight W0 + scale * B @ A) under the plain model's names."""
+        named = self._full_state()
+        if self.lora is not None:
+            from engines.training.lora import merged_named
+
+            named = merged_named(named, self.lora.scaling)
+        for name, t in named:
+            yield name, t.to(self.compute_dtype)
+
+    def _full_state(self, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(state-dict key, whole tensor as held) of the module's tensors (`keep`: those keys only),
+        each storage once; rank 0 yields, every other rank only takes part in the gathers."""
         if self.fsdp:
             from engines.training.fsdp import full_named_tensors
 
-            for name, t in full_named_tensors(self.module):
+            for name, t in full_named_tensors(self.module, keep):
                 if self.rank == 0:
-                    yield name, t.detach().to(self.compute_dtype)
+                    yield name, t.detach()
             return
         if self.rank != 0:
             return
         seen: set[int] = set()
         for name, t in self.module.state_dict().items():
             ptr = t.untyped_storage().data_ptr()
-            if ptr in seen:
+            if ptr in seen or (keep is not None and not keep(name)):
                 continue
             seen.add(ptr)
-            yield name, t.detach().to(self.compute_dtype)
+            yield name, t.detach()
+
+    def named_sync_weights(self, adapter: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """What the weight sync sends the engines: with LoRA and engines that apply an adapter
+        (`adapter`), the adapter alone under peft's names with lora_B scaled (engines/lora.py);
+        otherwise `named_hf_weights()` (merged, with LoRA)."""
+        if self.lora is None or not adapter:
+            return self.named_hf_weights()
+        from engines.training.lora import adapter_named, is_adapter_key
+
+        return ((n, t.to(self.compute_dtype)) for n, t in adapter_named(self._full_state(is_adapter_key),
+                                                                         self.lora.scaling))
+
+    def adapters_off(self) -> AbstractContextManager[None]:
+        """Inside, the model is its base (the LoRA adapter switched off): the reference policy."""
+        from engines.training.lora import adapters_off
+
+        return adapters_off(self.module)
 
     def state_dict(self) -> dict[str, Any]:
-        """Sharded: this rank's shards of the weights and optimizer (resume on as many ranks)."""
+        """Sharded: this rank's shards of the weights and optimizer (resume on as many ranks).
+        With LoRA only the adapter is saved (under "adapter"): the base is the model it loads."""
+        keep, key = self._state_keys()
         if self.fsdp:
             from engines.training.fsdp import local_state
 
-            return {**self._counters(), **local_state(self.module, self.optimizer)}
-        return {"model": self.module.state_dict(), **self._counters()}
+            state = local_state(self.module, self.optimizer, keep)
+            state[key] = state.pop("model")
+            return {**self._counters(), **state}
+        return {key: {k: v for k, v in self.module.state_dict().items() if keep is None or keep(k)},
+                **self._counters()}
+
+    def _state_keys(self) -> tuple[Callable[[str], bool] | None, str]:
+        """(which state-dict keys a checkpoint holds, under what key): all as "model", or the adapter's."""
+        if self.lora is None:
+            return None, "model"
+        from engines.training.lora import is_adapter_key
+
+        return is_adapter_key, "adapter"
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        keep, key = self._state_keys()
+        if key not in state:
+            saved = "a LoRA adapter" if "adapter" in state else "the whole model"
+            raise ValueError(f"this checkpoint holds {saved} and this run has actor.lora="
+                             f"{'null' if self.lora is None else 'set'}; resume with the actor.lora setting it was "
+                             "saved with, or start in a new trainer.output_dir")
         if self.fsdp:
             from engines.training.fsdp import load_local_state
 
-            load_local_state(self.module, self.optimizer, state)
+            load_local_state(self.module, self.optimizer, {**state, "model": state[key]}, keep)
             self.rl_steps, self.sft_steps = int(state["rl_steps"]), int(state["sft_steps"])
             self.set_lr(float(state["lr"]))
             return
-        self.module.load_state_dict(state["model"])
+        missing, unexpected = self.module.load_state_dict(state[key], strict=keep is None)
+        lacking = [k for k in missing if keep is not None and keep(k)]
+        if lacking or unexpected:
+            raise ValueError(f"the checkpoint's adapter does not fit this model (missing {lacking[:3]}, unexpected "
+                             f"{unexpected[:3]}); resume with the actor.lora it was saved with")
         self._load_counters(state)
 
     def save_hf(self, path: Path) -> None:
         """safetensors + config + tokenizer, in the compute dtype; rank 0 writes. Sharded, the
-        tensors are gathered one at a time and written in files of at most SHARD_BYTES."""
-        from transformers import AutoTokenizer
-
+        tensors are gathered one at a time and written in files of at most SHARD_BYTES. With LoRA:
+        the adapter (and the merged model with actor.lora.export_merged), see `_save_lora`."""
         path = Path(path)
-        if self.fsdp:
+        if self.lora is not None:
+            self._save_lora(path)
+        elif self.fsdp:
             self._save_hf_sharded(path)
         elif self.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
             self.module.to(self.compute_dtype).save_pretrained(path, safe_serialization=True)
             self.module.to(torch.float32)
         if self.rank == 0:
-            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
-            from engines.models import resolve_model
+            self._save_tokenizer(path)
 
-            source = resolve_model(str(self.model_path))
-            for name in PROCESSOR_FILES:  # a vision-language model's image processor goes along
-                if (source / name).is_file():
-                    (path / name).write_bytes((source / name).read_bytes())
+    def _save_tokenizer(self, path: Path) -> None:
+        from transformers import AutoTokenizer
+
+        from engines.models import resolve_model
+
+        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+        source = resolve_model(str(self.model_path))
+        for name in PROCESSOR_FILES:  # a vision-language model's image processor goes along
+            if (source / name).is_file():
+                (path / name).write_bytes((source / name).read_bytes())
+
+    def _save_lora(self, path: Path) -> None:
+        """The adapter as peft saves it (`PeftModel.from_pretrained(base, path)` loads it; the base
+        is the run's model), and with `actor.lora.export_merged` the merged model in path/merged,
+        which transformers and vLLM load as any checkpoint."""
+        from engines.training.lora import adapter_config, adapter_named, is_adapter_key, save_adapter
+
+        tensors = dict(adapter_named(self._full_state(is_adapter_key)))  # every rank gathers; rank 0 gets them
+        if self.rank == 0:
+            save_adapter(path, tensors, adapter_config(self.module, str(self.model_path)))
+        if self.lora is not None and self.lora.export_merged:
+            self._save_hf_sharded(path / "merged")
+            if self.rank == 0:
+                self._save_tokenizer(path / "merged")
 
     def _save_hf_sharded(self, path: Path) -> None:
         import json
