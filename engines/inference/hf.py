@@ -36,7 +36,6 @@ from engines.models import image_token_layout, is_vision_language, load_pretrain
 
 PREFIX_BLOCK = 16  # tokens per block of the modelled prefix cache (vLLM's default block size)
 PREFIX_LRU_ENTRIES = 100_000
-EARLY_ABORTS_KEPT = 10_000
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -135,8 +134,7 @@ class HFEngine(QueuedEngine):
         `pixel_values` ([n, C, H, W]) are the images of a vision-language model's image tokens."""
         if self._scheduler is None:
             raise RuntimeError("HFEngine.generate() called before start(); await engine.start() first")
-        if request_id in self._early_aborts:
-            del self._early_aborts[request_id]
+        if self._aborted_early(request_id):
             return GenerateOutput([], [], "abort")
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already running; request ids must be unique")
@@ -166,11 +164,8 @@ class HFEngine(QueuedEngine):
             raise
 
     async def abort(self, request_id: str) -> None:
-        req = self._live.get(request_id)
-        if req is None:  # not arrived yet (or already done): make its generate() return at once
-            self._early_aborts[request_id] = None
-            while len(self._early_aborts) > EARLY_ABORTS_KEPT:
-                self._early_aborts.popitem(last=False)
+        req = self._abort_target(request_id)
+        if req is None:  # not arrived yet (or already done): its generate() returns at once
             return
         req.aborted = True
         self._resolve_pending(req)

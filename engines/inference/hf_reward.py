@@ -35,7 +35,6 @@ from engines.inference.queued import QueuedEngine
 from engines.models import resolve_model
 
 log = logging.getLogger("switchyard.hf_reward")
-EARLY_ABORTS_KEPT = 10_000
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NO_WEIGHT_UPDATES = ("HFRewardEngine serves a reward model, which takes no weight updates: it scores with the "
                      "checkpoint it was started on. Do not route weight sync to it (a new reward model is a new "
@@ -99,8 +98,7 @@ class HFRewardEngine(QueuedEngine):
         """Score the whole prompt; the answer has no tokens and the score in `score`."""
         if self._scheduler is None:
             raise RuntimeError("HFRewardEngine.generate() called before start(); await engine.start() first")
-        if request_id in self._early_aborts:
-            del self._early_aborts[request_id]
+        if self._aborted_early(request_id):
             return GenerateOutput([], [], "abort")
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already running; request ids must be unique")
@@ -119,11 +117,8 @@ class HFRewardEngine(QueuedEngine):
             raise
 
     async def abort(self, request_id: str) -> None:
-        req = self._live.get(request_id)
-        if req is None:  # not arrived yet (or already done): make its generate() return at once
-            self._early_aborts[request_id] = None
-            while len(self._early_aborts) > EARLY_ABORTS_KEPT:
-                self._early_aborts.popitem(last=False)
+        req = self._abort_target(request_id)
+        if req is None:  # not arrived yet (or already done): its generate() returns at once
             return
         req.aborted = True
         if self._drop_pending(req) and not req.future.done():

@@ -4,15 +4,18 @@ that one scheduler task drains onto a worker thread. Their load figures and thei
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import Any
 
 from engines.inference.base import EngineStats
 
+EARLY_ABORTS_KEPT = 10_000  # aborts of requests not (yet) seen, remembered so their generate returns at once
+
 
 class QueuedEngine:
     """Mixed into an engine with `_stats` (EngineStats), `_pending` (queued requests), `_running`,
-    `max_batch_size`, `_scheduler` (its task), `_live` (request id -> request with a `future`) and
-    `_pool` (the worker thread's executor)."""
+    `max_batch_size`, `_scheduler` (its task), `_live` (request id -> request with a `future`),
+    `_early_aborts` (an OrderedDict) and `_pool` (the worker thread's executor)."""
 
     _stats: EngineStats
     _pending: Any
@@ -20,7 +23,26 @@ class QueuedEngine:
     max_batch_size: int
     _scheduler: asyncio.Task | None
     _live: dict[str, Any]
+    _early_aborts: collections.OrderedDict[str, None]
     _pool: Any
+
+    def _aborted_early(self, request_id: str) -> bool:
+        """Whether `abort` named this request before it arrived (then it is forgotten, and its
+        generate returns 'abort' at once)."""
+        if request_id in self._early_aborts:
+            del self._early_aborts[request_id]
+            return True
+        return False
+
+    def _abort_target(self, request_id: str) -> Any:
+        """The live request `abort` names, or None after remembering the id (the newest
+        EARLY_ABORTS_KEPT of them) for a generate that arrives later."""
+        req = self._live.get(request_id)
+        if req is None:
+            self._early_aborts[request_id] = None
+            while len(self._early_aborts) > EARLY_ABORTS_KEPT:
+                self._early_aborts.popitem(last=False)
+        return req
 
     def stats(self) -> EngineStats:
         """Counters plus load; kv_cache_usage is the fraction of batch slots in use (no fixed KV pool)."""
