@@ -7,7 +7,7 @@ other sections of the run and is passed to the actor's constructor, so no settin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -66,16 +66,13 @@ class LoraConfig:
 
 
 @dataclass
-class ActorConfig:
-    """`ppo_mini_batch_size` 0 means the whole batch is one mini-batch (one optimizer step per RL
-    step). `tp`/`pp` are the Megatron actor's; `gradient_checkpointing`/`trainable` the torch
-    actor's. Weights are kept in float32 (the optimizer's master copy); the model's dtype is the
-    compute dtype (autocast) and what engines are sent."""
+class UpdateConfig:
+    """How a model is updated, the keys the `actor:` and `critic:` sections share: the optimizer,
+    its schedule and the batch geometry (checked by `ActorConfig`)."""
 
-    backend: str = "torch"
     lr: float = 1e-5
     weight_decay: float = 0.0
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # learning-rate warm-up over the first N updates
     grad_clip: float = 1.0
     micro_batch_size: int = 8
     # > 0: micro-batches by padded token count instead of row count (rows sorted by length, packed
@@ -85,6 +82,16 @@ class ActorConfig:
     ppo_epochs: int = 1
     gradient_checkpointing: bool = False
     trainable: list[str] = field(default_factory=list)  # parameter-name regexes to train; empty = all
+
+
+@dataclass
+class ActorConfig(UpdateConfig):
+    """`ppo_mini_batch_size` 0 means the whole batch is one mini-batch (one optimizer step per RL
+    step). `tp`/`pp` are the Megatron actor's; `gradient_checkpointing`/`trainable` the torch
+    actor's. Weights are kept in float32 (the optimizer's master copy); the model's dtype is the
+    compute dtype (autocast) and what engines are sent."""
+
+    backend: str = "torch"
     tp: int = 1  # megatron: tensor parallel size
     pp: int = 1  # megatron: pipeline parallel size
     sharding: str = "none"  # torch: none (DDP) | fsdp (FSDP2); megatron: none | optimizer (ZeRO-1 over DP)
@@ -134,23 +141,13 @@ class ActorConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(UpdateConfig):
     """The `critic:` section: the value model `algorithm.advantage=gae` learns with
     (`engines/training/critic.py`). It is the policy's checkpoint (or `model`) with its vocabulary
     head replaced by a one-output value head, trained by its own AdamW on the same ranks as the
     actor. The batch geometry keys mean what they mean under `actor:`."""
 
-    model: str = ""  # "" = the policy's checkpoint (model.path)
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    warmup_steps: int = 0  # learning-rate warm-up, as actor.warmup_steps
-    grad_clip: float = 1.0
-    micro_batch_size: int = 8
-    max_tokens_per_micro_batch: int = 0
-    ppo_mini_batch_size: int = 0
-    ppo_epochs: int = 1
-    gradient_checkpointing: bool = False
-    trainable: list[str] = field(default_factory=list)  # parameter-name regexes, as actor.trainable; the head always trains
+    model: str = ""  # "" = the policy's checkpoint (model.path); `trainable`: the value head always trains
     sharding: str = ""  # "" = as actor.sharding; none (DDP) | fsdp
     value_clip: float = 0.5  # a value moves at most this far from its scored value per update; 0 = no clipping
     value_warmup_steps: int = 0  # the first N RL steps train the critic only (the actor waits for useful values)
@@ -168,13 +165,9 @@ class CriticConfig:
     def optim(self, actor: ActorConfig) -> ActorConfig:
         """The critic's keys as the `ActorConfig` its torch trainer takes (errors name `critic.`)."""
         try:
-            return ActorConfig(backend="torch", lr=self.lr, weight_decay=self.weight_decay,
-                               warmup_steps=self.warmup_steps, grad_clip=self.grad_clip,
-                               micro_batch_size=self.micro_batch_size,
-                               max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
-                               ppo_mini_batch_size=self.ppo_mini_batch_size, ppo_epochs=self.ppo_epochs,
-                               gradient_checkpointing=self.gradient_checkpointing,
-                               trainable=[*self.trainable, r"^lm_head\."] if self.trainable else [],
+            shared = {f.name: getattr(self, f.name) for f in fields(UpdateConfig)}
+            shared["trainable"] = [*self.trainable, r"^lm_head\."] if self.trainable else []
+            return ActorConfig(backend="torch", **shared,
                                sharding=self.sharding or (actor.sharding if actor.backend == "torch" else "none"))
         except ValueError as e:
             raise ValueError(str(e).replace("actor.", "critic.")) from None
