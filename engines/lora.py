@@ -69,6 +69,17 @@ def _hook(module: "torch.nn.Module", args: tuple[Any, ...], output: "torch.Tenso
     return output + F.linear(F.linear(x.to(module.lora_A.dtype), module.lora_A), module.lora_B).to(output.dtype)
 
 
+def take_staged(adapter: Any) -> tuple[dict[str, dict[str, Any]], bool]:
+    """(the staged adapter, whether the version also carried full weights), taken from an engine's
+    adapter holder (`staged`, `full_update`), which starts the next version empty; a version that
+    mixes the two is refused."""
+    staged, full = adapter.staged, adapter.full_update
+    adapter.staged, adapter.full_update = {}, False
+    if full and staged:
+        raise ValueError("a weight version mixed adapter tensors with full weights; send one or the other")
+    return staged, full
+
+
 class HookedAdapter:
     """The adapter a transformers model serves (see the module docstring). `stage` takes the adapter
     tensors of a bucket (checked against the model, nothing applied), `commit` swaps the staged
@@ -103,10 +114,7 @@ class HookedAdapter:
 
     def commit(self) -> None:
         """The staged adapter replaces the served one; a full update (no adapter) drops it."""
-        staged, full = self.staged, self.full_update
-        self.staged, self.full_update = {}, False
-        if full and staged:
-            raise ValueError("a weight version mixed adapter tensors with full weights; send one or the other")
+        staged, full = take_staged(self)
         if not staged:
             if full:
                 self.clear()

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from typing import Any, Iterable
 
-from engines.lora import PREFIX, check_pairs, split_adapter
+from engines.lora import PREFIX, check_pairs, split_adapter, take_staged
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
 
@@ -62,10 +62,7 @@ class VLLMAdapter:
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
-        staged, full = self.staged, self.full_update
-        self.staged, self.full_update = {}, False
-        if full and staged:
-            raise ValueError("a weight version mixed adapter tensors with full weights; send one or the other")
+        staged, full = take_staged(self)
         if not staged:
             if full:
                 await self._drop(llm)
