@@ -17,10 +17,20 @@ A row names the episode (`python -m agent.verifiers_env` writes one per task):
      "verifiers": {"env": {"taskset": {"id": "my-taskset"},    # verifiers' env config, as its CLI takes it
                            "agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}},
                    "task": 3,                                  # the task's position in the taskset
-                   "key": "<the task's key>"}}                 # checked: the taskset still holds that task
+                   "key": "<the task's key>",                  # checked: the taskset still holds that task
+                   "client": {"type": "train"}}}               # optional: verifiers' token client (below)
 
     python launch/train.py data.task=rows data.train_path=rows.jsonl data.agent_name=openai_agent \\
         rollout.agent.openai_agent.agent_function=agent.verifiers_env.run_episode
+
+The model is reached through one of verifiers' two clients (`verifiers.client`): `eval` (the
+default) relays the harness's chat requests to the gateway's `/v1/chat/completions`, where the
+gateway applies the chat template; `train` is the client prime-rl trains with: it renders each
+prompt to token ids itself and calls the gateway's `/inference/v1/generate`, which records those
+ids as they are. Its renderer defaults to agent/verifiers_renderer.py (the chat route's template
+and tool parser, `tool_parser` to pick another; turns bridged by appending), loaded for the
+tokenizer the gateway serves (`GET /v1/models`: `root`); `renderer` takes a renderers-package
+config instead (e.g. `{"name": "qwen3"}`) and `renderer_model_name` another tokenizer.
 
 An episode whose harness or scoring failed raises, so its trajectory is kept out of the update
 (`termination: error`) instead of being trained with a made-up reward. With several trainable
@@ -45,7 +55,8 @@ INSTALL_HINT = ("the verifiers adapter needs the verifiers package: `pip install
 KEY_VAR_PREFIX = "SWITCHYARD_API_KEY_"  # verifiers reads keys from the environment; its runtimes hide *API_KEY*
 
 _TASKS: dict[str, list[Any]] = {}  # per taskset config: the tasks loaded so far, in load() order
-_MODELS: dict[str, str] = {}  # per gateway base_url: the model name it serves
+_MODELS: dict[str, dict[str, Any]] = {}  # per gateway base_url: the model card it serves
+CLIENT_KEYS = {"eval": {"type"}, "train": {"type", "renderer", "renderer_model_name", "tool_parser"}}
 
 
 class EpisodeFailed(RuntimeError):
@@ -73,7 +84,25 @@ def _spec(row: Mapping[str, Any]) -> dict[str, Any]:
     idx = spec.get("task")
     if isinstance(idx, bool) or not isinstance(idx, int) or idx < 0:
         raise ValueError(f"row's verifiers.task={idx!r} must be the task's position in the taskset (an integer >= 0)")
-    return {"env": copy.deepcopy(dict(env)), "task": idx, "key": spec.get("key")}
+    return {"env": copy.deepcopy(dict(env)), "task": idx, "key": spec.get("key"), "client": _client(spec.get("client"))}
+
+
+def _client(value: Any) -> dict[str, Any]:
+    """The row's `verifiers.client`: absent or "eval", "train", or a mapping with `type` and options."""
+    spec = {"type": "eval"} if value is None else {"type": value} if isinstance(value, str) else value
+    kind = spec.get("type", "eval") if isinstance(spec, Mapping) else None
+    if not isinstance(kind, str) or kind not in CLIENT_KEYS:
+        raise ValueError(f"row's verifiers.client={str(value)[:120]!r} must be 'eval' (chat requests relayed to the "
+                         "gateway), 'train' (token ids rendered by verifiers, sent to /inference/v1/generate) or a "
+                         "mapping like {'type': 'train', 'renderer': {'name': 'qwen3'}}")
+    unknown = sorted(set(spec) - CLIENT_KEYS[kind])
+    if unknown:
+        raise ValueError(f"row's verifiers.client has option(s) {unknown} that the {kind!r} client does not take; "
+                         f"it takes {sorted(CLIENT_KEYS[kind])}")
+    if "renderer" in spec and "tool_parser" in spec:
+        raise ValueError("row's verifiers.client gives both 'renderer' and 'tool_parser': tool_parser configures the "
+                         "default renderer (agent/verifiers_renderer.py); put it inside 'renderer' or drop one")
+    return {**copy.deepcopy(dict(spec)), "type": kind}
 
 
 def _task(env: Any, idx: int, key: str | None) -> Any:
@@ -98,8 +127,9 @@ def _task(env: Any, idx: int, key: str | None) -> Any:
     return task
 
 
-async def _model_name(base_url: str) -> str:
-    """The model the gateway serves (its GET /models), which the episode's requests must name."""
+async def _model_card(base_url: str) -> dict[str, Any]:
+    """The gateway's model card (its GET /models): `id`, the name the episode's requests must use;
+    `root`, the tokenizer it serves."""
     if base_url not in _MODELS:
         import aiohttp
 
@@ -112,8 +142,23 @@ async def _model_name(base_url: str) -> str:
         if not data:
             raise RuntimeError(f"GET {base_url}/models answered {status} {text[:200]!r}; base_url must be a "
                                "switchyard gateway's (the openai_agent loop passes it)")
-        _MODELS[base_url] = str(data[0]["id"])
+        _MODELS[base_url] = dict(data[0])
     return _MODELS[base_url]
+
+
+async def _client_config(vf: Any, client: dict[str, Any], base_url: str, key_var: str) -> Any:
+    """verifiers' client config for the row's `client`, pointed at the gateway with the key in `key_var`."""
+    if client["type"] == "eval":
+        return vf.EvalClientConfig(base_url=base_url, api_key_var=key_var)
+    from agent.verifiers_renderer import IMPORT_PATH
+
+    renderer = client.get("renderer") or {"name": "custom", "import_path": IMPORT_PATH,
+                                          "tool_parser": client.get("tool_parser", "hermes")}
+    name = client.get("renderer_model_name") or (await _model_card(base_url)).get("root")
+    if not name:
+        raise ValueError(f"the gateway at {base_url} does not say which tokenizer it serves (no 'root' in GET "
+                         "/models); give verifiers.client.renderer_model_name, the model path or id to render with")
+    return vf.TrainClientConfig(base_url=base_url, api_key_var=key_var, renderer=renderer, renderer_model_name=name)
 
 
 def _failure(episode: Any) -> str:
@@ -134,8 +179,8 @@ async def run_episode(base_url: str, api_key: str, row: dict[str, Any]) -> float
     var = KEY_VAR_PREFIX + uuid.uuid4().hex
     os.environ[var] = api_key
     try:
-        client = vf.EvalClientConfig(base_url=base_url, api_key_var=var)
-        ctx = vf.ModelContext(model=await _model_name(base_url), client=client)
+        client = await _client_config(vf, spec["client"], base_url, var)
+        ctx = vf.ModelContext(model=str((await _model_card(base_url))["id"]), client=client)
         async with env.serving():
             episode = await env.run_episode(task, ctx)
     finally:
@@ -192,8 +237,11 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def rows(env: Mapping[str, Any], limit: int | None = None) -> list[dict[str, Any]]:
-    """One openai_agent row per task of the env config's taskset (the first `limit`)."""
+def rows(env: Mapping[str, Any], limit: int | None = None, client: Any = None) -> list[dict[str, Any]]:
+    """One openai_agent row per task of the env config's taskset (the first `limit`); `client` is
+    the rows' `verifiers.client` (None: the default, eval)."""
+    if client is not None:
+        _client(client)  # named before verifiers loads the taskset
     vf = verifiers()
     config = vf.resolve_env_config(copy.deepcopy(dict(env)))
     taskset = vf.load_taskset(config.taskset)
@@ -205,7 +253,8 @@ def rows(env: Mapping[str, Any], limit: int | None = None) -> list[dict[str, Any
             break
         out.append({"agent_name": "openai_agent", "data_source": f"verifiers/{config.taskset.id}",
                     "prompt": _messages(task, idx),
-                    "verifiers": {"env": copy.deepcopy(dict(env)), "task": idx, "key": task.key}})
+                    "verifiers": {"env": copy.deepcopy(dict(env)), "task": idx, "key": task.key,
+                                  **({"client": copy.deepcopy(client)} if client is not None else {})}})
     if not out:
         raise ValueError(f"taskset {config.taskset.id!r} yielded no tasks")
     return out
@@ -220,6 +269,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runtime", default="subprocess", help="where the harness program runs (verifiers' runtime type)")
     ap.add_argument("--env", default="{}", help="more env config as JSON, merged over the above")
     ap.add_argument("--limit", type=int, default=None, help="only the first N tasks")
+    ap.add_argument("--client", default=None,
+                    help="verifiers' model client: eval (default: chat requests relayed to the gateway), train "
+                         "(token ids rendered by verifiers, sent to /inference/v1/generate), or a JSON object like "
+                         "'{\"type\": \"train\", \"renderer\": {\"name\": \"qwen3\"}}'")
     ap.add_argument("--out", required=True, help="the .jsonl file to write")
     args = ap.parse_args(argv)
     try:
@@ -229,7 +282,18 @@ def main(argv: list[str] | None = None) -> None:
                          "'{\"agent\": {\"max_turns\": 4}}'") from None
     if not isinstance(extra, dict):
         raise SystemExit(f"--env {args.env!r} must be a JSON object")
-    written = rows(env_config(args.taskset, args.harness, args.runtime, extra), args.limit)
+    client: Any = args.client
+    if client is not None and client.lstrip().startswith("{"):
+        try:
+            client = json.loads(client)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--client {args.client!r} is not JSON ({e.msg}); give eval, train or an object like "
+                             "'{\"type\": \"train\"}'") from None
+    try:
+        written = rows(env_config(args.taskset, args.harness, args.runtime, extra), args.limit,
+                       None if client == "eval" else client)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     out = Path(args.out)
     out.write_text("".join(json.dumps(r) + "\n" for r in written))
     print(json.dumps({"rows": len(written), "taskset": args.taskset, "output": str(out)}), file=sys.stdout)

@@ -58,21 +58,36 @@ def test_completions_and_the_token_endpoint_are_token_exact(servers):
                     "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3, "logit_bias": {"500": 100},
                                                                 "logprobs": 2}}) as r:
                 forced = await r.json()
+            other = {"Authorization": f"Bearer {gw.open_session()}"}  # verifiers' train client sends its stop ids
+            async with http.post(f"{root}/inference/v1/generate", headers=other, json={
+                    "token_ids": [4, 5, 6], "sampling_params": {"max_tokens": 3, "logit_bias": {"500": 100},
+                                                                "stop_token_ids": [500], "logprobs": 1}}) as r:
+                stopped = await r.json()
+            async with http.post(f"{root}/inference/v1/generate", headers=other, json={
+                    "token_ids": [4, 5, 6], "sampling_params": {"stop_token_ids": ["x"]}}) as r:
+                bad_stop = (r.status, await r.json())
+            async with http.get(f"{gw.base_url}/models") as r:
+                card = (await r.json())["data"][0]
         forced_text = await oa_forced(gw, key)
-        return gw.close_session(key), text, streamed, turns, bad_vocab, bad_ids, forced, forced_text
+        return (gw.close_session(key), text, streamed, turns, bad_vocab, bad_ids, forced, forced_text, stopped,
+                bad_stop, card, gw.max_context)
 
     async def oa_forced(gw: Gateway, key: str):
         async with openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0) as oa:
             return await oa.completions.create(model="switchyard", prompt="Hi", max_tokens=3, logprobs=2,
                                                logit_bias={"500": 100})
 
-    conv, text, streamed, turns, bad_vocab, bad_ids, forced, forced_text = asyncio.run(
-        _with_gateway(srv.addresses, tokenizer, body))
+    (conv, text, streamed, turns, bad_vocab, bad_ids, forced, forced_text, stopped, bad_stop, card,
+     context) = asyncio.run(_with_gateway(srv.addresses, tokenizer, body))
     assert forced["choices"][0]["token_ids"] == [500, 500, 500]  # logit_bias reaches the engine on both routes
     assert all(len(c["top_logprobs"]) == 2 for c in forced["choices"][0]["logprobs"]["content"])
     assert forced_text.choices[0].text == tokenizer.decode([500] * 3, skip_special_tokens=True)
     assert all(len(alt) >= 1 for alt in forced_text.choices[0].logprobs.top_logprobs)
     sent = _server_log(srv.request_logs)
+    assert stopped["choices"][0]["token_ids"] == [500] and stopped["choices"][0]["finish_reason"] == "stop"
+    assert sent[stopped["request_id"]]["token_ids"] == [500]  # the engine's request id, as vLLM's answer has it
+    assert bad_stop[0] == 400 and bad_stop[1]["error"]["param"] == "sampling_params.stop_token_ids"
+    assert card["root"] == tokenizer.name_or_path and card["max_model_len"] == context  # what vLLM's card says
     raw = [s for s in conv.segments if getattr(s, "raw", False)]
     assert len(raw) == 5  # text, token list, the two-turn token conversation as one, and the two forced ones
     for seg in raw:

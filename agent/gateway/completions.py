@@ -13,8 +13,10 @@ taken as it is.
 
 Honoured: `max_tokens`, `temperature`, `top_p`, `top_k` (generate), `seed`, `frequency_penalty`,
 `presence_penalty`, `logit_bias`, `logprobs` (completions: the top-k alternatives too; generate:
-`sampling_params.logprobs`); refused with a 400 naming the field: `n` > 1, `echo`, `suffix`, `stop`,
-`best_of`, batched prompts, streaming on the token endpoint.
+`sampling_params.logprobs`), `stop_token_ids` (generate: verifiers' train client sends its
+renderer's); the token endpoint answers vLLM's shape (`choices[0].token_ids`, per-token
+`logprobs.content` as `token_id:N`, `request_id`). Refused with a 400 naming the field: `n` > 1,
+`echo`, `suffix`, `stop`, `best_of`, batched prompts, streaming on the token endpoint.
 """
 
 from __future__ import annotations
@@ -213,6 +215,14 @@ class RawPrompts:
                     raise RequestError(400, f"sampling_params.{key} is not supported by the token endpoint",
                                        param=f"sampling_params.{key}")
             sampling = {**_sampling(sp, GENERATE_KEYS), **gw._adjustments({k: sp.get(k) for k in ADJUSTMENTS})}
+            stops = sp.get("stop_token_ids")
+            if stops not in (None, []):
+                ids = _token_list(stops, "stop_token_ids")
+                if ids is None or any(t >= len(gw.tokenizer) for t in ids):
+                    raise RequestError(400, f"sampling_params.stop_token_ids={str(stops)[:80]} must be a list of token "
+                                            f"ids of the vocabulary (size {len(gw.tokenizer)})",
+                                       param="sampling_params.stop_token_ids")
+                sampling["stop_token_ids"] = ids
             k = sp.get("logprobs")
             if k not in (None, 0, 1, True, False):
                 if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20:
@@ -226,7 +236,7 @@ class RawPrompts:
         content = [{"token": f"token_id:{t}", "logprob": float(x), "top_logprobs": top}
                    for t, x, top in zip(result.token_ids, result.logprobs, tops)]
         return web.json_response({
-            "id": f"gen-{uuid.uuid4().hex}", "model": gw.model_name,
+            "id": f"gen-{uuid.uuid4().hex}", "request_id": result.request_id, "model": gw.model_name,
             "choices": [{"index": 0, "token_ids": [int(t) for t in result.token_ids], "logprobs": {"content": content},
                          "finish_reason": "length" if result.finish_reason == "length" else "stop"}],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(result.token_ids),

@@ -198,8 +198,12 @@ class Gateway:
 
     # -------------------------------------------------------------- handlers
     async def _models(self, request: web.Request) -> web.Response:
+        # `root` (the tokenizer served) and `max_model_len` as vLLM's cards carry them: clients that
+        # tokenize themselves (verifiers' train client) load that tokenizer and check prompts against it
+        root = getattr(self.tokenizer, "name_or_path", None) or None
         return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "switchyard"}]})
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "switchyard", "root": root,
+             "max_model_len": self.max_context}]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         try:
