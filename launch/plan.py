@@ -45,6 +45,20 @@ class Shape:
         layer = attn + 3 * self.hidden * self.ffn + 2 * self.hidden
         return self.layers * layer + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each adaptable Linear of one decoder layer, by module name."""
+        q, kv = self.heads * self.hd, self.kv_heads * self.hd
+        return {"q_proj": (self.hidden, q), "k_proj": (self.hidden, kv), "v_proj": (self.hidden, kv),
+                "o_proj": (q, self.hidden), "gate_proj": (self.hidden, self.ffn), "up_proj": (self.hidden, self.ffn),
+                "down_proj": (self.ffn, self.hidden)}
+
+    def adapter_parameters(self, rank: int, targets: list[str]) -> int:
+        """A LoRA adapter's parameters: r x (in + out) per adapted Linear of every layer
+        (`all-linear`: every one of them)."""
+        per_layer = sum(rank * (i + o) for name, (i, o) in self.linears().items()
+                        if "all-linear" in targets or any(name == t or name.endswith(t) for t in targets))
+        return self.layers * per_layer
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.layers * self.kv_heads * self.hd * dtype_bytes
 
@@ -152,16 +166,33 @@ def make_plan(cfg: Any, recipe: str | None, nodes: int, gpus: int, gpu_gb: float
     route = choose(Placement(in_process=bool(r.in_process), weight_path=r.weight_path, nodes=nodes,
                              engines_on_my_gpu=placement == "colocated" and nodes == 1 and engine_tp == 1 and gpus == 1))
     engine_bytes = params * dtype_bytes(cfg.model.dtype)
-    buckets = math.ceil(engine_bytes / (r.weight_bucket_mb << 20))
-    lines.append(f"weight sync: route {route}, {engine_bytes / GB:.2f} GiB in {buckets} bucket(s) of "
-                 f"{r.weight_bucket_mb} MiB per step")
+    lora = getattr(a, "lora", None)
+    adapter = shape.adapter_parameters(lora.rank, list(lora.target_modules)) if lora is not None else 0
+    # engines that apply a pushed adapter get only it (engines/lora.py); the others the merged weights
+    adapters_travel = adapter and r.engine in ("hf", "vllm") and not r.in_process and not r.engines \
+        and not (placement == "colocated" and r.sleep_level == 2)
+    sync_bytes = adapter * dtype_bytes(cfg.model.dtype) if adapters_travel else engine_bytes
+    buckets = math.ceil(sync_bytes / (r.weight_bucket_mb << 20))
+    lines.append(f"weight sync: route {route}, {sync_bytes / GB:.3g} GiB in {buckets} bucket(s) of "
+                 f"{r.weight_bucket_mb} MiB per step" + (f" (the LoRA adapter, {adapter / 1e6:.1f}M parameters)"
+                                                         if adapters_travel else ""))
     # memory per GPU
     if a.backend == "megatron":
         actor = params / mp * ((6 + 12 / dp) if a.sharding == "optimizer" else 16)
+    elif lora is not None:  # a frozen base (compute dtype; fp32 when FSDP-sharded), the adapter trained
+        shard = dp if a.sharding == "fsdp" else 1
+        base = params * (4 if a.sharding == "fsdp" else dtype_bytes(cfg.model.dtype))
+        actor = (base + adapter * 16) / shard
     else:
         actor = params * 16 / (dp if a.sharding == "fsdp" else 1)
+    from engines.training.advantages import ESTIMATORS
+
+    if ESTIMATORS[cfg.algorithm.advantage].values:  # the critic: a second model trained beside the actor
+        critic_sharding = cfg.critic.sharding or a.sharding
+        actor += params * 16 / (dp if critic_sharding == "fsdp" else 1)
+        lines.append("critic: the policy's size, trained on the trainer's GPUs (counted with the actor below)")
     ref = 0.0
-    if cfg.algorithm.loss.kl_coef > 0:
+    if cfg.algorithm.loss.kl_coef > 0 and lora is None:  # with LoRA the reference is the actor's own base
         ref = params * dtype_bytes(cfg.model.dtype) / (world if cfg.reference.backend == "deepspeed" else 1)
     engine_weights = engine_bytes / engine_tp
     engine_total = util * gpu_gb * GB

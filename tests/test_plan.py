@@ -53,3 +53,16 @@ def test_a_config_json_gives_the_shape(tmp_path: Path):
     assert 0.49e9 < SHAPES["qwen2.5-0.5b"].parameters() < 0.50e9  # published: 0.49B
     assert 7.6e9 < SHAPES["qwen2.5-7b"].parameters() < 7.7e9  # published: 7.61B
     assert 8.0e9 < SHAPES["llama-3.1-8b"].parameters() < 8.1e9  # published: 8.03B
+
+
+def test_the_plan_counts_a_lora_adapter_and_a_critic():
+    recipe = "launch/configs/recipes/gsm8k_qwen2.5-3b_async_split.yaml"
+    full = plan(recipe, "--plan")
+    lora = plan(recipe, "--plan", "actor.lora={rank: 16}")
+    critic = plan(recipe, "--plan", "algorithm.advantage=gae")
+    assert full.returncode == lora.returncode == critic.returncode == 0, full.stdout + lora.stdout + critic.stdout
+    # qwen2.5-3b, rank 16 on every Linear of its 36 layers: 16 x 51,968 x 36 = 29.9M parameters, bf16
+    assert "(the LoRA adapter, 29.9M parameters)" in lora.stdout and "0.0558 GiB in 1 bucket" in lora.stdout
+    actor_gb = lambda out: float(re.search(r"actor ([\d.]+) GiB", out).group(1))  # noqa: E731
+    assert actor_gb(lora.stdout) < actor_gb(full.stdout) / 3  # a frozen bf16 base, AdamW for the adapter only
+    assert "critic:" in critic.stdout and actor_gb(critic.stdout) > 1.9 * actor_gb(full.stdout)
