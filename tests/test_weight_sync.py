@@ -55,6 +55,32 @@ def test_push_weights_reaches_every_engine(servers):
         assert torch.allclose(torch.tensor(r.logprobs), logp.max(-1).values, atol=1e-4)
 
 
+def test_an_engine_back_mid_push_waits_for_the_next_version(servers):
+    """An engine down when version 2 begins and back (restarted, say) before its commit gets neither
+    its buckets nor its commit; the next push brings it up to date."""
+    srv = servers(2, backend="hf", model="tiny-llama")
+    state = tiny_llama(load_tokenizer("tiny-llama"), seed=7).state_dict()
+
+    async def main():
+        async with GenerateClient(srv.addresses) as client:
+            await client.wait_ready(timeout_s=300)
+            await push_weights(client, state.items(), version=1, bucket_bytes=1 << 20)
+            client._down(1, "test: gone before the push")
+
+            def named():
+                client._seen(1)  # its heartbeat answers again after the begin
+                yield from state.items()
+
+            report = await push_weights(client, named(), version=2, bucket_bytes=1 << 20)
+            versions = [(await client.status(i)).weight_version for i in range(2)]
+            again = await push_weights(client, state.items(), version=3, bucket_bytes=1 << 20)
+            return report, versions, again, [(await client.status(i)).weight_version for i in range(2)]
+
+    report, versions, again, after = asyncio.run(main())
+    assert report.engines == 1 and versions == [2, 1]
+    assert again.engines == 2 and after == [3, 3]
+
+
 def _slots_into_two_engines(servers, slots, seed: int, refusals: list[tuple[dict, str]]):
     """Version 1 through `slots` into two hf engines; then version 2 begins with one bucket whose slot
     has a byte flipped after its checksum (refused), the same bucket with each `refusals` change to

@@ -292,12 +292,16 @@ class GenerateClient:
             raise RequestFailed(reply.code, reply.message)
         return reply
 
+    def live(self, only: list[int] | None = None) -> list[int]:
+        """The indices of the engines (of `only`, if given) that are up now."""
+        return [i for i in (range(len(self.addresses)) if only is None else only) if self.router.alive[i]]
+
     async def broadcast(self, msg: P.Message, timeout_s: float = 600.0, only: list[int] | None = None,
                         skip_down: bool = False) -> list[P.Message]:
         """Send a control message to every live engine (of `only`, engine indices) and wait for all acks.
         `skip_down`: an engine whose connection is lost meanwhile is left out of the acks (it is marked
         down) instead of failing the call; an engine that answers with an error still fails it."""
-        live = [i for i in (range(len(self.addresses)) if only is None else only) if self.router.alive[i]]
+        live = self.live(only)
         msgs = [dataclasses.replace(msg) for _ in live]
 
         async def one(i: int, m: P.Message) -> P.Message | None:

@@ -42,8 +42,7 @@ async def push_weights(client: "GenerateClient", named: Iterable[tuple[str, "tor
     comes back (restarted, at version 0) is brought up to date by the next push.
     """
     t0 = time.perf_counter()
-    begun = await client.broadcast(WeightsBegin(weight_version=version, preempt=preempt), timeout_s, only=engines,
-                                   skip_down=True)
+    begun = await begin(client, version, preempt, timeout_s, engines)
     if not begun:
         raise RuntimeError(f"no engine is up to load weight version {version}; check the engine server logs")
     buckets = nbytes = 0
@@ -58,7 +57,7 @@ async def push_weights(client: "GenerateClient", named: Iterable[tuple[str, "tor
             else:
                 bucket = bucket_from_tensors(tensors, version, index)
                 nbytes += sum(len(f) for f in bucket.frames)
-            window.append(asyncio.ensure_future(client.broadcast(bucket, timeout_s, only=engines, skip_down=True)))
+            window.append(asyncio.ensure_future(client.broadcast(bucket, timeout_s, only=begun, skip_down=True)))
             buckets += 1
             while len(window) >= max(1, inflight):
                 await window.pop(0)
@@ -67,24 +66,35 @@ async def push_weights(client: "GenerateClient", named: Iterable[tuple[str, "tor
     finally:
         for task in window:  # a failed bucket: the others are not waited for
             task.cancel()
-    acks = await commit(client, version, buckets, len(begun), timeout_s, engines)
+    acks = await commit(client, version, buckets, begun, timeout_s)
     return SyncReport(version, len(acks), buckets, nbytes, time.perf_counter() - t0,
                       getattr(slots, "kind", "shm") if slots else "bus")
 
 
-async def commit(client: "GenerateClient", version: int, buckets: int, begun: int, timeout_s: float = 600.0,
-                 engines: list[int] | None = None) -> list[Any]:
-    """Switch the engines to `version` once all `buckets` arrived; raises unless each of the `begun`
-    engines acked it or went down meanwhile."""
-    acks = await client.broadcast(WeightsCommit(weight_version=version, num_buckets=buckets), timeout_s, only=engines,
+async def begin(client: "GenerateClient", version: int, preempt: bool, timeout_s: float,
+                engines: list[int] | None = None) -> list[int]:
+    """Open version `version` on the engines (of `engines`) that are up; returns the indices of those
+    that began it and are still up. The buckets and the commit go to these only: an engine that
+    comes back meanwhile (restarted, at version 0) has not begun this version and waits for the next."""
+    targets = client.live(engines)
+    await client.broadcast(WeightsBegin(weight_version=version, preempt=preempt), timeout_s, only=targets,
+                           skip_down=True)
+    return client.live(targets)
+
+
+async def commit(client: "GenerateClient", version: int, buckets: int, begun: list[int],
+                 timeout_s: float = 600.0) -> list[Any]:
+    """Switch the `begun` engines to `version` once all `buckets` arrived; raises unless each of them
+    acked it or went down meanwhile."""
+    acks = await client.broadcast(WeightsCommit(weight_version=version, num_buckets=buckets), timeout_s, only=begun,
                                   skip_down=True)
     wrong = [a for a in acks if not isinstance(a, Ack) or a.weight_version != version]
-    down = sum(not client.router.alive[i] for i in (range(len(client.addresses)) if engines is None else engines))
+    down = sum(not client.router.alive[i] for i in begun)
     # none begun (a node whose engines are all down) leaves nothing to commit there; some begun and
     # none acked means every one of them went down mid-push
-    if wrong or len(acks) + down < begun or (begun and not acks):
+    if wrong or len(acks) + down < len(begun) or (begun and not acks):
         raise RuntimeError(f"weight version {version} was not committed by every engine ({len(acks)} acks for "
-                           f"{begun} engines, unexpected: {wrong[:3]}); check the engine server logs")
+                           f"{len(begun)} engines, unexpected: {wrong[:3]}); check the engine server logs")
     return acks
 
 

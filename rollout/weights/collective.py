@@ -9,8 +9,8 @@ import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from rollout.bus.protocol import ProtocolError, WeightsBegin, WeightsBucket
-from rollout.weights.bus import commit
+from rollout.bus.protocol import ProtocolError, WeightsBucket
+from rollout.weights.bus import begin, commit
 from rollout.weights.link import Link, Placement, Push, drain
 from rollout.weights.shm import ShmSlots
 from rollout.weights.codec import DEFAULT_CHECKSUM, bucket_by_size, checksum, slot_bucket, tensor_from_raw, tensor_to_raw
@@ -153,7 +153,7 @@ def relay_push(client: "GenerateClient", loop: asyncio.AbstractEventLoop, named:
     if not is_source:
         drain = threading.Thread(target=lambda: [None for _ in named], name="weights-gather", daemon=True)
         drain.start()
-    begun = run(client.broadcast(WeightsBegin(weight_version=version, preempt=preempt), timeout_s, only=mine))
+    begun = run(begin(client, version, preempt, timeout_s, mine))
     inflight: list[concurrent.futures.Future | None] = [None] * slots.count
     failure: list[BaseException] = []
 
@@ -170,7 +170,7 @@ def relay_push(client: "GenerateClient", loop: asyncio.AbstractEventLoop, named:
                              device):
         if not failure:
             inflight[buckets % slots.count] = asyncio.run_coroutine_threadsafe(
-                client.broadcast(msg, timeout_s, only=mine), loop)
+                client.broadcast(msg, timeout_s, only=begun), loop)
         buckets += 1
         received += msg.ref["total"]
     for i in range(slots.count):
@@ -180,7 +180,7 @@ def relay_push(client: "GenerateClient", loop: asyncio.AbstractEventLoop, named:
     if not commit_everywhere(not failure, group):
         raise RuntimeError(f"weight version {version} was not committed on any node: "
                            + (f"{type(failure[0]).__name__}: {failure[0]}" if failure else "another node failed; see its log"))
-    run(commit(client, version, buckets, len(begun), timeout_s, mine))
+    run(commit(client, version, buckets, begun, timeout_s))
     return received
 
 
