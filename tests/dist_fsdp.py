@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batches import advantages_for, make_batch  # noqa: E402
+from dist_exit import leave  # noqa: E402
 
 from engines.training.config import ActorConfig, CriticConfig  # noqa: E402
 from engines.training.critic import Critic  # noqa: E402
@@ -72,8 +73,7 @@ def main() -> None:
     else:
         critic.compute_values(batch)  # collective: every rank takes part
     (out / f"fsdp_rank{rank}.json").write_text(json.dumps(info))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(rank)
 
 
 if __name__ == "__main__":

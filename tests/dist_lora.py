@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batches import advantages_for, make_batch  # noqa: E402
+from dist_exit import leave  # noqa: E402
 
 from engines.training.config import ActorConfig, LoraConfig  # noqa: E402
 from engines.training.losses import LossConfig  # noqa: E402
@@ -76,8 +77,7 @@ def main() -> None:
             "whole_model_saved": "model" in state,
             "yielded": len(adapter)}
     (out / f"lora_rank{rank}.json").write_text(json.dumps(info))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(rank)
 
 
 if __name__ == "__main__":
