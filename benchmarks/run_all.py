@@ -271,6 +271,33 @@ def micro_batches_section(r: dict[str, Any]) -> list[str]:
             f"{r['limit']['budget_fraction_of_peak']:.0%} with the token budget."]
 
 
+def vs_trl_section(r: dict[str, Any]) -> list[str]:
+    w = r["workload"]
+    lines = ["## switchyard vs TRL", "",
+             f"`benchmarks/vs_trl.py`: single-turn GRPO on arithmetic word problems, {w['model']}, all parameters, "
+             f"{w['prompts']} prompts x {w['n']} samples, {w['max_tokens']} new tokens, lr {w['lr']:g} constant, no KL, "
+             f"clip 0.2 / 0.28, {w.get('dtype', 'float32')}, {w['steps']} steps per run; TRL {r['trl_version']} GRPOTrainer (transformers "
+             f"generation) and switchyard run alternately, {r['rounds']} round(s); step time = median wall time "
+             f"between step ends after the first {r['skip']} steps.", "",
+             "| round | system | s/step | steps/h | rollout s | update s | update / matmul peak | gen tok/s | peak RSS GiB | "
+             "reward first -> last | vs TRL |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def row(label: str, x: dict[str, Any], ratio: float | None) -> str:
+        rew = [v for v in x["reward"] if v is not None]
+        gen = "-" if x["gen_tokens_per_s"] is None else f"{x['gen_tokens_per_s']:.0f}"
+        return (f"| {label} | {x['system']} | {x['step_s']:.1f} | {x['steps_per_hour']:.0f} | {x['rollout_s']:.1f} | "
+                f"{x['update_s']:.1f} | {x.get('update_fraction_of_peak', 0):.0%} | {gen} | {x['peak_rss_gb']:.2f} | "
+                f"{rew[0]:.2f} -> {rew[-1]:.2f} | {'' if ratio is None else f'{ratio:.2f}x'} |")
+
+    for i, p in enumerate(r["pairs"]):
+        lines += [row(str(i + 1), p["trl"], None), row(str(i + 1), p["switchyard"], p["ratio"])]
+    lines += [row("after", x, x["ratio_vs_trl_median"]) for x in r["extra"]]
+    lines += ["", f"switchyard / TRL steps per hour, median of the per-round ratios: **{r['ratio_median']:.2f}x** "
+                  f"(rounds: {', '.join(f'{x:.2f}x' for x in r['ratios'])}); extra rows against TRL's median. "
+                  "Rollout s of a staleness-1 row is the wait for the batch, not the generation."]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true")
@@ -287,7 +314,8 @@ def main() -> None:
                 ["benchmarks/actor_memory.py", *quick],
                 ["benchmarks/micro_batches.py", *quick],
                 ["benchmarks/async_rl.py", *quick],
-                ["benchmarks/gateway_overhead.py", *quick]]
+                ["benchmarks/gateway_overhead.py", *quick],
+                ["benchmarks/vs_trl.py", *quick]]
     t0 = time.perf_counter()
     seconds = [run(c) for c in commands]
     total = time.perf_counter() - t0
@@ -303,7 +331,7 @@ def main() -> None:
     lines += routing_section(load("routing")) + [""] + weight_sync_section(load("weight_sync")) + [""]
     lines += nodes_section(load("nodes")) + [""] + actor_memory_section(load("actor_memory")) + [""]
     lines += async_rl_section(load("async_rl")) + [""] + gateway_section(load("gateway_overhead")) + [""]
-    lines += micro_batches_section(load("micro_batches")) + [""]
+    lines += micro_batches_section(load("micro_batches")) + [""] + vs_trl_section(load("vs_trl")) + [""]
     lines += kept_sections(Path(args.output), KEPT)
     Path(args.output).write_text("\n".join(lines))
     print(f"\nwrote {args.output} ({total / 60:.1f} min)")

@@ -123,3 +123,15 @@ def test_gateway_overhead_small_run(tmp_path):
     for c in ("1", "64"):
         assert set(report[c]) == {"bus", "gateway_http", "gateway_openai", "gateway_responses", "gateway_messages"}
         assert all(v["req_s"] > 0 and v["p50_ms"] > 0 for v in report[c].values())
+
+
+def test_vs_trl_small_run(tmp_path):
+    """TRL (its venv made once in the cache) and switchyard, one short round each on tiny-llama."""
+    last, report = _run("benchmarks/vs_trl.py", ["--quick"], tmp_path)
+    assert last.startswith("RESULT switchyard_vs_trl=")
+    (pair,) = report["pairs"]
+    for side in (pair["trl"], pair["switchyard"]):
+        assert side["steps"] == 3 and side["step_s"] > 0 and side["peak_rss_gb"] > 0.1
+        assert 0 < side["rollout_s"] < side["step_s"] * 1.5 and len(side["reward"]) == 3
+    assert pair["trl"]["system"] == "trl" and pair["switchyard"]["system"] == "switchyard hf"
+    assert pair["ratio"] == pytest.approx(pair["switchyard"]["steps_per_hour"] / pair["trl"]["steps_per_hour"])
