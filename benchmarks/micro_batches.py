@@ -47,11 +47,11 @@ def demo_batch(vocab: int, n: int = 32, seed: int = 0) -> Any:
     return pad_outputs(outs, 0, [i // 4 for i in range(n)])
 
 
-def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of an n x n fp32 matmul on this box with torch's threads: the best of `repeats`."""
+def matmul_peak(n: int = 2048, repeats: int = 5, dtype: str = "float32") -> float:
+    """FLOP/s of an n x n matmul in `dtype` on this box with torch's threads: the best of `repeats`."""
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=getattr(torch, dtype)), torch.randn(n, n, dtype=getattr(torch, dtype))
     torch.mm(a, b)
     best = 0.0
     for _ in range(repeats):

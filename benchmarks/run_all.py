@@ -278,15 +278,18 @@ def vs_trl_section(r: dict[str, Any]) -> list[str]:
              f"{w['prompts']} prompts x {w['n']} samples, {w['max_tokens']} new tokens, lr {w['lr']:g} constant, no KL, "
              f"clip 0.2 / 0.28, {w.get('dtype', 'float32')}, {w['steps']} steps per run; TRL {r['trl_version']} GRPOTrainer (transformers "
              f"generation) and switchyard run alternately, {r['rounds']} round(s); step time = median wall time "
-             f"between step ends after the first {r['skip']} steps.", "",
+             f"between step ends after the first {r['skip']} steps. Update / matmul peak: the update's model "
+             f"arithmetic per second against a {w.get('dtype', 'float32')} 2048 x 2048 matmul on this box "
+             f"({r.get('matmul_peak_gflops', 0):.0f} GFLOP/s).", "",
              "| round | system | s/step | steps/h | rollout s | update s | update / matmul peak | gen tok/s | peak RSS GiB | "
              "reward first -> last | vs TRL |", "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def row(label: str, x: dict[str, Any], ratio: float | None) -> str:
         rew = [v for v in x["reward"] if v is not None]
         gen = "-" if x["gen_tokens_per_s"] is None else f"{x['gen_tokens_per_s']:.0f}"
+        frac = f"{x['update_fraction_of_peak']:.0%}" if "update_fraction_of_peak" in x else "-"
         return (f"| {label} | {x['system']} | {x['step_s']:.1f} | {x['steps_per_hour']:.0f} | {x['rollout_s']:.1f} | "
-                f"{x['update_s']:.1f} | {x.get('update_fraction_of_peak', 0):.0%} | {gen} | {x['peak_rss_gb']:.2f} | "
+                f"{x['update_s']:.1f} | {frac} | {gen} | {x['peak_rss_gb']:.2f} | "
                 f"{rew[0]:.2f} -> {rew[-1]:.2f} | {'' if ratio is None else f'{ratio:.2f}x'} |")
 
     for i, p in enumerate(r["pairs"]):

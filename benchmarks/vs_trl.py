@@ -71,7 +71,8 @@ def flop_model(model: str, rows: Path) -> dict[str, float]:
     cfg = AutoConfig.from_pretrained(path)
     tok = load_tokenizer(str(path))
     sample = [json.loads(line) for line in rows.read_text().splitlines()[:256]]
-    lengths = [len(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)) for r in sample]
+    lengths = [len(tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
+                       add_special_tokens=False)["input_ids"]) for r in sample]
     from transformers import AutoModelForCausalLM
 
     with __import__("torch").device("meta"):
@@ -95,13 +96,15 @@ def trl_python(version: str) -> str:
     import torch
 
     venv = cache_root() / "bench-venvs" / f"trl-{version}"
-    py = venv / "bin" / "python"
-    if not py.exists():
+    py, done = venv / "bin" / "python", venv / "installed"
+    if not done.exists():  # made, or a half-made one finished
         print(f"making {venv} (pip install trl=={version} against torch {torch.__version__}) ...", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+        if not py.exists():
+            subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
         pins = venv / "constraints.txt"
         pins.write_text(f"torch=={torch.__version__.split('+')[0]}\n")
         subprocess.run([str(py), "-m", "pip", "install", "-q", "-c", str(pins), f"trl=={version}"], check=True)
+        done.write_text(version)
     return str(py)
 
 
@@ -248,7 +251,8 @@ def main() -> None:
         from micro_batches import matmul_peak
 
         flops = flop_model(w["model"], rows)
-        report["flop_model"], report["matmul_peak_gflops"] = flops, matmul_peak() / 1e9
+        # the limit of the run's arithmetic: fp32 matmuls, or bf16 ones under autocast
+        report["flop_model"], report["matmul_peak_gflops"] = flops, matmul_peak(dtype=w["dtype"]) / 1e9
         for r in range(rounds):
             trl = run_trl(py, rows, _dir(tmp, f"trl{r}"), w, skip, flops)
             print(_line(trl), flush=True)

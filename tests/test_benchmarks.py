@@ -127,6 +127,13 @@ def test_gateway_overhead_small_run(tmp_path):
 
 def test_vs_trl_small_run(tmp_path):
     """TRL (its venv made once in the cache) and switchyard, one short round each on tiny-llama."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from vs_trl import trl_python
+
+    try:
+        trl_python("1.16.0")
+    except subprocess.CalledProcessError as e:  # as tests/test_verifiers_env.py: no package index, no TRL
+        pytest.skip(f"could not install TRL into its venv ({e}); the package index may be unreachable")
     last, report = _run("benchmarks/vs_trl.py", ["--quick"], tmp_path)
     assert last.startswith("RESULT switchyard_vs_trl=")
     (pair,) = report["pairs"]
