@@ -70,8 +70,9 @@ def train(cfg: Config) -> dict[str, Any]:
             if overlap:  # the first finished groups within the staleness bound
                 batch, metrics = plane.take_batch(version)
             else:
-                if plane.behind(version):  # an attached engine restarted: bring it to the current weights
-                    plane.push_weights(actor.named_sync_weights(plane.takes_adapters()), version)
+                lagging = plane.behind(version)  # attached engines that restarted: bring them to the current weights
+                if lagging:
+                    plane.push_weights(actor.named_sync_weights(plane.takes_adapters()), version, engines=lagging)
                 rows = stream.next_batch(cfg.data.prompts_per_step)
                 batch, metrics = plane.generate(rows, version, more_rows=stream.next_batch,
                                                 record=getattr(stream, "record", None))

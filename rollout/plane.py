@@ -243,17 +243,18 @@ class RolloutPlane(WeightRoutes):
 
             keep_off_cores(list(self.cfg.engine_cores))
 
-    def behind(self, version: int) -> bool:
-        """Every rank: whether an attached engine serves an older weight version than `version` (it
-        restarted), so the weights must be pushed again before the rollout (rollout/service.py)."""
+    def behind(self, version: int) -> list[int]:
+        """Every rank: the attached engines that serve an older weight version than `version` (they
+        restarted), to push the weights to again before the rollout (rollout/service.py); the others
+        already hold `version` and would refuse it."""
         if not self.cfg.engines:
-            return False
+            return []
         from rollout.service import behind
 
-        box = [bool(behind(self.control, len(self.engines), version)) if self.control is not None else False]
+        box = [behind(self.control, len(self.engines), version) if self.control is not None else []]
         if self.world > 1:
             torch.distributed.broadcast_object_list(box, src=0)
-        return bool(box[0])
+        return list(box[0])
 
     def describe(self) -> str:
         if self.cfg.engines:

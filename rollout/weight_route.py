@@ -99,11 +99,13 @@ class WeightRoutes:
               "or lower rollout.weight_bucket_mb to use it.", file=sys.stderr, flush=True)
         self._no_room = True
 
-    def push_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int, preempt: bool = False) -> float:
+    def push_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int, preempt: bool = False,
+                     engines: list[int] | None = None) -> float:
         """Load `named` into every engine as `version` by the route `route()` names (one of
         `rollout.weights.routes.ROUTES`); seconds taken. Every rank iterates `named` (a sharded actor
         gathers while it yields); rank 0 is the source. `preempt`: running generations stop and
-        continue on the new weights instead of finishing first. `last_sync` holds the step's figures
+        continue on the new weights instead of finishing first. `engines`: only these (indices into
+        the run's engines; the bus routes), e.g. attached engines that restarted and lag behind. `last_sync` holds the step's figures
         (engines per route, GB, GB/s)."""
         name = self.route()
         if name != "collective" and (self.rank != 0 or self.control is None):
@@ -114,7 +116,7 @@ class WeightRoutes:
         t0 = time.perf_counter()
         timeout_s = self.cfg.startup_timeout_s if name == "collective" else 600.0
         sent = self.routes[name].send(
-            Push(named, version, preempt, self.cfg.weight_bucket_mb << 20, self.engine_dtype(), timeout_s),
+            Push(named, version, preempt, self.cfg.weight_bucket_mb << 20, self.engine_dtype(), timeout_s, engines),
             Link(self.rank, self.local_rank, self.control, self.local_control, self.weight_group, self.inproc))
         seconds = time.perf_counter() - t0
         if self.rank == 0:

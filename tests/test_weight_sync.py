@@ -57,7 +57,8 @@ def test_push_weights_reaches_every_engine(servers):
 
 def test_an_engine_back_mid_push_waits_for_the_next_version(servers):
     """An engine down when version 2 begins and back (restarted, say) before its commit gets neither
-    its buckets nor its commit; the next push brings it up to date."""
+    its buckets nor its commit; a push of version 2 to it alone catches it up (the other engine holds
+    version 2 and would refuse it again), and the next push reaches both."""
     srv = servers(2, backend="hf", model="tiny-llama")
     state = tiny_llama(load_tokenizer("tiny-llama"), seed=7).state_dict()
 
@@ -73,11 +74,14 @@ def test_an_engine_back_mid_push_waits_for_the_next_version(servers):
 
             report = await push_weights(client, named(), version=2, bucket_bytes=1 << 20)
             versions = [(await client.status(i)).weight_version for i in range(2)]
+            caught = await push_weights(client, state.items(), version=2, bucket_bytes=1 << 20, engines=[1])
+            both = [(await client.status(i)).weight_version for i in range(2)]
             again = await push_weights(client, state.items(), version=3, bucket_bytes=1 << 20)
-            return report, versions, again, [(await client.status(i)).weight_version for i in range(2)]
+            return report, versions, caught, both, again, [(await client.status(i)).weight_version for i in range(2)]
 
-    report, versions, again, after = asyncio.run(main())
+    report, versions, caught, both, again, after = asyncio.run(main())
     assert report.engines == 1 and versions == [2, 1]
+    assert caught.engines == 1 and both == [2, 2]
     assert again.engines == 2 and after == [3, 3]
 
 

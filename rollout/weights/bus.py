@@ -123,7 +123,7 @@ class BusRoute:
             self.slots = self.make_slots()
         bar = tqdm(push.named, desc="weight sync", unit="tensor", leave=False)
         report = link.control.run(push_weights(link.control.client, bar, push.version, push.bucket_bytes, push.timeout_s,
-                                               push.preempt, slots=self.slots, dtype=push.dtype))
+                                               push.preempt, slots=self.slots, dtype=push.dtype, engines=push.engines))
         return report.bytes
 
     def close(self) -> None:

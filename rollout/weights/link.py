@@ -31,6 +31,7 @@ class Push:
     bucket_bytes: int = 256 << 20
     dtype: "torch.dtype | None" = None  # the engines' dtype, cast to on the way (None: as the actor has it)
     timeout_s: float = 600.0
+    engines: list[int] | None = None  # the bus routes: only these engines (a restarted one caught up); None = all
 
 
 @dataclass
