@@ -194,7 +194,7 @@ def switchyard_config(w: dict[str, Any], rows: Path, out: Path, engine: str, sta
         "data": {"task": "rows", "train_path": str(rows), "prompts_per_step": w["prompts"], "val_path": None},
         "rollout": {"engine": engine, "n": w["n"], "temperature": 1.0, "max_tokens": w["max_tokens"],
                     "staleness": staleness},
-        "actor": {"lr": w["lr"], "micro_batch_size": 8},
+        "actor": {"lr": w["lr"], "micro_batch_size": 8, "attn_implementation": w.get("attn", "auto")},
         "algorithm": {"advantage": "grpo", "loss": {"clip_low": 0.2, "clip_high": 0.28, "agg": "token-mean",
                                                     "kl_coef": 0.0}},
         "sft": {"enabled": False},
@@ -231,6 +231,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="both systems: fp32, or bf16 autocast over fp32 weights (TRL's bf16=True, switchyard's "
                          "model.dtype=bfloat16, which also serves the engine in bf16)")
+    ap.add_argument("--attn", default="auto", help="switchyard's actor.attn_implementation (auto, sdpa, eager)")
     ap.add_argument("--trl-python", default=None, help="a python with TRL; default: a venv made in the cache")
     ap.add_argument("--trl-version", default="1.16.0")
     ap.add_argument("--out", default=None)
@@ -238,7 +239,7 @@ def main() -> None:
     quick = args.quick
     w = {"model": "tiny-llama" if quick else "smollm2-135m-instruct", "steps": args.steps or (3 if quick else 8),
          "prompts": 2 if quick else 8, "n": 4, "max_tokens": 16 if quick else 96, "lr": 5e-5,
-         "timeout_s": 900 if quick else 3600, "dtype": args.dtype}
+         "timeout_s": 900 if quick else 3600, "dtype": args.dtype, "attn": args.attn}
     rounds = args.rounds or (1 if quick else 2)
     args.engine = args.engine or ("hf" if quick else "vllm")
     skip = min(args.skip, w["steps"] - 2) if quick else args.skip

@@ -207,3 +207,21 @@ def test_trainable_selects_parameters(tiny):
     assert sum(p.numel() for p in actor.params) == sum(p.numel() for n, p in actor.module.named_parameters() if n in names)
     with pytest.raises(ValueError, match=r"actor.trainable=\['nothing-like-this'\] matches no parameter"):
         _actor(tiny, trainable=["nothing-like-this"])
+
+
+def test_attention_implementation_is_the_one_asked_for_and_scores_alike(tiny):
+    """actor.attn_implementation=eager runs HF's eager attention: the same logprobs and update as the
+    default (sdpa) within float32 rounding of a different summation order."""
+    batch = make_batch(1000, n=6)
+    default, eager = _actor(tiny, micro_batch_size=3), _actor(tiny, micro_batch_size=3, attn_implementation="eager")
+    assert eager.module.config._attn_implementation == "eager" != default.module.config._attn_implementation
+    lp_d, _ = default.compute_logprobs(batch)
+    lp_e, _ = eager.compute_logprobs(batch)
+    assert torch.allclose(lp_d, lp_e, atol=1e-5)
+    m_d = default.update(batch, advantages_for(batch), None, None, LossConfig())
+    m_e = eager.update(batch, advantages_for(batch), None, None, LossConfig())
+    assert m_d["loss"] == pytest.approx(m_e["loss"], rel=1e-4, abs=1e-6)
+    for (name, a), (_, b) in zip(default.module.named_parameters(), eager.module.named_parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    with pytest.raises(ValueError, match="actor.attn_implementation='flash' is not allowed"):
+        ActorConfig(attn_implementation="flash")

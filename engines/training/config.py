@@ -15,6 +15,7 @@ from engines.config_checks import from_mapping
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("torch", "megatron")
+ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2")  # HF attn_implementation names; auto = the model's
 SHARDINGS = {  # per backend: what is sharded over the data-parallel ranks besides TP/PP
     "torch": ("none", "fsdp"),  # DDP replicas, or FSDP2 shards of weights, gradients and optimizer
     "megatron": ("none", "optimizer"),  # optimizer: AdamW state over DP (ZeRO-1, as a distributed optimizer)
@@ -96,6 +97,9 @@ class ActorConfig(UpdateConfig):
     pp: int = 1  # megatron: pipeline parallel size
     sharding: str = "none"  # torch: none (DDP) | fsdp (FSDP2); megatron: none | optimizer (ZeRO-1 over DP)
     lora: LoraConfig | None = None  # train a LoRA adapter (engines/training/lora.py); None = every weight
+    # torch actor: the HF attention kernel of the policy's forward and backward. auto = the model's
+    # default (sdpa); eager was 1.2x faster for a bf16 update of ~200-token rows on an AVX-512 CPU
+    attn_implementation: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
@@ -118,6 +122,12 @@ class ActorConfig(UpdateConfig):
                              f"choose one of {list(SHARDINGS[self.backend])}")
         if self.lr <= 0:
             raise ValueError(f"actor.lr={self.lr} must be > 0")
+        if self.attn_implementation not in ATTENTION:
+            raise ValueError(f"actor.attn_implementation={self.attn_implementation!r} is not allowed; choose one of "
+                             f"{list(ATTENTION)}")
+        if self.attn_implementation != "auto" and self.backend != "torch":
+            raise ValueError(f"actor.attn_implementation={self.attn_implementation!r} is a torch-actor option; the "
+                             "megatron actor has its own attention: set actor.attn_implementation=auto")
         if self.max_tokens_per_micro_batch < 0:
             raise ValueError(f"actor.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= 0 "
                              "(0 = actor.micro_batch_size rows per micro-batch)")

@@ -77,7 +77,10 @@ class TorchActor(ActorBase):
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def _prepare(self, module: torch.nn.Module) -> None:
-        """Activation checkpointing and the trainable subset, set before any wrapping."""
+        """The attention kernel, activation checkpointing and the trainable subset, set before any wrapping."""
+        attention = getattr(self.cfg, "attn_implementation", "auto")  # a critic keeps the model's default
+        if attention != "auto":
+            module.set_attn_implementation(attention)
         if self.cfg.gradient_checkpointing:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.cfg.lora is not None:
