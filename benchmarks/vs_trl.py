@@ -63,7 +63,8 @@ def flop_model(model: str, rows: Path) -> dict[str, float]:
     LM head runs only where a token is scored, in both systems), and causal attention's QK^T and AV
     (12 x layers x hidden x length^2 / 2 per row). Prompt lengths: the rows' mean under the chat
     template (which rows a step draws differs between the systems; the lengths vary by a few tokens)."""
-    from transformers import AutoConfig
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from engines.models import load_tokenizer, resolve_model
 
@@ -73,9 +74,7 @@ def flop_model(model: str, rows: Path) -> dict[str, float]:
     sample = [json.loads(line) for line in rows.read_text().splitlines()[:256]]
     lengths = [len(tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
                        add_special_tokens=False)["input_ids"]) for r in sample]
-    from transformers import AutoModelForCausalLM
-
-    with __import__("torch").device("meta"):
+    with torch.device("meta"):
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
     head = cfg.vocab_size * cfg.hidden_size
     body = params - head if getattr(cfg, "tie_word_embeddings", False) else params - 2 * head

@@ -105,8 +105,8 @@ class WeightRoutes:
         `rollout.weights.routes.ROUTES`); seconds taken. Every rank iterates `named` (a sharded actor
         gathers while it yields); rank 0 is the source. `preempt`: running generations stop and
         continue on the new weights instead of finishing first. `engines`: only these (indices into
-        the run's engines; the bus routes), e.g. attached engines that restarted and lag behind. `last_sync` holds the step's figures
-        (engines per route, GB, GB/s)."""
+        the run's engines; the bus routes), e.g. attached engines that restarted and lag behind.
+        `last_sync` holds the step's figures (engines per route, GB, GB/s)."""
         name = self.route()
         if name != "collective" and (self.rank != 0 or self.control is None):
             drain(named)
