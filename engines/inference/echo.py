@@ -43,7 +43,10 @@ class EchoEngine:
                 return GenerateOutput([], [], "abort")
             prompt = np.asarray(prompt_ids, dtype=np.int32)  # the server's array as it is; a list is converted
             n = max(0, min(params.max_tokens, self.max_model_len - len(prompt)))
-            ids = np.resize(prompt, n) if len(prompt) else np.zeros(0, np.int32)  # cycled from the prompt
+            if n <= len(prompt):
+                ids = prompt[:n]
+            else:  # cycled from the prompt
+                ids = np.resize(prompt, n) if len(prompt) else np.zeros(0, np.int32)
             self._stats.prompt_tokens += len(prompt)
             self._stats.generated_tokens += n
             return GenerateOutput(ids, np.zeros(n, np.float32), "length")

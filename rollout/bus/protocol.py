@@ -12,6 +12,7 @@ it into an `Error` reply and keeps serving.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -53,11 +54,40 @@ def _array(buf: bytes | memoryview, dtype: np.dtype, shape: Any, name: str) -> n
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise ProtocolError(f"{name} shape must be a list of non-negative ints, got {shape!r:.100}")
     view = memoryview(buf)
-    count = int(np.prod(shape)) if shape else 1
+    count = math.prod(shape)
     if view.nbytes != count * dtype.itemsize:
         raise ProtocolError(f"{name} frame has {view.nbytes} bytes, shape {shape} of {dtype} needs "
                             f"{count * dtype.itemsize}")
-    return np.frombuffer(view, dtype=dtype).reshape(shape)
+    arr = np.frombuffer(view, dtype=dtype)
+    return arr if len(shape) == 1 else arr.reshape(shape)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A message class's fields sorted once by how they travel (decoding and encoding run per request,
+    so they must not walk `dataclasses.fields` and parse annotations every time)."""
+
+    head: tuple[tuple[str, tuple[type, ...], bool, str], ...]  # (name, accepted types, None allowed, annotation)
+    typed: tuple[tuple[str, np.dtype, int, bool], ...]  # (name, dtype, rank, optional): one raw frame each
+    tail: str | None  # the field holding all remaining raw frames, if any
+
+
+_PLANS: dict[type, _Plan] = {}
+
+
+def _plan(cls: type) -> _Plan:
+    plan = _PLANS.get(cls)
+    if plan is None:
+        head, typed, tail = [], [], None
+        for f in dataclasses.fields(cls):
+            if "frame" not in f.metadata:
+                head.append((f.name, *_kind(str(f.type)), str(f.type)))
+            elif f.metadata["frame"] is None:
+                tail = tail or f.name
+            else:
+                typed.append((f.name, f.metadata["frame"], f.metadata["rank"], f.metadata["optional"]))
+        plan = _PLANS[cls] = _Plan(tuple(head), tuple(typed), tail)
+    return plan
 
 
 @dataclass
@@ -75,56 +105,55 @@ class Message:
         """Raise ProtocolError when the fields do not make a valid message."""
 
     def encode(self) -> list[bytes | memoryview]:
+        plan = _plan(type(self))
         head: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": self.TYPE}
-        typed: list[bytes | memoryview] = []
-        tail: list[bytes | memoryview] = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if "frame" not in f.metadata:
-                head[f.name] = value
-            elif f.metadata["frame"] is None:
-                tail += list(value)
-            elif value is not None:
-                arr = np.ascontiguousarray(value, dtype=f.metadata["frame"])
-                if arr.size == 0 and arr.ndim != f.metadata["rank"]:  # an empty list of rows: [] is shape (0,)
-                    arr = arr.reshape((0,) * f.metadata["rank"])
-                head[f.name] = list(arr.shape)
-                typed.append(memoryview(arr).cast("B") if arr.size else b"")
-        return [msgpack.packb(head, use_bin_type=True), *typed, *tail]
+        for name, _, _, _ in plan.head:
+            head[name] = getattr(self, name)
+        frames: list[bytes | memoryview] = [b""]
+        for name, dtype, rank, _ in plan.typed:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            arr = np.ascontiguousarray(value, dtype=dtype)
+            if arr.size == 0 and arr.ndim != rank:  # an empty list of rows: [] is shape (0,)
+                arr = arr.reshape((0,) * rank)
+            head[name] = list(arr.shape)
+            frames.append(memoryview(arr).cast("B") if arr.size else b"")
+        if plan.tail is not None:
+            frames += list(getattr(self, plan.tail))
+        frames[0] = msgpack.packb(head, use_bin_type=True)
+        return frames
 
     @classmethod
     def from_parts(cls, head: dict[str, Any], frames: list[bytes | memoryview]) -> "Message":
+        plan = _plan(cls)
         values: dict[str, Any] = {}
-        rest = list(frames)
-        fields = dataclasses.fields(cls)
-        for f in fields:  # header fields, then the typed frames in declaration order
-            meta = f.metadata
-            if "frame" not in meta:
-                if f.name not in head:
-                    continue  # the declared default
-                kinds, optional = _kind(str(f.type))
-                value = head[f.name]
-                if value is None and optional:
-                    values[f.name] = None
-                elif not isinstance(value, kinds) or (type(value) is bool and bool not in kinds):
-                    raise ProtocolError(f"{cls.TYPE}.{f.name} must be {f.type}, got {type(value).__name__}")
-                else:
-                    values[f.name] = value
-            elif meta["frame"] is not None and f.name in head:
-                if not rest:
-                    raise ProtocolError(f"{cls.TYPE} names a {f.name} frame but carries no frame for it")
-                arr = _array(rest.pop(0), meta["frame"], head[f.name], f"{cls.TYPE}.{f.name}")
-                if arr.ndim != meta["rank"]:
-                    raise ProtocolError(f"{cls.TYPE}.{f.name} must have {meta['rank']} dimension(s), got shape "
-                                        f"{head[f.name]}")
-                values[f.name] = arr
-            elif meta["frame"] is not None and not meta["optional"]:
-                raise ProtocolError(f"{cls.TYPE} must carry {f.name} (a raw frame, its shape in the header)")
-        frame_lists = [f.name for f in fields if f.metadata.get("frame", 0) is None]
-        if frame_lists:
-            values[frame_lists[0]], rest = rest, []
-        if rest:
-            raise ProtocolError(f"{cls.TYPE} carries {len(rest)} frame(s) more than its fields name")
+        for name, kinds, optional, annotation in plan.head:
+            if name not in head:
+                continue  # the declared default
+            value = head[name]
+            if value is None and optional:
+                values[name] = None
+            elif not isinstance(value, kinds) or (type(value) is bool and bool not in kinds):
+                raise ProtocolError(f"{cls.TYPE}.{name} must be {annotation}, got {type(value).__name__}")
+            else:
+                values[name] = value
+        used = 0  # the typed frames come first, in declaration order
+        for name, dtype, rank, optional in plan.typed:
+            if name in head:
+                if used >= len(frames):
+                    raise ProtocolError(f"{cls.TYPE} names a {name} frame but carries no frame for it")
+                arr = _array(frames[used], dtype, head[name], f"{cls.TYPE}.{name}")
+                used += 1
+                if arr.ndim != rank:
+                    raise ProtocolError(f"{cls.TYPE}.{name} must have {rank} dimension(s), got shape {head[name]}")
+                values[name] = arr
+            elif not optional:
+                raise ProtocolError(f"{cls.TYPE} must carry {name} (a raw frame, its shape in the header)")
+        if plan.tail is not None:
+            values[plan.tail], used = list(frames[used:]), len(frames)
+        if used < len(frames):
+            raise ProtocolError(f"{cls.TYPE} carries {len(frames) - used} frame(s) more than its fields name")
         return cls(**values)
 
 

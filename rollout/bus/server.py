@@ -29,6 +29,7 @@ import zmq.asyncio
 from engines.inference import Engine, EngineDeadError, SamplingParams, make_engine
 from parallel.lifetime import watch_parent
 from rollout.bus import protocol as P
+from rollout.bus.eager import start_eagerly
 from rollout.bus.auth import CONTROL_ROLES, AuthError, BusKeys, needs_auth, role_of, secure_server, zap_handler
 from rollout.weights.inproc import LocalLoad
 from rollout.weights.receive import WeightReceiver
@@ -215,9 +216,10 @@ class EngineServer:
                 self._reply(identity, P.Error(rid=msg.rid, code="duplicate_rid",
                                               message=f"request {msg.rid!r} is already in flight; use a new rid"))
                 return
-            task = asyncio.create_task(self._generate(identity, msg))
-            self._inflight[key] = task
-            task.add_done_callback(lambda _t, k=key: (self._inflight.pop(k, None), self._aborted.discard(k)))
+            task = start_eagerly(self._generate(identity, msg))  # an answer needing no wait leaves at once
+            if task is not None:
+                self._inflight[key] = task
+                task.add_done_callback(lambda _t, k=key: (self._inflight.pop(k, None), self._aborted.discard(k)))
         elif isinstance(msg, P.Abort):
             if (identity, msg.rid) in self._inflight:
                 self._aborted.add((identity, msg.rid))
@@ -267,37 +269,10 @@ class EngineServer:
                 f"{self._gated[identity]} of this peer's requests already wait for the engine (asleep, updating "
                 f"or behind a weight version); the cap is {self.max_gated_per_peer}")))
             return
-        self._gated[identity] += 1  # counted before the lock is awaited, so a burst cannot pass the cap
-        try:
-            async with self._gate:  # held while sleeping, mid weight update, or behind the wanted version
-                open_ = lambda: self._stop.is_set() or (  # noqa: E731
-                    not self._sleeping and not self._updating and not self._weights_freed
-                    and self.weight_version >= msg.min_weight_version)
-                deadline = time.monotonic() + self.gate_timeout_s
-                while not open_():
-                    if identity in self._heartbeats and \
-                            time.monotonic() - self._heartbeats[identity] > self.peer_timeout_s:
-                        self.dropped_for_silence += 1  # the peer is gone: nobody to answer
-                        return
-                    if time.monotonic() > deadline:
-                        self._reply(identity, P.Error(rid=msg.rid, code="gate_timeout", message=(
-                            f"waited {self.gate_timeout_s:g} s for the engine (weight version "
-                            f"{msg.min_weight_version} asked, {self.weight_version} loaded, sleeping={self._sleeping}, "
-                            f"updating={self._updating})")))
-                        return
-                    try:
-                        await asyncio.wait_for(self._gate.wait_for(open_), min(1.0, self.peer_timeout_s / 2))
-                    except asyncio.TimeoutError:
-                        pass
-                if self._stop.is_set():
-                    self._reply(identity, P.Error(rid=msg.rid, code="engine_stopping", message=(
-                        f"engine {self.engine_id} is shutting down; the request was not run")))
-                    return
-        finally:
-            self._gated[identity] -= 1
-            if self._gated[identity] <= 0:
-                del self._gated[identity]
-        if self._generating == 0:  # no await since the gate opened: the weight path sees this at once
+        if self._stop.is_set() or not self._gate_open(msg.min_weight_version):  # else no lock, no await
+            if not await self._wait_at_gate(identity, msg):
+                return
+        if self._generating == 0:  # no await since the gate was seen open: the weight path sees this at once
             self._busy_since = time.monotonic()
         self._generating += 1
         self._idle.clear()
@@ -352,6 +327,44 @@ class EngineServer:
             weight_version=self.weight_version, engine_id=self.engine_id,
             cached_prompt_tokens=out.cached_prompt_tokens, load=stats.waiting + stats.running + sum(self._gated.values()),
             score=score, top_ids=out.top_ids, top_logprobs=out.top_logprobs))
+
+    def _gate_open(self, min_weight_version: int) -> bool:
+        """Generation may start now: awake, no weight update under way, weights loaded at a version the
+        request accepts."""
+        return not self._sleeping and not self._updating and not self._weights_freed \
+            and self.weight_version >= min_weight_version
+
+    async def _wait_at_gate(self, identity: bytes, msg: P.Generate) -> bool:
+        """Hold a generate until the gate opens; False when it was answered (or dropped) here instead."""
+        self._gated[identity] += 1  # counted before the lock is awaited, so a burst cannot pass the cap
+        try:
+            async with self._gate:  # held while sleeping, mid weight update, or behind the wanted version
+                open_ = lambda: self._stop.is_set() or self._gate_open(msg.min_weight_version)  # noqa: E731
+                deadline = time.monotonic() + self.gate_timeout_s
+                while not open_():
+                    if identity in self._heartbeats and \
+                            time.monotonic() - self._heartbeats[identity] > self.peer_timeout_s:
+                        self.dropped_for_silence += 1  # the peer is gone: nobody to answer
+                        return False
+                    if time.monotonic() > deadline:
+                        self._reply(identity, P.Error(rid=msg.rid, code="gate_timeout", message=(
+                            f"waited {self.gate_timeout_s:g} s for the engine (weight version "
+                            f"{msg.min_weight_version} asked, {self.weight_version} loaded, sleeping={self._sleeping}, "
+                            f"updating={self._updating})")))
+                        return False
+                    try:
+                        await asyncio.wait_for(self._gate.wait_for(open_), min(1.0, self.peer_timeout_s / 2))
+                    except asyncio.TimeoutError:
+                        pass
+                if self._stop.is_set():
+                    self._reply(identity, P.Error(rid=msg.rid, code="engine_stopping", message=(
+                        f"engine {self.engine_id} is shutting down; the request was not run")))
+                    return False
+        finally:
+            self._gated[identity] -= 1
+            if self._gated[identity] <= 0:
+                del self._gated[identity]
+        return True
 
     # ---------------------------------------------------------------- control plane
     def submit_local(self, job: LocalLoad) -> None:
