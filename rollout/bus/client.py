@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -26,6 +27,7 @@ from zmq.utils.monitor import parse_monitor_message
 from engines.inference.base import SamplingParams
 from rollout.bus import protocol as P
 from rollout.bus.auth import AuthError, ClientKeys, needs_auth
+from rollout.bus.reader import Wire
 from rollout.bus.router import NoEngineAvailable, Router
 
 log = logging.getLogger("switchyard.client")
@@ -94,6 +96,7 @@ class GenerateClient:
         self.versions = [0] * len(addresses)  # each engine's weight version as it last reported it
         self._ctx = zmq.asyncio.Context()
         self._socks: list[zmq.asyncio.Socket] = []
+        self._wires: list[Wire] = []  # per socket: replies by the loop's read callback, sends straight out
         self._monitors: list[zmq.asyncio.Socket] = []
         self._pending: list[dict[str, asyncio.Future]] = [{} for _ in addresses]
         self._last_seen = [0.0] * len(addresses)
@@ -117,7 +120,8 @@ class GenerateClient:
             s.connect(addr)
             self._socks.append(s)
             self._monitors.append(mon)
-            self._tasks += [asyncio.create_task(self._recv_loop(i)), asyncio.create_task(self._monitor_loop(i, mon))]
+            self._wires.append(Wire(s, functools.partial(self._on_reply, i)))
+            self._tasks.append(asyncio.create_task(self._monitor_loop(i, mon)))
         self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
         return self
 
@@ -141,6 +145,8 @@ class GenerateClient:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for wire in self._wires:
+            wire.close()
         for s, mon in zip(self._socks, self._monitors):
             s.disable_monitor()
             mon.close(0)
@@ -267,11 +273,11 @@ class GenerateClient:
         self.router.sent(engine)
         timer = loop.call_later(timeout_s, _expire, fut)  # one timer, not wait_for's wrapper task per request
         try:
-            await self._socks[engine].send_multipart(msg.encode(), copy=False)
+            self._wires[engine].send(msg.encode())
             return await fut
         except asyncio.TimeoutError:
             if isinstance(msg, P.Generate):  # free the engine; a late reply is dropped anyway
-                await self._socks[engine].send_multipart(P.Abort(rid=msg.rid).encode())
+                self._wires[engine].send(P.Abort(rid=msg.rid).encode())
             raise
         finally:
             timer.cancel()
@@ -334,26 +340,24 @@ class GenerateClient:
             if not fut.done():
                 fut.set_exception(_EngineDown(why))
 
-    async def _recv_loop(self, engine: int) -> None:
-        sock = self._socks[engine]
-        while True:
-            frames = await sock.recv_multipart(copy=False)
-            try:
-                msg = P.decode([f.buffer for f in frames])
-            except P.ProtocolError as e:
-                log.error("engine %d sent an undecodable reply: %s", engine, e)
-                continue
-            self._seen(engine)
-            if isinstance(msg, P.Status):
-                self.engine_ids[engine] = msg.engine_id
-                self.router.report_load(engine, msg.load)
-                self.versions[engine] = msg.weight_version
-            elif isinstance(msg, P.Result):
-                self.router.report_load(engine, msg.load)
-                self.versions[engine] = max(self.versions[engine], msg.weight_version)
-            fut = self._pending[engine].get(msg.rid)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+    def _on_reply(self, engine: int, frames: list[zmq.Frame]) -> None:
+        """One message from engine `engine`, from the loop's read callback."""
+        try:
+            msg = P.decode([f.buffer for f in frames])
+        except P.ProtocolError as e:
+            log.error("engine %d sent an undecodable reply: %s", engine, e)
+            return
+        self._seen(engine)
+        if isinstance(msg, P.Status):
+            self.engine_ids[engine] = msg.engine_id
+            self.router.report_load(engine, msg.load)
+            self.versions[engine] = msg.weight_version
+        elif isinstance(msg, P.Result):
+            self.router.report_load(engine, msg.load)
+            self.versions[engine] = max(self.versions[engine], msg.weight_version)
+        fut = self._pending[engine].get(msg.rid)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
 
     async def _monitor_loop(self, engine: int, mon: zmq.asyncio.Socket) -> None:
         while True:
@@ -364,8 +368,8 @@ class GenerateClient:
     async def _heartbeat_loop(self) -> None:
         while True:
             now = time.monotonic()
-            for i, sock in enumerate(self._socks):
+            for i in range(len(self._socks)):
                 if self.router.alive[i] and now - self._last_seen[i] > self.dead_after_s:
                     self._down(i, f"no reply to heartbeats for {self.dead_after_s:.1f}s")
-                await sock.send_multipart(P.LoadRequest(rid=f"{self._prefix}-hb").encode())
+                self._wires[i].send(P.LoadRequest(rid=f"{self._prefix}-hb").encode())
             await asyncio.sleep(self.heartbeat_s)

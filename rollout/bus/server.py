@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import functools
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from engines.inference import Engine, EngineDeadError, SamplingParams, make_engi
 from parallel.lifetime import watch_parent
 from rollout.bus import protocol as P
 from rollout.bus.eager import start_eagerly
+from rollout.bus.reader import Wire
 from rollout.bus.auth import CONTROL_ROLES, AuthError, BusKeys, needs_auth, role_of, secure_server, zap_handler
 from rollout.weights.inproc import LocalLoad
 from rollout.weights.receive import WeightReceiver
@@ -40,10 +42,6 @@ GATE_TIMEOUT_S = 1800.0  # longest a generate waits for the engine to wake, fini
 MAX_GATED_PER_PEER = 4096
 STOP_TIMEOUT_S = 5.0  # how long a stopping server waits for its tasks before it closes the engine anyway
 PEER_TIMEOUT_S = 30.0  # a heartbeating peer silent this long is gone
-# a socket with messages waiting answers recv at once, without yielding to the loop: the receive loop
-# yields every RECV_BATCH messages (every one once stopping), or a client sending without pause would
-# hold off everything else (the requests' own tasks, timers, SIGTERM and the parent watch)
-RECV_BATCH = 64
 CONTROL = (P.Sleep, P.Wake, P.WeightsBegin, P.WeightsBucket, P.WeightsCommit)  # the trainer's messages only
 
 
@@ -69,6 +67,7 @@ class EngineServer:
         self._request_log: TextIO | None = open(request_log, "a", buffering=1) if request_log else None
         self._ctx = zmq.asyncio.Context()
         self._socks: list[zmq.asyncio.Socket] = []
+        self._wires: list[Wire] = []  # one per socket: receives by the loop's callback, sends straight out
         self._inflight: dict[tuple[bytes, str], asyncio.Task] = {}
         self._aborted: set[tuple[bytes, str]] = set()  # aborted before reaching the engine
         self._running: set[tuple[bytes, str]] = set()  # inside the engine now
@@ -123,7 +122,7 @@ class EngineServer:
             sock.bind(address)
             self._socks.append(sock)
             self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-            tasks.append(asyncio.create_task(self._recv_loop(i)))
+            self._wires.append(Wire(sock, functools.partial(self._on_message, i), secured=needs_auth(address)))
         log.info("engine %s serving on %s", self.engine_id, self.endpoints)
         self._bound.set()
         await self._stop.wait()
@@ -139,6 +138,8 @@ class EngineServer:
         if stuck:  # never wait on: a dead trainer's engine must give its memory back
             log.warning("%d task(s) still running %g s after the stop; closing the engine", len(stuck), STOP_TIMEOUT_S)
         await self.engine.close()
+        for wire in self._wires:
+            wire.close()
         for sock in self._socks:
             sock.close(0)
         self._ctx.term()
@@ -147,6 +148,8 @@ class EngineServer:
 
     def stop(self) -> None:
         self._stop.set()
+        for wire in self._wires:  # stopping: one message per loop turn, so held requests answer first
+            wire.batch = 1
 
     # ---------------------------------------------------------------- transport
     async def wait_bound(self) -> list[str]:
@@ -155,51 +158,39 @@ class EngineServer:
         return self.endpoints
 
     def _reply(self, identity: bytes, msg: P.Message) -> None:
-        """Send now, from the event loop: the ROUTER's send queue is unbounded (SNDHWM 0), so this never
-        waits, and pyzmq keeps the order of sends it had to defer. `identity` is the socket index byte
-        and the peer's ZMQ identity (see _recv_loop)."""
+        """Send now: the ROUTER's send queue is unbounded (SNDHWM 0), so this never waits. `identity` is
+        the socket index byte and the peer's ZMQ identity (see _on_message)."""
         try:
-            sent = self._socks[identity[0]].send_multipart([identity[1:], *msg.encode()], copy=False)
+            self._wires[identity[0]].send([identity[1:], *msg.encode()])
         except zmq.ZMQError as e:  # the socket closed under a late reply (shutdown)
             log.debug("reply %s not sent: %s", msg.rid, e)
-            return
-        if not sent.done():
-            sent.add_done_callback(_log_send_error)
-        elif sent.exception() is not None:
-            _log_send_error(sent)
 
-    async def _recv_loop(self, index: int) -> None:
-        """Messages of socket `index`; a peer is known as (socket index byte + ZMQ identity), so
-        replies leave by the socket the request came in on."""
-        sock, secured = self._socks[index], needs_auth(self.addresses[index])
-        received = 0
-        while True:
-            received += 1
-            if received % RECV_BATCH == 0 or self._stop.is_set():  # stopping: the held requests' answers first
-                await asyncio.sleep(0)
-            frames = await sock.recv_multipart(copy=False)
-            identity, body = bytes([index]) + frames[0].bytes, [f.buffer for f in frames[1:]]
-            try:
-                msg = P.decode(body)
-                if secured and isinstance(msg, CONTROL) and role_of(frames[-1]) not in CONTROL_ROLES:
-                    self.refused += 1
-                    self._reply(identity, P.Error(rid=msg.rid, code="forbidden", message=(
-                        f"{msg.TYPE} is only accepted from the trainer; this peer may generate, abort and read load")))
-                    continue
-                if isinstance(msg, P.WeightsBucket) and msg.ref is not None and not self.addresses[index].startswith("ipc://"):
-                    self.refused += 1
-                    self._reply(identity, P.Error(rid=msg.rid, code="forbidden", message=(
-                        "a weights bucket in shared memory is only taken on the ipc socket (same node); send frames "
-                        "over tcp")))
-                    continue
-                self._dispatch(identity, msg)
-            except P.ProtocolError as e:
-                self.bad_frames += 1
-                self._reply(identity, P.Error(rid=P.request_id_of(body) if body else "", code="bad_frame", message=str(e)))
-            except Exception as e:  # a bug in dispatch must not take the server down either
-                self.bad_frames += 1
-                log.exception("dispatch failed")
-                self._reply(identity, P.Error(rid="", code="internal", message=f"{type(e).__name__}: {e}"))
+    def _on_message(self, index: int, frames: list[zmq.Frame]) -> None:
+        """One message of socket `index`, from the loop's read callback; a peer is known as (socket index
+        byte + ZMQ identity), so replies leave by the socket the request came in on."""
+        identity, body = bytes([index]) + frames[0].bytes, [f.buffer for f in frames[1:]]
+        secured = self._wires[index].secured
+        try:
+            msg = P.decode(body)
+            if secured and isinstance(msg, CONTROL) and role_of(frames[-1]) not in CONTROL_ROLES:
+                self.refused += 1
+                self._reply(identity, P.Error(rid=msg.rid, code="forbidden", message=(
+                    f"{msg.TYPE} is only accepted from the trainer; this peer may generate, abort and read load")))
+                return
+            if isinstance(msg, P.WeightsBucket) and msg.ref is not None and not self.addresses[index].startswith("ipc://"):
+                self.refused += 1
+                self._reply(identity, P.Error(rid=msg.rid, code="forbidden", message=(
+                    "a weights bucket in shared memory is only taken on the ipc socket (same node); send frames "
+                    "over tcp")))
+                return
+            self._dispatch(identity, msg)
+        except P.ProtocolError as e:
+            self.bad_frames += 1
+            self._reply(identity, P.Error(rid=P.request_id_of(body) if body else "", code="bad_frame", message=str(e)))
+        except Exception as e:  # a bug in dispatch must not take the server down either
+            self.bad_frames += 1
+            log.exception("dispatch failed")
+            self._reply(identity, P.Error(rid="", code="internal", message=f"{type(e).__name__}: {e}"))
 
     def _dispatch(self, identity: bytes, msg: P.Message) -> None:
         if isinstance(msg, P.LoadRequest):  # GenerateClients send these as heartbeats
