@@ -37,7 +37,8 @@ PROMPT_TOKENS, REPLY_TOKENS = 8192, 512
 SAMPLING = {"max_tokens": REPLY_TOKENS, "temperature": 1.0}
 # where a sample's own (top-of-stack) frame lies; the first matching bucket wins
 BUCKETS = [("engine (echo generate)", ("echo.py",)), ("protocol encode/decode (protocol.py)", ("protocol.py",)),
-           ("bus code (server.py, client.py, router.py)", ("server.py", "client.py", "router.py")),
+           ("bus code (server.py, client.py, router.py, reader.py, eager.py)",
+            ("server.py", "client.py", "router.py", "reader.py", "eager.py")),
            ("zmq socket calls", ("zmq/", "zmq\\")), ("numpy", ("numpy",)),
            ("asyncio machinery (event loop, selector, tasks)", ("asyncio", "selectors.py"))]
 

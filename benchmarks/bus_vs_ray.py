@@ -12,7 +12,9 @@ in their own process, both callers in one asyncio loop in this one, and the two 
 per concurrency level, so they see the same machine state:
   bus  EngineServer subprocess (ipc://) <- GenerateClient
   ray  @ray.remote async actor (max_concurrency=1000) <- `await actor.generate.remote(...)`
-  bare the floor: bare pyzmq, same bytes and process layout, no protocol (benchmarks/bare_zmq.py)
+  bare the floor: bare pyzmq, same bytes and process layout, no protocol (benchmarks/bare_zmq.py),
+       measured after Ray has shut down (its idle processes share the cores), in `--rounds`
+       alternating (bus, bare) rounds per level; the ratios are the medians of the per-round ones
 The Ray side is what a careful Ray user writes: prompts go as numpy int32 arrays (pickle-5
 out-of-band buffers; Python lists would be pickled int by int and be slower), replies come back
 as numpy arrays, the same bytes the bus moves. Both callers end with Python lists of ids and
@@ -111,13 +113,10 @@ def start_ray_actor() -> Any:
 
 
 async def run_levels(address: str, actor: Any, levels: list[tuple[int, int]], warmup: int,
-                     prompts: list[np.ndarray], bare_address: str) -> dict[str, dict[str, dict[str, float]]]:
-    """Validate every side, then per level: warm up and time the bus, Ray, then bare pyzmq."""
-    from bare_zmq import BareClient
-
+                     prompts: list[np.ndarray]) -> dict[str, dict[str, dict[str, float]]]:
+    """Validate both sides, then per level: warm up and time the bus, then Ray."""
     from rollout.bus.client import GenerateClient
 
-    bare = BareClient(bare_address)
     async with GenerateClient([address]) as client:
         await client.wait_ready(timeout_s=60)
 
@@ -129,17 +128,55 @@ async def run_levels(address: str, actor: Any, levels: list[tuple[int, int]], wa
             ids, logprobs, finish = await actor.generate.remote(prompt, SAMPLING)
             return ids.tolist(), logprobs.tolist(), finish
 
-        sides: dict[str, Call] = {"bus": bus_call, "ray": ray_call, "bare": bare.generate}
+        sides: dict[str, Call] = {"bus": bus_call, "ray": ray_call}
         for name, call in sides.items():
             check_reply(name, prompts[1], await call(prompts[1]))
         out: dict[str, dict[str, dict[str, float]]] = {name: {} for name in sides}
         for c, n in levels:
             for name, call in sides.items():
                 await drive(call, prompts, c, max(warmup, c))
-                out[name][str(c)] = await drive(call, prompts, c, n)
-                s = out[name][str(c)]
+                out[name][str(c)] = s = await drive(call, prompts, c, n)
                 print(f"  c={c:<3} {name}: p50 {s['p50_ms']:.2f} ms  p99 {s['p99_ms']:.2f} ms  "
                       f"{s['rps']:.0f} req/s", flush=True)
+    return out
+
+
+async def run_floor(address: str, bare_address: str, levels: list[tuple[int, int]], warmup: int,
+                    prompts: list[np.ndarray], rounds: int) -> dict[str, Any]:
+    """The bus against bare pyzmq: per level, `rounds` rounds of (bus, bare), each warmed up; per
+    level the medians of each side and the median of the per-round ratios."""
+    from bare_zmq import BareClient
+
+    from rollout.bus.client import GenerateClient
+
+    bare = BareClient(bare_address)
+    out: dict[str, Any] = {"bus": {}, "bare": {}, "rounds": {}}
+    async with GenerateClient([address]) as client:
+        await client.wait_ready(timeout_s=60)
+
+        async def bus_call(prompt: np.ndarray) -> tuple[list[int], list[float], str]:
+            r = await client.generate(prompt, SAMPLING)
+            return r.token_ids, r.logprobs, r.finish_reason
+
+        sides: dict[str, Call] = {"bus": bus_call, "bare": bare.generate}
+        for name, call in sides.items():
+            check_reply(name, prompts[1], await call(prompts[1]))
+        for c, n in levels:
+            per_round: list[dict[str, dict[str, float]]] = []
+            for _ in range(rounds):
+                one: dict[str, dict[str, float]] = {}
+                for name, call in sides.items():
+                    await drive(call, prompts, c, max(warmup, c))
+                    one[name] = await drive(call, prompts, c, n)
+                per_round.append(one)
+                print(f"  c={c:<3} bus p50 {one['bus']['p50_ms']:.3f} ms {one['bus']['rps']:.0f} req/s | bare p50 "
+                      f"{one['bare']['p50_ms']:.3f} ms {one['bare']['rps']:.0f} req/s", flush=True)
+            for name in sides:
+                out[name][str(c)] = {k: float(np.median([r[name][k] for r in per_round]))
+                                     for k in ("p50_ms", "p99_ms", "mean_ms", "rps")}
+            out["rounds"][str(c)] = {
+                "p50_bus_over_bare": [r["bus"]["p50_ms"] / r["bare"]["p50_ms"] for r in per_round],
+                "rps_bus_of_bare": [r["bus"]["rps"] / r["bare"]["rps"] for r in per_round]}
     bare.close()
     return out
 
@@ -153,6 +190,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="50 / 200 / 512 requests per level")
     ap.add_argument("--requests", type=int, default=None, help="requests at every level (default 200 / 800 / 800)")
     ap.add_argument("--warmup", type=int, default=32, help="warm-up requests per level and side (at least c)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating (bus, bare) rounds per level for the floor")
     ap.add_argument("--timeout", type=float, default=600, help="give up after this many seconds in all")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/bus_vs_ray.json"))
     args = ap.parse_args()
@@ -176,7 +214,12 @@ def main() -> None:
         t0 = time.perf_counter()
         actor = start_ray_actor()
         print(f"ray up in {time.perf_counter() - t0:.1f}s; measuring", flush=True)
-        res = asyncio.run(run_levels(address, actor, levels, args.warmup, prompts, bare_address))
+        res = asyncio.run(run_levels(address, actor, levels, args.warmup, prompts))
+        import ray
+
+        ray.shutdown()  # its idle processes would share the 2 cores with the floor's rounds
+        print("ray down; the bus against bare pyzmq", flush=True)
+        floor = asyncio.run(run_floor(address, bare_address, levels, args.warmup, prompts, args.rounds))
     except Exception:
         if server_log.exists():
             print(f"server log {server_log}:\n{server_log.read_text()[-2000:]}", file=sys.stderr)
@@ -195,7 +238,7 @@ def main() -> None:
         signal.alarm(0)
     elapsed = time.perf_counter() - t_start
 
-    bus, ray_res, bare_res = res["bus"], res["ray"], res["bare"]
+    bus, ray_res, bare_res = res["bus"], res["ray"], floor["bare"]
     print(f"\n{PROMPT_TOKENS}-token prompts, {REPLY_TOKENS}-token replies, echo engine; "
           f"{platform.machine()}, {os.cpu_count()} cores; latencies in ms; run {elapsed:.0f}s")
     head = ["conc", "bus p50", "bus p99", "bus req/s", "ray p50", "ray p99", "ray req/s", "p50 ray/bus",
@@ -205,8 +248,9 @@ def main() -> None:
     for c, _ in levels:
         b, r = bus[str(c)], ray_res[str(c)]
         ratios[f"p50_ratio_c{c}"], ratios[f"rps_ratio_c{c}"] = r["p50_ms"] / b["p50_ms"], b["rps"] / r["rps"]
-        z = bare_res[str(c)]  # the bus against its floor: p50 over bare's, req/s as a share of bare's
-        ratios[f"p50_bus_over_bare_c{c}"], ratios[f"rps_bus_of_bare_c{c}"] = b["p50_ms"] / z["p50_ms"], b["rps"] / z["rps"]
+        rounds = floor["rounds"][str(c)]  # the bus against its floor: the median of the per-round ratios
+        ratios[f"p50_bus_over_bare_c{c}"] = float(np.median(rounds["p50_bus_over_bare"]))
+        ratios[f"rps_bus_of_bare_c{c}"] = float(np.median(rounds["rps_bus_of_bare"]))
         cells = [f"{c}", f"{b['p50_ms']:.2f}", f"{b['p99_ms']:.2f}", f"{b['rps']:.0f}", f"{r['p50_ms']:.2f}",
                  f"{r['p99_ms']:.2f}", f"{r['rps']:.0f}", f"{ratios[f'p50_ratio_c{c}']:.2f}",
                  f"{ratios[f'rps_ratio_c{c}']:.2f}"]
@@ -217,8 +261,9 @@ def main() -> None:
               "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(),
                           "python": platform.python_version()},
               "params": {"prompt_tokens": PROMPT_TOKENS, "reply_tokens": REPLY_TOKENS, "levels": levels,
-                         "warmup": args.warmup, "ray_prompt_type": "np.int32"},
-              "ratios": {k: ratios[k] for k in order}, "bus": bus, "ray": ray_res, "bare": bare_res, "run_s": elapsed}
+                         "warmup": args.warmup, "ray_prompt_type": "np.int32", "floor_rounds": args.rounds},
+              "ratios": {k: ratios[k] for k in order}, "bus": bus, "ray": ray_res, "bare": bare_res,
+              "bus_floor_rounds": floor["bus"], "floor_rounds": floor["rounds"], "run_s": elapsed}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print("RESULT " + " ".join(f"{k}={ratios[k]:.2f}" for k in order))

@@ -42,14 +42,16 @@ def bus_section(r: dict[str, Any]) -> list[str]:
         b, y = r["bus"][c], r["ray"][c]
         lines.append(f"| {c} | {b['p50_ms']:.2f} | {b['p99_ms']:.2f} | {b['rps']:.0f} | {y['p50_ms']:.2f} | "
                      f"{y['p99_ms']:.2f} | {y['rps']:.0f} | {y['p50_ms'] / b['p50_ms']:.2f} | {b['rps'] / y['rps']:.2f} |")
-    if r.get("bare"):
+    if r.get("floor_rounds"):
         lines += ["", "Against the floor: bare pyzmq with the same bytes and process layout and no protocol "
-                      "(`benchmarks/bare_zmq.py`).", "",
-                  "| concurrency | bare p50 | bare req/s | bus p50 / bare p50 | bus req/s / bare req/s |", "|---|---|---|---|---|"]
+                      f"(`benchmarks/bare_zmq.py`), after Ray shut down, {p['floor_rounds']} alternating rounds of "
+                      "(bus, bare) per level: medians, and the median of the per-round ratios.", "",
+                  "| concurrency | bus p50 | bus req/s | bare p50 | bare req/s | bus p50 / bare p50 | "
+                  "bus req/s / bare req/s |", "|---|---|---|---|---|---|---|"]
         for c in sorted(r["bare"], key=int):
-            b, z = r["bus"][c], r["bare"][c]
-            lines.append(f"| {c} | {z['p50_ms']:.2f} | {z['rps']:.0f} | {b['p50_ms'] / z['p50_ms']:.2f} | "
-                         f"{b['rps'] / z['rps']:.2f} |")
+            b, z, rat = r["bus_floor_rounds"][c], r["bare"][c], r["ratios"]
+            lines.append(f"| {c} | {b['p50_ms']:.3f} | {b['rps']:.0f} | {z['p50_ms']:.3f} | {z['rps']:.0f} | "
+                         f"{rat[f'p50_bus_over_bare_c{c}']:.2f} | {rat[f'rps_bus_of_bare_c{c}']:.2f} |")
     return lines
 
 
