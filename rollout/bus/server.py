@@ -1,8 +1,10 @@
 """EngineServer: one ZMQ ROUTER in front of one engine, many requests in flight.
 
-Every received multipart becomes a task, so the engine sees all concurrent requests at once and
-batches them; the loop itself only parses and dispatches, which keeps health and load replies
-prompt while the engine is busy. A frame that cannot be parsed gets an `Error` reply and the
+Each socket is read from the event loop's readiness callback (`rollout/bus/reader.py`). Every
+generate runs in a coroutine of its own, started in the turn that read it and left to a task when
+it waits on the engine, so the engine sees all concurrent requests at once and batches them; the
+read path itself only parses and dispatches, which keeps health and load replies prompt while the
+engine is busy. A frame that cannot be parsed gets an `Error` reply and the
 server goes on: no client can stop it by sending garbage.
 
 Run one per engine (per engine DP group):
