@@ -34,6 +34,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--micro-batch", type=int, default=None,
+                    help="samples per forward/backward (per_device_train_batch_size), the rest by gradient accumulation; "
+                         "default: the whole batch at once")
     ap.add_argument("--bf16", action="store_true", help="TRL's mixed precision (bf16 autocast over fp32 weights)")
     args = ap.parse_args()
 
@@ -63,11 +66,15 @@ def main() -> None:
         def on_step_end(self, *_, **__):
             steps[-1].update(end=time.time(), generation_s=gen_s[0])
 
-    cfg = GRPOConfig(output_dir=str(Path(args.out).with_suffix("")) + "-trl", per_device_train_batch_size=args.prompts * args.n,
+    batch = args.prompts * args.n
+    micro = args.micro_batch or batch
+    if batch % micro:
+        raise SystemExit(f"--micro-batch {micro} must divide the batch of {batch} samples")
+    cfg = GRPOConfig(output_dir=str(Path(args.out).with_suffix("")) + "-trl", per_device_train_batch_size=micro,
                      num_generations=args.n, max_completion_length=args.max_tokens, learning_rate=args.lr,
                      lr_scheduler_type="constant", warmup_steps=0, beta=0.0, epsilon=0.2, epsilon_high=0.28,
                      loss_type="dapo", scale_rewards="group", temperature=1.0, num_iterations=1,
-                     gradient_accumulation_steps=1, max_steps=args.steps, logging_steps=1, save_strategy="no",
+                     gradient_accumulation_steps=batch // micro, max_steps=args.steps, logging_steps=1, save_strategy="no",
                      report_to=[], use_cpu=True, seed=0, disable_tqdm=True, bf16=args.bf16)
     trainer = GRPOTrainer(model=str(resolve_model(args.model)), reward_funcs=reward, args=cfg, train_dataset=ds,
                           callbacks=[Clock()])
