@@ -278,3 +278,7 @@ def test_weights_with_a_nan_are_refused_naming_the_tensor(servers):
     with pytest.raises(ProtocolError, match="tensor 'b' holds 2 NaN or infinite"):
         finite([("a", torch.ones(3)), ("b", torch.tensor([1.0, float("inf"), float("-inf")]))], "here")
     assert finite([("ids", torch.arange(3))], "here")  # integer tensors have nothing to check
+    with pytest.raises(ProtocolError, match="tensor 'h' holds 1 NaN"):
+        finite([("h", torch.tensor([1.0, float("nan"), 2.0], dtype=torch.bfloat16))], "here")
+    big = torch.full((4,), 3e38)  # finite values whose sum overflows float32: finite all the same
+    assert finite([("big", big), ("big_bf16", big.bfloat16())], "here")
