@@ -242,6 +242,18 @@ def test_logprobs_match_log_softmax_gather():
     assert out.dtype == torch.float32
     assert torch.allclose(out, torch.log_softmax(bf.float(), -1)[torch.arange(5), idx], atol=1e-5)
     assert logprobs_from_logits(torch.zeros(0, 9), torch.zeros(0, dtype=torch.long)).shape == (0,)
+
+    # the backward of bf16 and fp32 logits: the reference's gradient, in the logits' dtype, logits untouched
+    for dtype in (torch.bfloat16, torch.float32):
+        z = (torch.randn(6, 300, generator=g) * 4).to(dtype).requires_grad_(True)
+        before = z.detach().clone()
+        lab = torch.randint(0, 300, (6,), generator=g)
+        w6 = torch.randn(6, generator=g)
+        (gz,) = torch.autograd.grad((logprobs_from_logits(z, lab, chunk_rows=4) * w6).sum(), z)
+        zf = z.detach().float().requires_grad_(True)
+        (gref,) = torch.autograd.grad((torch.log_softmax(zf, -1)[torch.arange(6), lab] * w6).sum(), zf)
+        assert gz.dtype == dtype and torch.equal(z.detach(), before)
+        assert torch.allclose(gz.float(), gref, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
     with pytest.raises(ValueError, match=r"labels have shape \(3, 6\)"):
         logprobs_from_logits(logits, labels[:, :6])
 
