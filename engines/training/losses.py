@@ -292,8 +292,6 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_rows:
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"labels have shape {tuple(labels.shape)} but logits are {tuple(logits.shape)}; "
                          "labels must match logits without the vocab dimension (shift them before calling)")
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows={chunk_rows}; it must be >= 1 (rows of logits processed at once)")
     flat, ids = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1, 1).long()
     return _TargetLogprob.apply(flat, ids, chunk_rows).reshape(labels.shape)
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import zmq
 
 log = logging.getLogger("switchyard.bus")
-POLLIN, POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+POLLIN = int(zmq.POLLIN)
 RETRY_S = 0.001  # a send libzmq refused for now (a peer's queue full) is retried this often
 # a drain hands over at most this many messages, then yields the loop to everything else (the
 # requests' own tasks, timers, signals) and goes on next turn: a sender without pause cannot
