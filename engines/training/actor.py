@@ -115,6 +115,10 @@ class ActorBase:
         self.temperature, self.seed, self.progress = temperature, seed, progress
         self.rl_steps = self.sft_steps = 0
         self._lr = cfg.lr
+        if cfg.retain_freed_memory and not torch.cuda.is_available():  # a CPU update's buffers are reused
+            from parallel.host import retain_freed_memory
+
+            retain_freed_memory()
 
     # ------------------------------------------------------------------ what a backend supplies
     def _forward_backward(self, micro: list[MicroBatch], want_entropy: bool, temperature: float, loss_fn: LossFn,

@@ -1,0 +1,58 @@
+"""parallel/host.py: a CPU trainer keeps freed memory for its next micro-batch (glibc's mallopt), and the
+actor applies it unless `actor.retain_freed_memory=false`. Each case runs in a fresh process, since the
+setting is process-wide."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# RSS before and after freeing a 256 MiB tensor (bytes), after `setup` ran
+PROBE = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+import torch
+{setup}
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+x = torch.ones(64 << 20)
+held = rss()
+del x
+print(json.dumps({{"applied": applied, "held": held, "freed": rss()}}))
+"""
+
+
+def _probe(setup: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", PROBE.format(root=str(ROOT), setup=setup)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc are Linux's")
+
+
+def test_freed_memory_stays_in_the_process_only_when_retained():
+    default = _probe("applied = None")
+    kept = _probe("from parallel.host import retain_freed_memory\napplied = retain_freed_memory()")
+    assert default["held"] - default["freed"] > 200 << 20  # glibc unmapped the 256 MiB block at once
+    assert kept["applied"] is True
+    assert kept["held"] - kept["freed"] < 16 << 20  # kept for the next allocation of that size
+
+
+@pytest.mark.parametrize("retain", [True, False])
+def test_the_cpu_actor_applies_it_unless_turned_off(retain):
+    setup = (f"from engines.models import resolve_model\nfrom engines.training.config import ActorConfig\n"
+             f"from engines.training.torch_actor import TorchActor\n"
+             f"TorchActor(ActorConfig(retain_freed_memory={retain}), str(resolve_model('tiny-llama')), progress=False)\n"
+             f"applied = {retain}")
+    got = _probe(setup)
+    released = got["held"] - got["freed"]
+    assert (released < 16 << 20) if retain else (released > 200 << 20), got
