@@ -273,6 +273,20 @@ def micro_batches_section(r: dict[str, Any]) -> list[str]:
             f"{r['limit']['budget_fraction_of_peak']:.0%} with the token budget."]
 
 
+def host_memory_section(r: dict[str, Any]) -> list[str]:
+    def row(k: str) -> str:
+        return (f"| {k} | {r['update_s_median'][k]:.2f} | {r['fault_gib_median'][k]:.2f} | "
+                f"{r['peak_rss_gib_median'][k]:.2f} |")
+
+    return ["## Actor update: freed host memory retained or returned", "",
+            f"`benchmarks/host_memory.py`: the torch actor on {r['model']} ({r['dtype']}, {r['attn']} attention), the "
+            "CPU demo's batch of 32 trajectories, `actor.retain_freed_memory` on and off in alternating processes "
+            f"({r['pairs']} pairs, {r['updates']} timed updates each after a warm-up; `parallel/host.py`).", "",
+            "| retain | update s (median) | minor faults per update, GiB | peak RSS GiB |", "|---|---|---|---|",
+            row("on"), row("off"), "",
+            f"Retained vs returned, median of the per-pair ratios of update time: **{r['speedup_median']:.2f}x**."]
+
+
 def vs_trl_section(r: dict[str, Any]) -> list[str]:
     w = r["workload"]
     lines = ["## switchyard vs TRL", "",
@@ -318,6 +332,7 @@ def main() -> None:
                 ["benchmarks/nodes.py", *quick],
                 ["benchmarks/actor_memory.py", *quick],
                 ["benchmarks/micro_batches.py", *quick],
+                ["benchmarks/host_memory.py", *quick],
                 ["benchmarks/async_rl.py", *quick],
                 ["benchmarks/gateway_overhead.py", *quick],
                 ["benchmarks/vs_trl.py", *quick]]
@@ -336,7 +351,8 @@ def main() -> None:
     lines += routing_section(load("routing")) + [""] + weight_sync_section(load("weight_sync")) + [""]
     lines += nodes_section(load("nodes")) + [""] + actor_memory_section(load("actor_memory")) + [""]
     lines += async_rl_section(load("async_rl")) + [""] + gateway_section(load("gateway_overhead")) + [""]
-    lines += micro_batches_section(load("micro_batches")) + [""] + vs_trl_section(load("vs_trl")) + [""]
+    lines += micro_batches_section(load("micro_batches")) + [""] + host_memory_section(load("host_memory")) + [""]
+    lines += vs_trl_section(load("vs_trl")) + [""]
     lines += kept_sections(Path(args.output), KEPT)
     Path(args.output).write_text("\n".join(lines))
     print(f"\nwrote {args.output} ({total / 60:.1f} min)")

@@ -116,6 +116,16 @@ def test_micro_batches_small_run(tmp_path):
     assert fixed["micro_batches"] == 4 and budget["micro_batches"] >= 1
 
 
+def test_host_memory_small_run(tmp_path):
+    last, report = _run("benchmarks/host_memory.py", ["--quick", "--pairs", "1", "--updates", "1"], tmp_path)
+    assert last.startswith("RESULT retain_vs_default_update_speed=")
+    for setting in ("on", "off"):
+        (run,) = report["runs"][setting]
+        assert len(run["update_s"]) == 1 and run["update_s"][0] > 0 and run["peak_rss_gib"] > 0.1
+    assert report["speedup_per_pair"][0] == pytest.approx(report["runs"]["off"][0]["update_s"][0]
+                                                          / report["runs"]["on"][0]["update_s"][0])
+
+
 def test_gateway_overhead_small_run(tmp_path):
     pytest.importorskip("openai")
     last, report = _run("benchmarks/gateway_overhead.py", ["--requests", "64"], tmp_path)
@@ -134,11 +144,13 @@ def test_vs_trl_small_run(tmp_path):
         trl_python("1.16.0")
     except subprocess.CalledProcessError as e:  # as tests/test_verifiers_env.py: no package index, no TRL
         pytest.skip(f"could not install TRL into its venv ({e}); the package index may be unreachable")
-    last, report = _run("benchmarks/vs_trl.py", ["--quick"], tmp_path)
-    assert last.startswith("RESULT switchyard_vs_trl=")
+    last, report = _run("benchmarks/vs_trl.py", ["--quick", "--extra-rows", "trl_retain"], tmp_path)
+    assert last.startswith("RESULT switchyard_vs_trl=") and "trl_retain_vs_trl=" in last
     (pair,) = report["pairs"]
     for side in (pair["trl"], pair["switchyard"]):
         assert side["steps"] == 3 and side["step_s"] > 0 and side["peak_rss_gb"] > 0.1
         assert 0 < side["rollout_s"] < side["step_s"] * 1.5 and len(side["reward"]) == 3
     assert pair["trl"]["system"] == "trl" and pair["switchyard"]["system"] == "switchyard hf"
     assert pair["ratio"] == pytest.approx(pair["switchyard"]["steps_per_hour"] / pair["trl"]["steps_per_hour"])
+    (extra,) = report["extra"]  # TRL again, with the host allocator setting switchyard's actor applies
+    assert extra["system"] == "trl retain" and extra["steps"] == 3
