@@ -11,8 +11,8 @@ engine, and the vllm engine with `rollout.staleness=1` (the next rollout overlap
 Runs alternate, TRL then switchyard (vllm), for `--rounds` rounds (A, B, A, B); the hf-engine and
 staleness-1 rows run once, after the pairs (`--extra-rows`), and on request TRL with the host
 allocator setting switchyard's CPU actor applies (`trl_retain`, parallel/host.py), to show how much
-of the ratio that setting is. A run's step time is the median of the
-wall time between consecutive step ends after the first `--skip` steps (start-up and warm-up);
+of the ratio that setting is. A run's step time is the median of the wall time between consecutive
+step ends after the first `--skip` steps (start-up and warm-up);
 steps/hour = 3600 / that. Per-pair ratios come from the two runs of one round. Peak RSS is the
 largest sum over the run's process tree (trainer, engine and worker processes), sampled every 0.5 s.
 
