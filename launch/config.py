@@ -150,9 +150,18 @@ class TrainerConfig:
     # first step when val_before_train; the last step is always validated
     val_every: int = 0
     val_before_train: bool = True
+    # the engines' logprobs against the actor's (launch/drift_guard.py): drift/mean above drift_warn
+    # (None: the model dtype's limit, DRIFT_LIMITS) warns naming the tensors that differ; above
+    # max_drift (None: never) the run stops with a non-zero exit
+    drift_warn: float | None = None
+    max_drift: float | None = None
 
     def __post_init__(self) -> None:
         positive("trainer", self, "steps", "save_every", error=ConfigError)
+        for key in ("drift_warn", "max_drift"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ConfigError(f"trainer.{key}={value} must be > 0 (a mean |logprob| gap), or null")
         if self.val_every < 0:
             raise ConfigError(f"trainer.val_every={self.val_every} must be >= 0 (0 = validate after the last step only)")
         if not self.collective_timeout_s > 0:

@@ -30,6 +30,7 @@ CONSOLE_KEYS = (REWARD_KEY, VAL_KEY, "rollout/tool_calls_per_trajectory", "rollo
 
 def train(cfg: Config) -> dict[str, Any]:
     from launch.algorithm import learn
+    from launch.drift_guard import DriftGuard
     from launch.checkpoint import Checkpointer, load_run, save_run
     from launch.metrics import MetricsLogger, summarize
     from launch.setup import setup
@@ -46,6 +47,8 @@ def train(cfg: Config) -> dict[str, Any]:
     overlap = cfg.rollout.staleness > 0  # asynchronous RL: rollout runs on through updates
     logger = MetricsLogger(out, cfg.trainer.wandb_project, resume_step=start) if rank == 0 else None
     validator = _validator(cfg, run) if rank == 0 and run.val_rows else None
+    guard = DriftGuard(cfg.model.dtype, cfg.trainer.drift_warn, cfg.trainer.max_drift,
+                       cfg.rollout.top_p < 1, show=rank == 0)
     try:
         plane.start_engines(out)
         if latest is None and cfg.sft.enabled:
@@ -83,6 +86,7 @@ def train(cfg: Config) -> dict[str, Any]:
             plane.training(True)
             t_update, busy = time.time(), plane.engine_busy_s()
             metrics.update(learn(batch, actor, run.ref, cfg.algorithm, cfg.actor, critic=run.critic))
+            guard.check(step, metrics, plane.mismatched)  # warns, or (trainer.max_drift) stops the run
             plane.training(False)
             if rank == 0:  # how much the engines generated while the trainer updated (0: they idled)
                 metrics["time/engine_busy_in_update"] = (plane.engine_busy_s() - busy) / max(
@@ -164,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         _exit_with_launcher()
     from engines.models import ModelUnavailableError
+    from launch.drift_guard import DriftError
 
     try:
         summary = train(load_config(path, argv))
@@ -173,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     except ModelUnavailableError as e:  # a user error like a bad config value: one line, exit 2
         print(f"config error: model.path: {e}", file=sys.stderr)
         return 2
+    except DriftError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if summary:
         print("SUMMARY " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
     return 0

@@ -43,6 +43,9 @@ class RolloutConfig:
     # how weights reach the engines: auto = through shared memory on the sender's node, by collective
     # broadcast to the other nodes' leaders (rollout.plane.route); bus = as frames over the sockets
     weight_path: str = "auto"
+    # after each push every engine reports a digest of each tensor it serves, compared with what was
+    # sent; a tensor whose copy differs is named in a warning (rollout/weights/verify.py)
+    verify_weights: bool = True
     # serve the (one, hf) engine from the trainer's own process: weights then load by reference, no
     # bytes in between (rollout/inproc.py); one node only
     in_process: bool = False

@@ -135,6 +135,7 @@ class RolloutPlane(WeightRoutes):
         self.local_control: _Control | None = None  # a node leader's client to its own engines
         self.routes: dict[str, Any] = {}  # the weight routes used so far, by name (they keep their buffers)
         self.last_sync: dict[str, float] = {}
+        self.mismatched: dict[int, list[tuple[str, float]]] = {}  # the last push's differing tensors per engine
         self.inproc: Any = None  # rollout.in_process: the engine this process serves
         self._no_room = False  # shared memory too small for two buckets on this one-node run: the bus instead
         self.reward_engines: Any = None  # rank 0: the reward model's engines (rollout/reward_engines.py)

@@ -22,6 +22,7 @@ from engines.inference import ENGINES
 from rollout.weights.link import Link, Placement, Push, drain
 from rollout.weights.routes import ROUTES, choose
 from rollout.weights.shm import free_bytes, shm_dir
+from rollout.weights.verify import DigestTap, check_engines, tied_embeddings, warn_mismatched
 
 
 class WeightRoutes:
@@ -45,6 +46,8 @@ class WeightRoutes:
     inproc: Any
     sleeps: bool
     adapter_rank: int
+    model_dir: str
+    mismatched: dict[int, list[tuple[str, float]]]  # the last push's engines whose copy differs (verify.py)
 
     def takes_adapters(self) -> bool:
         """Whether each push carries only the actor's LoRA adapter: it trains one, and this run's
@@ -115,8 +118,11 @@ class WeightRoutes:
             self.routes[name] = ROUTES[name]()
         t0 = time.perf_counter()
         timeout_s = self.cfg.startup_timeout_s if name == "collective" else 600.0
+        # the source keeps a digest of each tensor it sends, to compare with what the engines then serve
+        tap = DigestTap(named, self.engine_dtype()) if self._verifies() else None
         sent = self.routes[name].send(
-            Push(named, version, preempt, self.cfg.weight_bucket_mb << 20, self.engine_dtype(), timeout_s, engines),
+            Push(tap if tap is not None else named, version, preempt, self.cfg.weight_bucket_mb << 20,
+                 self.engine_dtype(), timeout_s, engines),
             Link(self.rank, self.local_rank, self.control, self.local_control, self.weight_group, self.inproc))
         seconds = time.perf_counter() - t0
         if self.rank == 0:
@@ -126,9 +132,26 @@ class WeightRoutes:
                               "sync/gb": sent / 1e9, "sync/gb_per_s": sent / 1e9 / max(seconds, 1e-9)}
             if name == "collective":
                 self.last_sync["sync/engines_shm"] = float(here)
+            if tap is not None:
+                self._verify(tap, version, engines)
         if self.feeder is not None:
             self.feeder.weights_pushed()
         return seconds
+
+    def _verifies(self) -> bool:
+        """Whether this push is checked against the engines' digests (rank 0, whole weights, not off)."""
+        return self.rank == 0 and self.control is not None and self.cfg.verify_weights and not self.takes_adapters()
+
+    def _verify(self, tap: DigestTap, version: int, engines: list[int] | None) -> None:
+        """Compare what every engine serves now with what `tap` saw sent; name what differs (verify.py)."""
+        dtype = str(self.dtype)
+        found = check_engines(self.control, tap.sent, dtype, tied_embeddings(self.model_dir), engines)
+        self.mismatched = found["mismatched"]
+        self.last_sync.update({"sync/verified_tensors": float(found["compared"]),
+                               "sync/mismatched_tensors": float(sum(len(b) for b in self.mismatched.values())),
+                               "sync/engines_unverified": float(found["unavailable"])})
+        if self.mismatched:
+            warn_mismatched(self.mismatched, version, dtype)
 
     def close_routes(self) -> None:
         for route in self.routes.values():

@@ -32,6 +32,12 @@ def main() -> None:
     actor = MegatronActor(ActorConfig(backend="megatron", tp=tp, pp=pp, lr=1.0, grad_clip=1e9, micro_batch_size=3),
                           model, temperature=0.8, progress=False)
     rank = actor.mesh.rank
+    import torch.distributed as tdist
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()  # what megatron-core's layers fork from: (TP rank, seeds, stream names) per rank
+    rng = [None] * actor.mesh.world
+    tdist.all_gather_object(rng, (actor.mesh.tp_rank, sorted(tracker.seeds_), sorted(tracker.get_states())))
     before = {k: v.clone() for k, v in actor.named_hf_weights()}
     batch = make_batch(1000, n=8)
     lp, ent = actor.compute_logprobs(batch)
@@ -78,7 +84,7 @@ def main() -> None:
     after_sft = {k: v.clone() for k, v in actor.named_hf_weights()}
     if rank == 0:
         torch.save({"sft": sft, "after_sft": after_sft, "before": before, "after": after, "logprobs": lp, "entropy": ent, "metrics": metrics,
-                    "mesh": actor.mesh.describe(), "engine": engine}, out / "result.pt")
+                    "mesh": actor.mesh.describe(), "engine": engine, "rng": rng}, out / "result.pt")
     # leave together and tear the groups down before exit: a rank that exits while the others
     # still hold gloo connections was seen to abort at interpreter shutdown ("terminate called
     # without an active exception"), failing the run after its work was done

@@ -102,6 +102,10 @@ def test_live_megatron_matches_hf_and_syncs_into_an_engine(tp, pp, which, qwen_l
     srv = servers(1, backend="hf", model=str(model))
     got = _run_worker(model, tmp_path, tp, pp, srv.addresses[0])
     assert f"TP {tp} x PP {pp}" in got["mesh"]
+    # megatron-core's RNG tracker seeded as its layers expect (on CUDA a missing seed fails the first forward)
+    for tp_rank, seeds, streams in got["rng"]:
+        assert streams == ["data-parallel-rng", "expert-parallel-rng", "model-parallel-rng"], streams
+        assert seeds == sorted({0, 1024, 2718 + tp_rank}), (tp_rank, seeds)
 
     # round trip through the live, sharded model: bit-identical
     state = load_file(str(model / "model.safetensors"))

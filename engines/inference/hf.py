@@ -188,6 +188,15 @@ class HFEngine(QueuedEngine):
         self.weights_valid = True
         self._set_runnable()
 
+    async def weight_digest(self) -> dict[str, tuple[float, float]] | None:
+        """{HF name: digest} of the weights served (engines/weight_digest.py); None while they are freed."""
+        from engines.weight_digest import digests
+
+        if self._weights_freed:
+            return None
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: digests(self.model.state_dict().items()))
+
     async def sleep(self, level: int = 1) -> None:
         """Pause scheduling and give memory back; `level` as in the Engine protocol.
 

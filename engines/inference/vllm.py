@@ -81,6 +81,8 @@ log = logging.getLogger("switchyard.vllm")
 # vLLM's FinishReason strings; "error" (a failed KV load) and "repetition" (a detector we never
 # turn on) both end a reply early, which the trainer must treat like an abort.
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+WORKER_TOOLS = "engines.inference.vllm_worker.WorkerTools"
+DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more; a model with fewer positions gets its own
 
 
 class _SchedulerTap:
@@ -144,6 +146,15 @@ def _checkpoint_tensor_names(model_dir: Path) -> set[str]:
     return names
 
 
+def _model_positions(model_dir: Path) -> int | None:
+    """The longest sequence the model's config allows (its text model's max_position_embeddings)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    n = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return int(n) if n else None
+
+
 class VLLMEngine:
     """One vLLM `AsyncLLM` serving token-id requests for an EngineServer.
 
@@ -152,12 +163,12 @@ class VLLMEngine:
     """
 
     def __init__(self, model: str, dtype: str = "float32", enforce_eager: bool = True,
-                 gpu_memory_utilization: float | None = None, max_model_len: int = 4096,
+                 gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, tensor_parallel_size: int = 1, seed: int = 0,
                  lora_rank: int = 0, **engine_kwargs: Any) -> None:
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
-        if max_model_len < 2:
+        if max_model_len is not None and max_model_len < 2:
             raise ValueError(f"max_model_len={max_model_len} must be >= 2 (a prompt token and a reply token)")
         if "logprobs_mode" in engine_kwargs:
             raise ValueError("logprobs_mode is fixed to 'processed_logprobs' by the Engine contract; "
@@ -213,12 +224,15 @@ class VLLMEngine:
             self.takes_images = True
             self._expected_names = self._images.checked_names(self._expected_names)
         model_dir = self._images.model_dir if self._images is not None else path
+        if self.max_model_len is None:  # the default, or the model's own limit when that is smaller
+            self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, _model_positions(path) or DEFAULT_MAX_MODEL_LEN)
         util = self.gpu_memory_utilization or (None if self._cuda else 0.25)
         kwargs: dict[str, Any] = dict(
             model=str(model_dir), dtype=self.dtype, enforce_eager=self.enforce_eager,
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
             tensor_parallel_size=self.tensor_parallel_size, seed=self.seed,
             logprobs_mode="processed_logprobs", enable_sleep_mode=self._cuda,
+            worker_extension_cls=WORKER_TOOLS,  # retie_word_embeddings, weight_digest (vllm_worker.py)
             disable_log_stats=True)  # no periodic throughput log lines; our tap still gets stats
         if util is not None:
             kwargs["gpu_memory_utilization"] = util
@@ -390,12 +404,18 @@ class VLLMEngine:
             # reload_weights also points the worker's model_config at this directory; every later
             # reload passes its own directory, so the deleted one is never read again
             await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": self._stage_dir})
+            await self._llm.collective_rpc("retie_word_embeddings")  # vllm_worker.py: a tied head's kernel copy
             await self._llm.reset_prefix_cache()
             if self.takes_images:  # image embeddings of the old vision weights
                 await self._llm.reset_encoder_cache()
         finally:
             shutil.rmtree(self._stage_dir, ignore_errors=True)
             self._stage_dir, self._staged_names = None, set()
+
+    async def weight_digest(self) -> dict[str, tuple[float, float]] | None:
+        """{HF name: digest} of the weights served (engines/weight_digest.py), taken in the worker
+        with the model's own kernels (vllm_worker.py); None where the engine cannot tell (TP > 1)."""
+        return (await self._llm.collective_rpc("weight_digest"))[0]
 
     async def sleep(self, level: int = 1) -> None:
         """On CUDA, vLLM's own sleep at `level` (1: weights to host RAM, KV cache freed; 2: weights

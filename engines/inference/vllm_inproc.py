@@ -220,11 +220,15 @@ class VLLMInProcessEngine(VLLMEngine):
             self._check_update()
             await self._call(self._llm.collective_rpc, "reload_weights",
                              kwargs={"weights_iterator": iter(self._by_ref)})
+            await self._call(self._llm.collective_rpc, "retie_word_embeddings")  # vllm_worker.py
             await self._call(self._llm.reset_prefix_cache)
             if self.takes_images:  # image embeddings of the old vision weights
                 await self._call(self._llm.reset_encoder_cache)
         finally:
             self._by_ref, self._staged_names = [], set()
+
+    async def weight_digest(self) -> dict[str, tuple[float, float]] | None:
+        return (await self._call(self._llm.collective_rpc, "weight_digest"))[0]
 
     async def sleep(self, level: int = 1) -> None:
         check_sleep_level(level)

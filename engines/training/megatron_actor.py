@@ -19,7 +19,8 @@ vocab-parallel logprobs and the model-parallel optimizer step.
 
 On CPU megatron-core 0.16 needs three stand-ins, applied by `cpu_shims()`: a `current_device`
 that names the CPU, a null fork for the CUDA RNG tracker (dropout is 0 here, so its streams are
-never drawn from), and an explicit attention mask (ours always is).
+never drawn from), and an explicit attention mask (ours always is). The tracker itself is seeded
+on both devices alike (`seed_parallel_rng`), so a missing seed shows on CPU too.
 """
 
 from __future__ import annotations
@@ -55,6 +56,27 @@ def cpu_shims() -> None:
         yield
 
     mrandom.get_cuda_rng_tracker().fork = _no_fork
+
+
+def seed_parallel_rng(seed: int, tp_rank: int) -> None:
+    """Seed megatron-core's RNG tracker the way its layers expect before they run: the data-parallel
+    stream (`seed`), the model-parallel one (seed + 2718 + TP rank: each TP rank its own, every DP
+    replica alike) and the expert one. On CUDA this is megatron-core's own
+    `model_parallel_cuda_manual_seed` (without it the first forward fails: "cuda rng state
+    model-parallel-rng is not added"); on CPU, which has no CUDA generator to hold, the same names
+    and seeds as CPU generator states (dropout is 0 here, so they are never drawn from)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if torch.cuda.is_available():
+        mrandom.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank)
+        return
+    tracker = mrandom.get_cuda_rng_tracker()
+    tracker.reset()
+    for name, value in ((mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed),
+                        (mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank),
+                        (mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)):
+        tracker.seeds_.add(value)
+        tracker.states_[name] = torch.Generator().manual_seed(value).get_state()
 
 
 def vocab_parallel_stats(logits: torch.Tensor, targets: torch.Tensor, vocab: int, tp_rank: int,
@@ -111,6 +133,7 @@ class MegatronActor(ActorBase):
         self.rank, self.world = m.rank, m.world
         self.dp_rank, self.dp_size, self.dp_group = m.dp_rank, m.dp, m.groups["dp"]
         cpu_shims()
+        seed_parallel_rng(seed, m.tp_rank)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.hf_config = AutoConfig.from_pretrained(model)
         self.layout: DecoderLayout = DecoderLayout.from_hf_config(self.hf_config)

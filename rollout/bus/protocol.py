@@ -330,9 +330,34 @@ class WeightsCommit(Message):
     num_buckets: int = 0
 
 
+@dataclass
+class WeightsDigest(Message):
+    """Ask for a digest of every tensor the engine serves now (engines/weight_digest.py): sent after a
+    commit, it is answered in order after it, and the trainer compares it with what it sent."""
+
+    TYPE: ClassVar[str] = "weights_digest"
+
+
+@dataclass
+class Digest(Message):
+    """Reply to `weights_digest`: per HF tensor name its (s . v, ||v||) as one [n, 2] float64 frame;
+    `available` false: the engine cannot take one (a backend without it, tensor parallelism)."""
+
+    TYPE: ClassVar[str] = "digest"
+    weight_version: int = 0
+    available: bool = True
+    names: list[str] = field(default_factory=list)
+    values: np.ndarray = frame("<f8", rank=2)
+
+    def check(self) -> None:
+        if np.shape(self.values) not in ((len(self.names), 2), (0, 0)) or (self.names and len(self.values) == 0):
+            raise ProtocolError(f"digest lists {len(self.names)} names but values of shape {list(np.shape(self.values))}; "
+                                f"expected [{len(self.names)}, 2]")
+
+
 MESSAGES: dict[str, type[Message]] = {
     m.TYPE: m for m in (Generate, Result, Error, Abort, LoadRequest, Health, Status, Sleep, Wake,
-                        Ack, WeightsBegin, WeightsBucket, WeightsCommit)
+                        Ack, WeightsBegin, WeightsBucket, WeightsCommit, WeightsDigest, Digest)
 }
 
 

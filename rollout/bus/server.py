@@ -44,7 +44,7 @@ GATE_TIMEOUT_S = 1800.0  # longest a generate waits for the engine to wake, fini
 MAX_GATED_PER_PEER = 4096
 STOP_TIMEOUT_S = 5.0  # how long a stopping server waits for its tasks before it closes the engine anyway
 PEER_TIMEOUT_S = 30.0  # a heartbeating peer silent this long is gone
-CONTROL = (P.Sleep, P.Wake, P.WeightsBegin, P.WeightsBucket, P.WeightsCommit)  # the trainer's messages only
+CONTROL = (P.Sleep, P.Wake, P.WeightsBegin, P.WeightsBucket, P.WeightsCommit, P.WeightsDigest)  # the trainer's only
 
 
 class EngineServer:
@@ -403,6 +403,9 @@ class EngineServer:
                 elif isinstance(msg, P.Wake):
                     await self.engine.wake()
                     await self._set_gate(_sleeping=False)
+                elif isinstance(msg, P.WeightsDigest):
+                    self._reply(identity, await weights.digest(msg.rid))
+                    continue
                 else:
                     report = await weights.apply(msg)
                     if isinstance(msg, LocalLoad):

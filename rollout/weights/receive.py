@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rollout.bus.protocol import ProtocolError, WeightsBegin, WeightsBucket, WeightsCommit
+import numpy as np
+
+from rollout.bus.protocol import Digest, ProtocolError, WeightsBegin, WeightsBucket, WeightsCommit
 from rollout.weights.codec import SyncReport, tensors_from_bucket
 from rollout.weights.handle import HandleReader
 from rollout.weights.inproc import LocalLoad, load_into_engine
@@ -57,6 +59,17 @@ class WeightReceiver:
         self.reader = BucketReader()
         self.pending: int | None = None  # the version being loaded
         self.loaded = 0
+
+    async def digest(self, rid: str) -> Digest:
+        """What the engine serves now, per tensor (engines/weight_digest.py), for the trainer to compare
+        with what it sent; `available=False` from an engine that cannot take one."""
+        take = getattr(self.host.engine, "weight_digest", None)
+        held = await take() if take is not None else None
+        if held is None:
+            return Digest(rid=rid, weight_version=self.host.weight_version, available=False)
+        names = sorted(held)
+        return Digest(rid=rid, weight_version=self.host.weight_version, names=names,
+                      values=np.array([held[n] for n in names], dtype="<f8").reshape(len(names), 2))
 
     async def apply(self, msg: Any) -> SyncReport | None:
         """Apply one weight message; raise (the server answers with an error) when it is out of order."""
