@@ -2,6 +2,7 @@
 that reaches it (tests/test_fidelity.py runs it in a process of its own).
 
     python tests/fidelity_run.py ENGINE MODEL_DIR OUT_DIR   # ENGINE: hf | vllm | hf_inproc | vllm_inproc
+    two torchrun launchers (--nnodes 2) running it: the collective route across two simulated nodes
 
 The run's own parts, built from a real config (`launch/setup.py`): the rollout plane with its
 engine and agent workers, torch actors, `launch/algorithm.learn`. Modes in this order: LoRA (rank
@@ -61,10 +62,12 @@ def main(engine: str, model_dir: str, out_dir: str) -> None:
     from launch.setup import setup
 
     out = Path(out_dir)
-    routes = ["in_process"] if engine.endswith("_inproc") else ["auto", "bus"]  # auto: shm on one node
     cfg = _config(engine, model_dir, out, "lora")
     run = setup(cfg)
     plane, records, version = run.plane, [], 0
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    # one node: shm (auto) and bus; two nodes (two launchers, a rank and an engine each): the collective
+    routes = ["in_process"] if engine.endswith("_inproc") else ["auto", "bus"] if world == 1 else ["auto"]
     plane.start_engines(out)
     plane.start_workers()
     try:
@@ -90,9 +93,17 @@ def main(engine: str, model_dir: str, out_dir: str) -> None:
                 actor_lp = actor.compute_logprobs(batch)[0]
                 mask = batch.loss_mask.bool()
                 gap = (batch.rollout_logprobs - actor_lp).abs()[mask]
-                records.append({"engine": engine, "mode": mode, "route": plane.route(), "tokens": int(mask.sum()),
-                                "drift_max": float(gap.max()) if gap.numel() else None,
-                                "drift_mean": float(gap.mean()) if gap.numel() else None,
+                # this rank's rows (its shard when several): sums and the maximum over every rank
+                total = torch.tensor([float(gap.sum()), float(gap.numel())], dtype=torch.float64)
+                top = torch.tensor([float(gap.max()) if gap.numel() else 0.0], dtype=torch.float64)
+                if world > 1:
+                    torch.distributed.all_reduce(total)
+                    torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX)
+                if run.rank != 0:
+                    continue
+                records.append({"engine": engine, "mode": mode, "route": plane.route(), "tokens": int(total[1]),
+                                "drift_max": float(top[0]) if total[1] else None,
+                                "drift_mean": float(total[0] / total[1]) if total[1] else None,
                                 "rewards": sorted(set(batch.rewards[batch.valid].tolist())),
                                 "adapter_push": plane.takes_adapters(), "moved": _moved(actor, before),
                                 "verified": sync.get("sync/verified_tensors"),
@@ -102,9 +113,11 @@ def main(engine: str, model_dir: str, out_dir: str) -> None:
             if actor is not run.actor:
                 del actor
                 torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        run.barrier()
     finally:
         plane.close()
-    (out / "fidelity.json").write_text(json.dumps(records, indent=1))
+    if run.rank == 0:
+        (out / "fidelity.json").write_text(json.dumps(records, indent=1))
 
 
 if __name__ == "__main__":

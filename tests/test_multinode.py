@@ -30,20 +30,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(node: int, port: int, args: list[str], log: Path) -> subprocess.Popen:
+def _launch(node: int, port: int, args: list[str], log: Path, script: str = "launch/train.py") -> subprocess.Popen:
     cores = sorted(os.sched_getaffinity(0))
     core = cores[node % len(cores)]
     cmd = ["taskset", "-c", str(core), sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
            "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port",
-           str(port), "launch/train.py", *args]
+           str(port), script, *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
-def _run_two_nodes(args: list[str], tmp: Path, tag: str, timeout: float = 600) -> None:
+def _run_two_nodes(args: list[str], tmp: Path, tag: str, timeout: float = 600, script: str = "launch/train.py") -> None:
     port = _free_port()
-    procs = [_launch(n, port, args, tmp / f"{tag}-node{n}.log") for n in (0, 1)]
+    procs = [_launch(n, port, args, tmp / f"{tag}-node{n}.log", script) for n in (0, 1)]
     try:
         for p in procs:
             p.wait(timeout)

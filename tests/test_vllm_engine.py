@@ -227,3 +227,12 @@ def test_update_weights_round_trip(rig):
     assert stale > 0.05, "logprobs should have moved with the weights"
     back = (reference_logprobs(rig.ref, prompt, restored.token_ids, 0.7)[0] - torch.tensor(restored.logprobs)).abs().max()
     assert back < TOL
+
+
+def test_max_model_len_defaults_to_the_models_own_limit_when_smaller():
+    """tiny-llama allows 2048 positions: the default 4096 would make vLLM refuse to start."""
+    from engines.inference import make_engine
+
+    assert make_engine("vllm", "tiny-llama")._engine_args()["max_model_len"] == 2048
+    assert make_engine("vllm", "smollm2-135m-instruct")._engine_args()["max_model_len"] == 4096  # 8192 allowed
+    assert make_engine("vllm", "tiny-llama", max_model_len=512)._engine_args()["max_model_len"] == 512
