@@ -124,6 +124,7 @@ def make_plan(cfg: Any, recipe: str | None, nodes: int, gpus: int, gpu_gb: float
               config_file: str | None = None, engine_gpus: int = 0) -> Plan:
     """The plan of config `cfg` on `nodes` x `gpus` GPUs of `gpu_gb` GiB each (`engine_gpus` per node
     hold the engines in split placement: ENGINE_GPUS_PER_NODE of launch/slurm/train.sbatch)."""
+    from engines.inference import ENGINES
     from parallel.mesh import plan_placement
     from rollout.weights.link import Placement
     from rollout.weights.routes import choose
@@ -169,8 +170,8 @@ def make_plan(cfg: Any, recipe: str | None, nodes: int, gpus: int, gpu_gb: float
     lora = getattr(a, "lora", None)
     adapter = shape.adapter_parameters(lora.rank, list(lora.target_modules)) if lora is not None else 0
     # engines that apply a pushed adapter get only it (engines/lora.py); the others the merged weights
-    adapters_travel = adapter and r.engine in ("hf", "vllm") and not r.in_process and not r.engines \
-        and not (placement == "colocated" and r.sleep_level == 2)
+    adapters_travel = adapter and ENGINES[r.engine].adapters and not r.in_process and not r.engines \
+        and not (placement == "colocated" and (r.sleep_level or (1 if lora is not None else 2)) == 2)
     sync_bytes = adapter * dtype_bytes(cfg.model.dtype) if adapters_travel else engine_bytes
     buckets = math.ceil(sync_bytes / (r.weight_bucket_mb << 20))
     lines.append(f"weight sync: route {route}, {sync_bytes / GB:.3g} GiB in {buckets} bucket(s) of "

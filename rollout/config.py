@@ -24,7 +24,9 @@ class RolloutConfig:
     placement: str = "auto"
     bind_host: str | None = None  # tcp host engines bind for other nodes; default: $SWITCHYARD_HOST or the
     #                               address this node uses to reach the rendezvous host
-    sleep_level: int = 2  # colocated: 1 = engines keep their weights while asleep, 2 = free them (resent each step)
+    # colocated: 1 = engines keep their weights while asleep, 2 = free them (resent each step); None = 2, or 1
+    # with a LoRA actor (the engines keep the base, and each push is the adapter alone)
+    sleep_level: int | None = None
     request_log: bool = False  # every engine appends one JSON line per reply to output_dir/engines/<id>.jsonl
     engine_options: dict[str, Any] = field(default_factory=dict)  # passed to the engine backend
     policy: str = "sticky_group"
@@ -72,8 +74,9 @@ class RolloutConfig:
         choice("rollout", "policy", self.policy, POLICIES)
         choice("rollout", "placement", self.placement, PLACEMENTS)
         choice("rollout", "weight_path", self.weight_path, WEIGHT_PATHS)
-        if self.sleep_level not in (1, 2):
-            raise ValueError(f"rollout.sleep_level={self.sleep_level!r} must be 1 (keep weights) or 2 (free them)")
+        if self.sleep_level not in (None, 1, 2):
+            raise ValueError(f"rollout.sleep_level={self.sleep_level!r} must be 1 (keep weights), 2 (free them) or "
+                             "null (2, or 1 with actor.lora)")
         positive("rollout", self, "num_engines", "n", "max_tokens", "weight_bucket_mb")
         if self.num_workers < 0:
             raise ValueError(f"rollout.num_workers={self.num_workers} must be >= 0 (0 = run in the trainer process)")

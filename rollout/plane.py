@@ -268,7 +268,7 @@ class RolloutPlane(WeightRoutes):
             lines.append(f"  engines on cores {list(self.cfg.engine_cores)}, the trainer ranks on the others"
                          if self.cfg.engine_cores else "  engines share each node's cores with its trainer ranks")
         if self.sleeps:
-            lines.append(f"  engines sleep (level {self.cfg.sleep_level}) during each update and wake for the sync")
+            lines.append(f"  engines sleep (level {self.sleep_level}) during each update and wake for the sync")
         for e in self.engines:
             where = e.tcp or e.ipc
             lines.append(f"  {e.engine_id}: node {e.node}, {kind} {list(e.devices)}, {where}")
@@ -451,7 +451,7 @@ class RolloutPlane(WeightRoutes):
             return {}
         from rollout.bus import protocol as P
 
-        self.control.run(self.control.client.broadcast(P.Sleep(level=self.cfg.sleep_level)))
+        self.control.run(self.control.client.broadcast(P.Sleep(level=self.sleep_level)))
         return {f"engine/{e.engine_id}/rss_asleep_mb": float(st.stats.get("rss_mb", 0))
                 for e, st in zip(self.engines, self._statuses()) if st is not None}
 

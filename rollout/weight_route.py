@@ -53,12 +53,19 @@ class WeightRoutes:
         """Whether each push carries only the actor's LoRA adapter: it trains one, and this run's
         engines apply one (`EngineSpec.adapters`) on top of base weights they keep. Merged weights
         instead go to engines started elsewhere (they may not have been told to take adapters) and
-        to colocated engines that free their weights while asleep (`rollout.sleep_level=2`)."""
+        to colocated engines that free their weights while asleep (`rollout.sleep_level=2`, which a LoRA
+        run does not take unless told)."""
         spec = ENGINES[self.cfg.engine]
         if self.cfg.in_process and spec.in_process:
             spec = ENGINES[spec.in_process]
         return (self.adapter_rank > 0 and spec.adapters and not self.cfg.engines
-                and not (self.sleeps and self.cfg.sleep_level == 2))
+                and not (self.sleeps and self.sleep_level == 2))
+
+    @property
+    def sleep_level(self) -> int:
+        """How deep colocated engines sleep: `rollout.sleep_level`, or by default 2 (free the weights,
+        the push resends them) and 1 with a LoRA actor (the base stays; each push is the adapter)."""
+        return self.cfg.sleep_level or (1 if self.adapter_rank > 0 else 2)
 
     def adapter_options(self) -> dict[str, Any]:
         """Engine options that ready an engine for adapters of the actor's rank (`EngineSpec.adapter_option`)."""

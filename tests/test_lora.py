@@ -212,6 +212,9 @@ def test_adapters_go_only_to_engines_that_apply_them():
     assert not plane(engine="vllm", in_process=True, placement="colocated").takes_adapters()
     assert not plane(placement="colocated", sleep_level=2).takes_adapters()  # its base is freed while asleep
     assert plane(placement="colocated", sleep_level=1).takes_adapters()
+    # by default a LoRA run's colocated engines keep their base asleep, so every push is the adapter alone
+    assert plane(placement="colocated").takes_adapters() and plane(placement="colocated").sleep_level == 1
+    assert plane(0, placement="colocated").sleep_level == 2
     assert not plane(engines=["ipc:///tmp/e0.sock"]).takes_adapters()  # started elsewhere
 
 

@@ -63,6 +63,9 @@ def test_the_plan_counts_a_lora_adapter_and_a_critic():
     assert full.returncode == lora.returncode == critic.returncode == 0, full.stdout + lora.stdout + critic.stdout
     # qwen2.5-3b, rank 16 on every Linear of its 36 layers: 16 x 51,968 x 36 = 29.9M parameters, bf16
     assert "(the LoRA adapter, 29.9M parameters)" in lora.stdout and "0.0558 GiB in 1 bucket" in lora.stdout
+    # colocated: a LoRA run's engines keep their base asleep (sleep level 1 by default), so the adapter travels
+    colocated = plan("launch/configs/recipes/gsm8k_qwen2.5-3b_4gpu.yaml", "--plan", "actor.lora={rank: 16}")
+    assert "(the LoRA adapter, 29.9M parameters)" in colocated.stdout, colocated.stdout
     actor_gb = lambda out: float(re.search(r"actor ([\d.]+) GiB", out).group(1))  # noqa: E731
     assert actor_gb(lora.stdout) < actor_gb(full.stdout) / 3  # a frozen bf16 base, AdamW for the adapter only
     assert "critic:" in critic.stdout and actor_gb(critic.stdout) > 1.9 * actor_gb(full.stdout)
