@@ -1,4 +1,4 @@
-"""The GPU smoke suite: six checks of the paths written for CUDA, each timed and caught on its own.
+"""The GPU smoke suite: nine checks of the paths written for CUDA, each timed and caught on its own.
 
     bash benchmarks/gpu_smoke.sh                  # on the GPU machine (installs what is missing, picks the model)
     python benchmarks/gpu_smoke.py --device cpu --model tiny-llama --quick    # the same checks here (CI)
@@ -15,6 +15,9 @@
                two update steps; loss, grad norm, step seconds, peak memory
   drift        the bf16 engine's sampled tokens and logprobs against the bf16 FSDP2 actor's (and fp32's)
   grpo_run     launch/train.py, 3 GRPO steps with the hf engine on the model; metrics.jsonl parsed
+  megatron_run the same with the Megatron actor (TP 1), 2 steps (needs megatron-core; skipped without)
+  lora_run     the same with a LoRA actor (rank 8), 2 steps: each push the adapter alone, < 5% of the model
+  deepspeed_ref the same with a KL term to a DeepSpeed ZeRO-3 reference, 2 steps (skipped without deepspeed)
 
 Writes a JSON report (--out) and a last line `RESULT {...}` with the headline numbers; exits 1 if any
 check failed. A check that needs CUDA reports `skipped` with its reason on CPU.
@@ -282,17 +285,19 @@ def check_drift(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
-def check_grpo_run(ctx: Ctx) -> dict[str, Any]:
-    """launch/train.py: 3 GRPO steps with the hf engine; step seconds and reward from metrics.jsonl."""
-    out_dir = ctx.work / "grpo_run"
-    args = [f"model.path={ctx.model}", "rollout.engine=hf", "trainer.steps=3", "sft.enabled=false",
+def _train(ctx: Ctx, tag: str, extra: list[str], steps: int) -> tuple[list[dict[str, Any]], float, list[str]]:
+    """launch/train.py for `steps` GRPO steps with the hf engine on the model (bf16 on the GPU, where the
+    engine shares the actor's device: weights by CUDA IPC handle); its metrics.jsonl steps, wall seconds, args."""
+    out_dir = ctx.work / tag
+    args = [f"model.path={ctx.model}", "rollout.engine=hf", f"trainer.steps={steps}", "sft.enabled=false",
             "data.val_path=null", f"data.prompts_per_step={ctx.size(2, 8)}", f"rollout.n={ctx.size(2, 4)}",
-            f"rollout.max_tokens={ctx.size(16, 128)}", f"trainer.output_dir={out_dir}", "trainer.resume=false"]
-    if ctx.cuda:  # bf16 engine on the GPU (colocated with the actor: weights go by CUDA IPC handle)
+            f"rollout.max_tokens={ctx.size(16, 128)}", f"trainer.output_dir={out_dir}", "trainer.resume=false",
+            "trainer.export_hf=false", *extra]
+    if ctx.cuda:
         args += ["model.dtype=bfloat16", "rollout.engine_options.device=cuda"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    log = ctx.work / "grpo_run.log"
+    log = ctx.work / f"{tag}.log"
     t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, "launch/train.py", *args], cwd=REPO, env=env, stdout=f,
@@ -301,20 +306,71 @@ def check_grpo_run(ctx: Ctx) -> dict[str, Any]:
     if proc.returncode != 0:
         raise AssertionError(f"launch/train.py exited {proc.returncode}:\n{log.read_text()[-3000:]}")
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [m for m in rows if m.get("step", 0) > 0]
-    if [m["step"] for m in steps] != [1, 2, 3]:
-        raise AssertionError(f"metrics.jsonl has steps {[m.get('step') for m in rows]}, expected 1, 2, 3")
+    got = [m for m in rows if m.get("step", 0) > 0]
+    if [m["step"] for m in got] != list(range(1, steps + 1)):
+        raise AssertionError(f"metrics.jsonl has steps {[m.get('step') for m in rows]}, expected 1..{steps}")
+    return got, wall, args
+
+
+def _steps(got: list[dict[str, Any]], wall: float, args: list[str]) -> dict[str, Any]:
+    return {"wall_s": round(wall, 1), "step_s": [round(m["time/step_s"], 3) for m in got],
+            "update_s": [round(m["time/update_s"], 3) for m in got], "drift_mean": [m.get("drift/mean") for m in got],
+            "mismatched_tensors": [m.get("sync/mismatched_tensors") for m in got], "args": args}
+
+
+def check_grpo_run(ctx: Ctx) -> dict[str, Any]:
+    """launch/train.py: 3 GRPO steps with the hf engine; step seconds and reward from metrics.jsonl."""
+    steps, wall, args = _train(ctx, "grpo_run", [], 3)
     sync = sorted({k.split("sync/engines_")[1] for m in steps for k in m if k.startswith("sync/engines_")})
-    return {"wall_s": round(wall, 1), "step_s": [round(m["time/step_s"], 3) for m in steps],
-            "rollout_s": [round(m["time/rollout_s"], 3) for m in steps],
-            "update_s": [round(m["time/update_s"], 3) for m in steps],
-            "reward": [m["rollout/reward_mean"] for m in steps], "drift_mean": [m["drift/mean"] for m in steps],
-            "weight_route": sync, "args": args}
+    return {**_steps(steps, wall, args), "rollout_s": [round(m["time/rollout_s"], 3) for m in steps],
+            "reward": [m["rollout/reward_mean"] for m in steps], "weight_route": sync,
+            "full_sync_gb": steps[-1].get("sync/gb")}
 
 
-CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
+def check_megatron_run(ctx: Ctx) -> dict[str, Any]:
+    """launch/train.py with the Megatron actor (TP 1): the path that failed at its first forward on CUDA
+    (its RNG tracker unseeded); 2 GRPO steps, their update seconds and drift."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        raise Skip(f"megatron-core is not importable ({e}); benchmarks/gpu_wheels.sh carries its wheel")
+    steps, wall, args = _train(ctx, "megatron_run", ["actor.backend=megatron", "actor.trainable=[]",
+                                                     "actor.gradient_checkpointing=false"], 2)
+    return _steps(steps, wall, args)
+
+
+def check_lora_run(ctx: Ctx) -> dict[str, Any]:
+    """launch/train.py with a LoRA actor (rank 8): every push is the adapter alone (colocated engines keep
+    their base asleep), so `sync/gb` is a few percent of the model's bytes at most."""
+    steps, wall, args = _train(ctx, "lora_run", ["actor.lora={rank: 8}", "actor.trainable=[]"], 2)
+    full = sum(t.numel() * t.element_size() for t in checkpoint_tensors(ctx.model).values())
+    if ctx.cuda:
+        full //= 2  # what a bf16 engine is sent: the checkpoint's fp32 halved
+    sent = max(m.get("sync/gb") or 0.0 for m in steps) * 1e9
+    out = {**_steps(steps, wall, args), "sync_gb": round(sent / 1e9, 6), "model_gb": round(full / 1e9, 4),
+           "sync_fraction": round(sent / full, 5)}
+    if not sent or sent >= 0.05 * full:
+        raise AssertionError(f"a LoRA push sent {sent / 1e9:.4g} GB, {sent / full:.1%} of the model's "
+                             f"{full / 1e9:.4g} GB (must be under 5%): {out}")
+    return out
+
+
+def check_deepspeed_ref(ctx: Ctx) -> dict[str, Any]:
+    """launch/train.py with a KL term whose reference is DeepSpeed ZeRO-3 (`reference.backend=deepspeed`),
+    2 GRPO steps; on CPU DeepSpeed's CPU accelerator (its collectives compiled on first use)."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as e:
+        raise Skip(f"deepspeed is not importable ({e}); install it (pip install deepspeed) to run this check")
+    steps, wall, args = _train(ctx, "deepspeed_ref", ["reference.backend=deepspeed", "algorithm.loss.kl_coef=0.01",
+                                                      "actor.trainable=[]"], 2)
+    return {**_steps(steps, wall, args), "kl_in_reward": [m.get("kl_in_reward") for m in steps]}
+
+
+CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {  # by value: a run cut off still reports the most
     "hf_engine": check_hf_engine, "sleep_wake": check_sleep_wake, "handle_route": check_handle_route,
-    "fsdp_actor": check_fsdp_actor, "drift": check_drift, "grpo_run": check_grpo_run}
+    "fsdp_actor": check_fsdp_actor, "drift": check_drift, "grpo_run": check_grpo_run,
+    "megatron_run": check_megatron_run, "lora_run": check_lora_run, "deepspeed_ref": check_deepspeed_ref}
 
 
 def run_check(name: str, fn: Callable[[Ctx], dict[str, Any]], ctx: Ctx) -> dict[str, Any]:
@@ -355,7 +411,10 @@ def headline(report: dict[str, Any]) -> dict[str, Any]:
             "drift_bf16_max": get("drift", "engine_vs_actor_bf16_max"),
             "grpo_step_s": round(sum(grpo_steps[1:]) / max(1, len(grpo_steps) - 1), 3) if grpo_steps else None,
             "grpo_reward": (get("grpo_run", "reward") or [None])[-1],
-            "grpo_weight_route": get("grpo_run", "weight_route"), "seconds": report["seconds"]}
+            "grpo_weight_route": get("grpo_run", "weight_route"),
+            "megatron_update_s": (get("megatron_run", "update_s") or [None])[-1],
+            "lora_sync_fraction": get("lora_run", "sync_fraction"),
+            "deepspeed_ref_kl": (get("deepspeed_ref", "kl_in_reward") or [None])[-1], "seconds": report["seconds"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-smoke-") as work:
         ctx = Ctx(args.device, model, args.quick, Path(work))
         checks = {name: run_check(name, CHECKS[name], ctx) for name in names}
-        for name in ("handle_route", "grpo_run"):  # keep the logs beside the report
+        for name in ("handle_route", "grpo_run", "megatron_run", "lora_run", "deepspeed_ref"):  # logs beside the report
             for f in Path(work).glob(f"{name}*.log"):
                 (out.parent / f.name).write_text(f.read_text())
     report = {"device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,

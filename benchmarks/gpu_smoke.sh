@@ -47,6 +47,22 @@ if [ ${#missing[@]} -gt 0 ]; then
     done
 fi
 
+# the packages of the checks that skip without them (megatron_run, deepspeed_ref): installed the same way
+# when their wheels were carried, else those checks say they skipped and why
+OPTIONAL="megatron.core:megatron-core einops:einops hjson:hjson ninja:ninja cpuinfo:py-cpuinfo pydantic_core:pydantic-core
+pydantic:pydantic annotated_types:annotated-types typing_inspection:typing-inspection deepspeed:deepspeed"
+optional=()
+for pair in $OPTIONAL; do
+    "$PY" -c "import ${pair%%:*}" 2>/dev/null && continue
+    ls "$WHEELS"/wheels/"$(echo "${pair#*:}" | tr - _)"-*.whl >/dev/null 2>&1 && optional+=("${pair#*:}")
+done
+if [ ${#optional[@]} -gt 0 ]; then
+    echo "gpu_smoke: installing ${optional[*]} from $WHEELS/wheels into $SITE" >&2
+    "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --find-links "$WHEELS/wheels" \
+        --target "$SITE" "${optional[@]}" || echo "gpu_smoke: could not install ${optional[*]}; their checks skip" >&2
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
 MODEL=${SMOKE_MODEL:-}
 if [ -z "$MODEL" ]; then
     for name in smollm2-135m-instruct tiny-llama; do

@@ -12,7 +12,7 @@
 # engines/models.py converted from it (517 MB of fp32 safetensors) alongside, and gpu_smoke.sh then
 # prefers it. Any other local HF model directory works too: SMOKE_MODEL=/path bash benchmarks/gpu_smoke.sh
 #
-#   bash benchmarks/gpu_wheels.sh             # wheels + tiny-llama, ~22 MB
+#   bash benchmarks/gpu_wheels.sh             # wheels + tiny-llama, ~35 MB
 #   bash benchmarks/gpu_wheels.sh --smollm2   # + SmolLM2-135M-Instruct (~540 MB)
 set -euo pipefail
 
@@ -41,6 +41,11 @@ except PackageNotFoundError:
 EOF
 }
 REQS=("$(pin pyzmq '>=25')" "$(pin msgpack '>=1.0')" "$(pin xxhash '>=3')" "$(pin omegaconf '>=2.3')")
+# the smoke suite's megatron_run and deepspeed_ref checks: megatron-core (pure python but for one
+# extension), and DeepSpeed's pure-python wheel (no op prebuilt) with what it imports beyond the image
+REQS+=("$(pin megatron-core '>=0.16')" "$(pin einops '>=0.6')" "$(pin hjson '>=3')" "$(pin ninja '>=1.11')"
+       "$(pin py-cpuinfo '>=9')" "$(pin pydantic '>=2')" "$(pin pydantic-core '>=2')" "$(pin annotated-types '>=0.6')"
+       "$(pin typing-inspection '>=0.4')")
 echo "wheels for python ${PYTHON_VERSIONS}: ${REQS[*]}"
 
 rm -rf "$DEST/wheels"
@@ -51,6 +56,9 @@ for v in $PYTHON_VERSIONS; do
         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --implementation cp \
         --python-version "$v" -d "$DEST/wheels" "${REQS[@]}"
 done
+# DeepSpeed is published as an sdist: its wheel built here without building any op (DS_BUILD_OPS=0)
+DS_BUILD_OPS=0 "$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation -w "$DEST/wheels" \
+    "$(pin deepspeed '>=0.16')"
 # omegaconf < 2.4 needs antlr4-python3-runtime 4.9.*, published as an sdist only: build its wheel here
 if ls "$DEST"/wheels/omegaconf-2.3* >/dev/null 2>&1; then
     "$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps -w "$DEST/wheels" "antlr4-python3-runtime==4.9.*"

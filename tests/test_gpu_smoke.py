@@ -14,7 +14,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKS = ("hf_engine", "sleep_wake", "handle_route", "fsdp_actor", "drift", "grpo_run")
+CHECKS = ("hf_engine", "sleep_wake", "handle_route", "fsdp_actor", "drift", "grpo_run", "megatron_run", "lora_run",
+          "deepspeed_ref")
 CUDA_ONLY = {"sleep_wake": "needs CUDA"}  # torch.cuda.mem_get_info; the handle route runs its CPU form here
 
 
@@ -34,7 +35,7 @@ def failures(report: dict[str, Any]) -> str:
 
 
 def test_every_check_runs_on_cpu_or_says_why_not(tmp_path: Path) -> None:
-    proc, report = smoke(["--device", "cpu", "--model", "tiny-llama", "--quick"], tmp_path / "gpu_smoke.json", 300)
+    proc, report = smoke(["--device", "cpu", "--model", "tiny-llama", "--quick"], tmp_path / "gpu_smoke.json", 600)
     checks = report["checks"]
     assert list(checks) == list(CHECKS)
     assert proc.returncode == 0 and not failures(report), failures(report) or proc.stderr[-4000:]
@@ -49,6 +50,9 @@ def test_every_check_runs_on_cpu_or_says_why_not(tmp_path: Path) -> None:
     assert checks["handle_route"]["path"] == "handle" and checks["handle_route"]["refused_bucket_left_weights"]
     assert "FSDP" in checks["fsdp_actor"]["sharded"] and checks["fsdp_actor"]["weights_moved"]
     assert len(checks["grpo_run"]["step_s"]) == 3 and checks["grpo_run"]["weight_route"] == ["shm"]
+    for name in ("megatron_run", "lora_run", "deepspeed_ref"):  # launch/train.py, 2 steps each, engines verified
+        assert len(checks[name]["step_s"]) == 2 and checks[name]["drift_mean"][-1] < 1e-4, (name, checks[name])
+    assert checks["lora_run"]["sync_fraction"] < 0.05 and result["lora_sync_fraction"] < 0.05, checks["lora_run"]
 
 
 def test_a_failing_check_is_reported_and_the_others_still_run(tmp_path: Path) -> None:

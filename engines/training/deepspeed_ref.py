@@ -41,7 +41,9 @@ def _import_deepspeed() -> Any:
 
 def ensure_process_group() -> None:
     """DeepSpeed needs a process group even for one process; make a one-rank gloo group when
-    the trainer runs without torchrun."""
+    the trainer runs without torchrun (and the LOCAL_RANK DeepSpeed reads, which torchrun sets)."""
+    if "LOCAL_RANK" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        os.environ["LOCAL_RANK"] = "0"  # `python launch/train.py`: one process; zero.Init fails without it
     if dist.is_initialized():
         return
     store = os.path.join(tempfile.mkdtemp(prefix="switchyard-pg-"), "store")
