@@ -150,14 +150,20 @@ class TrainerConfig:
     # first step when val_before_train; the last step is always validated
     val_every: int = 0
     val_before_train: bool = True
-    # the engines' logprobs against the actor's (launch/drift_guard.py): drift/mean above drift_warn
+    # the engines' logprobs against the actor's (launch/guards.py): drift/mean above drift_warn
     # (None: the model dtype's limit, DRIFT_LIMITS) warns naming the tensors that differ; above
     # max_drift (None: never) the run stops with a non-zero exit
     drift_warn: float | None = None
     max_drift: float | None = None
+    # a run whose batches lose more than this fraction to failed trajectories, 3 steps in a row, stops
+    # (launch/guards.py); a step with no valid trajectory fails on its own, and a run of only those exits 1
+    max_invalid_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         positive("trainer", self, "steps", "save_every", error=ConfigError)
+        if not 0 < self.max_invalid_fraction <= 1:
+            raise ConfigError(f"trainer.max_invalid_fraction={self.max_invalid_fraction} must be in (0, 1] (1: never "
+                              "stop for failed trajectories)")
         for key in ("drift_warn", "max_drift"):
             value = getattr(self, key)
             if value is not None and not value > 0:

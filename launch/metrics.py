@@ -112,6 +112,17 @@ def summarize(logger: MetricsLogger, key: str, val_key: str | None = None) -> di
         first, last = hist[:5], hist[-5:]
         summary = {"steps": len(hist), "reward_first5": sum(h[key] for h in first) / len(first),
                    "reward_last5": sum(h[key] for h in last) / len(last)}
+    steps = [h for h in logger.history() if h.get("step", 0) > 0]
+    summary["trajectories"] = int(sum(h.get("rollout/trajectories") or 0 for h in steps))
+    summary["invalid"] = int(sum(h.get("rollout/invalid") or 0 for h in steps))
+    summary["failed_steps"] = sum(1 for h in steps if h.get("step/failed"))
+    reasons: dict[str, float] = {}
+    for h in steps:
+        for k, v in h.items():
+            if k.startswith("rollout/invalid_reason/") and v:
+                reasons[k.rsplit("/", 1)[1]] = reasons.get(k.rsplit("/", 1)[1], 0) + v
+    if reasons:
+        summary["invalid_reasons"] = ",".join(f"{k}:{int(v)}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]))
     val = [h for h in logger.history() if val_key and h.get(val_key) is not None]
     if val and val[0]["step"] == 0:
         summary["val_before"] = val[0][val_key]

@@ -24,13 +24,13 @@ from launch.config import Config, ConfigError, load_config  # noqa: E402
 
 REWARD_KEY = "rollout/reward_mean"
 VAL_KEY = "val/accuracy"
-CONSOLE_KEYS = (REWARD_KEY, VAL_KEY, "rollout/tool_calls_per_trajectory", "rollout/response_length_mean", "drift/mean",
+CONSOLE_KEYS = (REWARD_KEY, VAL_KEY, "rollout/invalid", "rollout/tool_calls_per_trajectory", "rollout/response_length_mean", "drift/mean",
                 "actor/pg_loss", "critic/vf_explained_var", "time/rollout_s", "time/update_s", "time/step_s")
 
 
 def train(cfg: Config) -> dict[str, Any]:
     from launch.algorithm import learn
-    from launch.drift_guard import DriftGuard
+    from launch.guards import DriftGuard, InvalidGuard
     from launch.checkpoint import Checkpointer, load_run, save_run
     from launch.metrics import MetricsLogger, summarize
     from launch.setup import setup
@@ -47,8 +47,9 @@ def train(cfg: Config) -> dict[str, Any]:
     overlap = cfg.rollout.staleness > 0  # asynchronous RL: rollout runs on through updates
     logger = MetricsLogger(out, cfg.trainer.wandb_project, resume_step=start) if rank == 0 else None
     validator = _validator(cfg, run) if rank == 0 and run.val_rows else None
-    guard = DriftGuard(cfg.model.dtype, cfg.trainer.drift_warn, cfg.trainer.max_drift,
-                       cfg.rollout.top_p < 1, show=rank == 0)
+    drift = DriftGuard(cfg.model.dtype, cfg.trainer.drift_warn, cfg.trainer.max_drift, cfg.rollout.top_p < 1,
+                       show=rank == 0)
+    invalids = InvalidGuard(cfg.trainer.max_invalid_fraction, show=rank == 0)
     try:
         plane.start_engines(out)
         if latest is None and cfg.sft.enabled:
@@ -82,19 +83,23 @@ def train(cfg: Config) -> dict[str, Any]:
                 if rank == 0 and hasattr(stream, "stats"):  # the curriculum's difficulty, pool and retired rows
                     metrics.update(stream.stats(rows))
             t_rollout = time.perf_counter() - t0
-            metrics.update({**plane.engine_metrics(t_rollout), **plane.sleep()})
-            plane.training(True)
-            t_update, busy = time.time(), plane.engine_busy_s()
-            metrics.update(learn(batch, actor, run.ref, cfg.algorithm, cfg.actor, critic=run.critic))
-            guard.check(step, metrics, plane.mismatched)  # warns, or (trainer.max_drift) stops the run
-            plane.training(False)
-            if rank == 0:  # how much the engines generated while the trainer updated (0: they idled)
-                metrics["time/engine_busy_in_update"] = (plane.engine_busy_s() - busy) / max(
-                    1e-9, (time.time() - t_update) * len(plane.engines))
-            version += 1
-            plane.wake()  # colocated engines come back; the push below is what they serve with
-            # asynchronous: running generations stop for the push and go on with the new weights
-            t_sync = plane.push_weights(actor.named_sync_weights(plane.takes_adapters()), version, preempt=overlap)
+            failed = invalids.check(step, batch, metrics)  # no valid trajectory: nothing to learn, nothing to push
+            metrics.update(plane.engine_metrics(t_rollout))
+            t_update, t_sync = time.time(), 0.0
+            if not failed:
+                metrics.update(plane.sleep())
+                plane.training(True)
+                t_update, busy = time.time(), plane.engine_busy_s()
+                metrics.update(learn(batch, actor, run.ref, cfg.algorithm, cfg.actor, critic=run.critic))
+                drift.check(step, metrics, plane.mismatched)  # warns, or (trainer.max_drift) stops the run
+                plane.training(False)
+                if rank == 0:  # how much the engines generated while the trainer updated (0: they idled)
+                    metrics["time/engine_busy_in_update"] = (plane.engine_busy_s() - busy) / max(
+                        1e-9, (time.time() - t_update) * len(plane.engines))
+                version += 1
+                plane.wake()  # colocated engines come back; the push below is what they serve with
+                # asynchronous: running generations stop for the push and go on with the new weights
+                t_sync = plane.push_weights(actor.named_sync_weights(plane.takes_adapters()), version, preempt=overlap)
             metrics.update({"weight_version": version, "time/rollout_s": t_rollout, "time/sync_s": t_sync,
                             "time/step_s": time.perf_counter() - t0, "data/epoch": stream.position[0],
                             "data/index": stream.position[1], **plane.last_sync})
@@ -108,6 +113,7 @@ def train(cfg: Config) -> dict[str, Any]:
                 save_run(ckpt, step, actor, stream, version, rank, sharded, barrier,
                          rollout=plane.rollout_state() if rank == 0 else None, critic=run.critic)
             barrier()
+        invalids.finish()  # every step failed: the run trained nothing, and exits non-zero
         summary = summarize(logger, REWARD_KEY, VAL_KEY) if logger is not None else {}
         if cfg.trainer.export_hf:
             actor.save_hf(out / "hf")  # every rank: a sharded actor gathers to rank 0, which writes
@@ -168,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         _exit_with_launcher()
     from engines.models import ModelUnavailableError
-    from launch.drift_guard import DriftError
+    from launch.guards import DriftError, InvalidError
 
     try:
         summary = train(load_config(path, argv))
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModelUnavailableError as e:  # a user error like a bad config value: one line, exit 2
         print(f"config error: model.path: {e}", file=sys.stderr)
         return 2
-    except DriftError as e:
+    except (DriftError, InvalidError) as e:  # the run did not do what it was asked: said, exit 1
         print(f"error: {e}", file=sys.stderr)
         return 1
     if summary:

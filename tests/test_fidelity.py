@@ -4,7 +4,7 @@ route that reaches it x a tied and an untied model x LoRA, partial and full trai
 Each (engine, model) is one process (tests/fidelity_run.py): 2 real GRPO steps per (mode, route),
 rewards that vary, then engine logprobs against the actor's on every sampled token of a third
 rollout. fp32 on both sides: measured here 1.9e-6 at most for every engine, route and mode; 1e-4 is
-the limit the drift guard uses for fp32 (launch/drift_guard.py). With vLLM's tied output head not
+the limit the drift guard uses for fp32 (launch/guards.py). With vLLM's tied output head not
 reprocessed after each reload (engines/inference/vllm_worker.py reverted) the tied model's full
 mode fails on both vLLM paths: drift_max 0.017-0.023, and the push names `lm_head.weight`.
 """

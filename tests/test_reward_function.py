@@ -254,6 +254,25 @@ def test_one_grpo_step_with_a_reward_function_from_a_file(tmp_path: Path):
     assert json.dumps(step)  # the line is plain JSON
 
 
+def test_a_run_whose_reward_function_always_raises_trains_nothing_and_exits_1_naming_it(tmp_path: Path):
+    """Every trajectory invalid: each step fails (nothing learned or pushed, the reasons counted, the
+    first error quoted), and a run of only failed steps exits 1 instead of 0."""
+    path = tmp_path / "raises.py"
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    raise ValueError(f'no score for {ground_truth!r}')\n")
+    out = tmp_path / "run"
+    proc = train([*TINY, "data.prompts_per_step=2", "trainer.steps=2", f"trainer.output_dir={out}",
+                  f"reward.function={path}:compute_score"])
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "ERROR: step 1 failed: none of its" in proc.stderr and "reward_function_failed x" in proc.stderr
+    assert "the first error: the reward function failed: ValueError: no score for" in proc.stderr
+    assert "error: every one of the run's 2 steps failed" in proc.stderr, proc.stderr[-3000:]
+    steps = [m for m in metrics(out) if m.get("step", 0) > 0]
+    assert [m["step/failed"] for m in steps] == [1.0, 1.0] and all("weight_version" in m for m in steps)
+    assert steps[0]["weight_version"] == steps[1]["weight_version"]  # nothing pushed
+    assert all(m["rollout/invalid"] == m["rollout/trajectories"] > 0 for m in steps), steps
+
+
 def test_the_rule_scorers_are_a_reward_function_and_turn_rewards_reach_their_turns(tok):  # noqa: F811
     from agent.rewards import compute_score, rule_reward
 
