@@ -194,6 +194,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    overrides = _demo_defaults(path, list(overrides or []))
     path = Path(path) if path else DEFAULT_CONFIG
     if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML file such as {DEFAULT_CONFIG}")
@@ -223,6 +224,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     _check_finite(cfg, "")
     validate(cfg)
     return cfg
+
+
+# the demo's settings that only fit its model (cpu_demo.yaml trains SmolLM2's top 10 layers)
+DEMO_MODEL_ONLY = ("actor.trainable",)
+
+
+def _demo_defaults(path: str | Path | None, overrides: list[str]) -> list[str]:
+    """With no config file the demo's config is the base; a run that names another model (or a LoRA
+    adapter) gets model-independent defaults for what only fits the demo's model: every parameter
+    trains unless the overrides say otherwise."""
+    keys = {o.split("=", 1)[0].strip() for o in overrides if "=" in o}
+    other_model = any(o.split("=", 1)[0].strip() == "model.path" for o in overrides)
+    lora = any(k == "actor.lora" or k.startswith("actor.lora.") for k in keys)
+    if path or not (other_model or lora):
+        return overrides
+    return [f"{k}=[]" for k in DEMO_MODEL_ONLY if k not in keys] + overrides
 
 
 def _check_finite(node: Any, key: str) -> None:

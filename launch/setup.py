@@ -96,6 +96,10 @@ def setup(cfg: Config) -> Run:
               + (f" + fp32 main weights {m['main_weights_gb']:.3g} GB" if m["main_weights_gb"] else "") + " = "
               f"{m['total_gb']:.3g} GB for {m['parameters'] / 1e6:.0f}M parameters ({m['bytes_per_parameter']:.1f} bytes "
               "each), plus activations", flush=True)
+        trains = "every parameter" if m["trainable_fraction"] >= 1 else (
+            f"{m['trainable_fraction']:.3%} of the parameters (actor.trainable={list(cfg.actor.trainable)}"
+            + (f", LoRA rank {cfg.actor.lora.rank}" if cfg.actor.lora is not None else "") + ")")
+        print(f"training {trains}; {_layers_trained(actor)}", flush=True)
     critic = None
     from engines.training.advantages import ESTIMATORS
 
@@ -127,3 +131,18 @@ def setup(cfg: Config) -> Run:
     else:
         stream = RowStream(rows, seed=cfg.data.seed)
     return Run(rank, barrier, rows, val_rows, stream, tools, model_dir, actor, ref, plane, critic)
+
+
+def _layers_trained(actor: Any) -> str:
+    """How many of the model's decoder layers have a parameter that trains (from parameter names)."""
+    import re
+
+    module = actor.module if hasattr(actor, "module") else actor.model
+    layers, trained = set(), set()
+    for name, p in module.named_parameters():
+        hit = re.search(r"layers\.(\d+)\.", name)
+        if hit:
+            layers.add(hit.group(1))
+            if p.requires_grad:
+                trained.add(hit.group(1))
+    return f"{len(trained)} of {len(layers)} decoder layers"

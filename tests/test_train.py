@@ -243,3 +243,24 @@ def test_malformed_yaml_is_a_config_error(tmp_path: Path):
     proc = train([], timeout=120, cache=tmp_path / "cache", config=bad)
     assert proc.returncode == 2 and "not valid YAML" in proc.stderr and "Traceback" not in proc.stderr, \
         proc.stderr[-2000:]
+
+
+def test_a_run_given_only_a_model_trains_every_layer_of_it(tmp_path: Path):
+    """The demo's config trains the top 10 of SmolLM2's 30 layers; a run that names another model (a
+    36-layer llama here) gets the defaults that fit any model: every parameter trains, and it says so."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engines.models import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=36,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model = tmp_path / "llama-36"
+    AutoModelForCausalLM.from_config(config).save_pretrained(model)
+    tok.save_pretrained(model)
+    proc = train([f"model.path={model}", "rollout.engine=hf", "data.val_path=null", "sft.enabled=false",
+                  "trainer.steps=1", "rollout.n=2", "data.prompts_per_step=2", "rollout.max_tokens=4",
+                  f"trainer.output_dir={tmp_path / 'run'}", "trainer.export_hf=false"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "training every parameter; 36 of 36 decoder layers" in proc.stdout, proc.stdout[-3000:]

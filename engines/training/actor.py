@@ -153,6 +153,7 @@ class ActorBase:
         trainable = sum(local(p).numel() for p in self.params)
         gb = 2.0**30
         out = {"parameters": float(sum(p.numel() for p in module.parameters())),
+               "trainable_fraction": trainable / max(1, sum(p.numel() for p in held)),
                "weights_gb": sum(p.numel() * p.element_size() for p in held) / gb,
                "grads_gb": 4 * trainable / gb, "optimizer_gb": 8 * trainable * self._optimizer_share() / gb}
         # parameters held below fp32 get fp32 main weights in the optimizer, sharded like its moments
