@@ -66,3 +66,18 @@ def test_echo_engine_caps_max_tokens_at_its_context(servers):
                                           ("stop_token_ids", [2, 3]), ("top_p", 0.9)])
 def test_ordinary_values_still_pass(field, value):
     assert getattr(SamplingParams(**{field: value}), field) == value
+
+
+def test_a_failed_trajectory_never_sizes_the_batch():
+    """A row the engine refused (a huge prompt) ends as an error: padded, it keeps one prompt token and
+    no response, so the batch is as wide as its valid rows (not 1.7M tokens of causal mask)."""
+    from agent.loop import AgentLoopOutput
+    from engines.training.batch import pad_outputs
+
+    ok = AgentLoopOutput(prompt_ids=[5, 6, 7], response_ids=[8, 9], response_mask=[1, 1], response_logprobs=[-1.0, -2.0],
+                         reward=1.0, num_turns=1, termination="stop")
+    huge = AgentLoopOutput.failed(list(range(100_000)), "engine_error: prompt of 100000 tokens exceeds the context")
+    batch = pad_outputs([ok, huge], pad_id=0, group_index=[0, 1])
+    assert batch.prompts.shape == (2, 3) and batch.responses.shape == (2, 2)
+    assert batch.valid.tolist() == [True, False] and batch.prompt_lengths.tolist() == [3, 1]
+    assert batch.errors[1].startswith("engine_error") and batch.loss_mask[1].sum() == 0

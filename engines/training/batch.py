@@ -231,6 +231,20 @@ def segments_of(o: Any) -> list[Any]:
         type(o)(**d) if isinstance(d, dict) else d for d in extra]
 
 
+def _cut_failed(o: Any) -> Any:
+    """A failed trajectory (termination "error") is never trained on: it keeps its last prompt token
+    and no response, so a prompt the engine refused (a 10 MB row: 1.7M tokens) cannot size the padded
+    batch, nor the attention mask of every pass that reads it."""
+    import dataclasses
+
+    if o.termination != "error" or not dataclasses.is_dataclass(o) or (len(o.prompt_ids) <= 1 and not o.response_ids):
+        return o
+    changes: dict[str, Any] = {"prompt_ids": list(o.prompt_ids[-1:]), "response_ids": [], "response_mask": [],
+                               "response_logprobs": []}
+    changes.update({k: type(getattr(o, k))() for k in ("turn_rewards", "multi_modal") if hasattr(o, k)})
+    return dataclasses.replace(o, **changes)
+
+
 def pad_outputs(outputs: Sequence[Finished], pad_id: int, group_index: Sequence[int],
                 prompt_length: int | None = None, response_length: int | None = None) -> Batch:
     """Pad trajectories into a Batch. Fixed `prompt_length`/`response_length` give static shapes;
@@ -243,6 +257,7 @@ def pad_outputs(outputs: Sequence[Finished], pad_id: int, group_index: Sequence[
     if any(getattr(o, "extra_segments", None) for o in outputs):
         flat = [(seg, g) for o, g in zip(outputs, group_index) for seg in segments_of(o)]
         outputs, group_index = [seg for seg, _ in flat], [g for _, g in flat]
+    outputs = [_cut_failed(o) for o in outputs]
     for i, o in enumerate(outputs):
         try:
             o.check()
