@@ -49,7 +49,11 @@ def unpad(batch: Batch, i: int) -> tuple[list[int], list[int], list[int], list[f
 
 
 def check_padding(batch: Batch, outs: list[AgentLoopOutput], pad_id: int) -> None:
-    """Unpadding gives back every output exactly; padding is where it should be."""
+    """Unpadding gives back every output exactly (a failed one as padded: its last prompt token, no
+    response); padding is where it should be."""
+    from engines.training.batch import _cut_failed
+
+    outs = [_cut_failed(o) for o in outs]
     p = batch.prompts.shape[1]
     assert batch.responses.shape[1] == max(len(o.response_ids) for o in outs)
     assert p == max(len(o.prompt_ids) for o in outs)
