@@ -108,7 +108,7 @@ def test_pad_outputs_round_trip_and_error_rows():
     fixed = pad_outputs(outs, 0, [0, 0, 1, 1], prompt_length=8, response_length=10)
     assert fixed.prompts.shape == (4, 8) and fixed.attention_mask.shape == (4, 18)
     check_padding_fixed = [unpad(fixed, i)[:3] for i in range(4)]
-    assert check_padding_fixed == [(o.prompt_ids, o.response_ids, o.response_mask) for o in outs]
+    assert check_padding_fixed == [(o.prompt_ids, o.response_ids, o.response_mask) for o in outs[:3]] + [([4], [], [])]
     with pytest.raises(ValueError, match="response_length=3 but a trajectory has 6 tokens"):
         pad_outputs(outs, 0, [0, 0, 1, 1], response_length=3)
     bad = _out([1], [[2, 3]], [], 0.0)
