@@ -156,7 +156,7 @@ class WeightRoutes:
         self.mismatched = found["mismatched"]
         self.last_sync.update({"sync/verified_tensors": float(found["compared"]),
                                "sync/mismatched_tensors": float(sum(len(b) for b in self.mismatched.values())),
-                               "sync/engines_unverified": float(found["unavailable"])})
+                               "sync/unverified_engines": float(found["unavailable"])})
         if self.mismatched:
             warn_mismatched(self.mismatched, version, dtype)
 
