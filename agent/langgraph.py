@@ -440,7 +440,7 @@ class LangGraphAgentLoop(AgentLoopBase):
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         from langgraph.errors import GraphRecursionError
 
-        from agent.rewards import score_trajectory
+        from agent.rewards import loop_reward
 
         params = {**sampling_params, "max_tokens": min(self.cfg.max_turn_tokens,
                                                        int(sampling_params.get("max_tokens", self.cfg.max_turn_tokens)))}
@@ -467,6 +467,8 @@ class LangGraphAgentLoop(AgentLoopBase):
             enc = ChatEncoder(self.tokenizer)
             return AgentLoopOutput.failed(enc.initial(row["prompt"]), error or "the graph never called the model",
                                           model.session_id, list(row["prompt"]))
-        reward, extra = score_trajectory(row, model.last_text, shaping=self.cfg.reward_shaping)
-        return model.to_agent_loop_output(reward=reward, termination=termination, reward_extra=extra,
-                                          messages=messages, error=error)
+        reward, extra = loop_reward(self.cfg.reward_shaping)
+        out = model.to_agent_loop_output(reward=reward, termination=termination, reward_extra=extra,
+                                         messages=messages, error=error)
+        out.answer_text = model.last_text
+        return out

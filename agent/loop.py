@@ -62,6 +62,9 @@ class AgentLoopOutput:
     # images the trajectory's image tokens stand for: {"pixel_values": [n, C, H, W] float32 array}
     multi_modal: dict[str, Any] = field(default_factory=dict)
     turn_rewards: list[list[float]] = field(default_factory=list)  # [response position, reward] pairs
+    # the text the rule scorer reads for the outcome (agent/rewards/outcome.py): the final answer;
+    # None where the loop scored the outcome itself (an environment's reward) or has none
+    answer_text: str | None = None
 
     @classmethod
     def failed(cls, prompt_ids: Sequence[int], error: str, session_id: str = "",

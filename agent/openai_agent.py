@@ -79,8 +79,6 @@ class OpenAIAgentLoop(AgentLoopBase):
         self.fn = import_dotted(self.cfg.agent_function, "openai_agent.agent_function")
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
-        from agent.rewards import score_trajectory
-
         gw = await gateway_for(self.ctx, self.cfg)
         session = row.get("session_id")
         key = gw.open_session(f"sy-{session}" if session else None, sampling=dict(sampling_params))
@@ -98,12 +96,10 @@ class OpenAIAgentLoop(AgentLoopBase):
             prompt = list(self.ctx.tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
                                                                  tokenize=True, return_dict=True)["input_ids"])
             return AgentLoopOutput.failed(prompt, error or "the agent function never called the model", key)
-        if result is None:
-            reward, parts = score_trajectory(row, seg.last_text)
-        else:
-            reward, parts = float(result), {"agent": float(result)}
+        # the agent's own score is the outcome; without one its last reply is the answer scored
+        reward, parts = (0.0, {}) if result is None else (float(result), {"agent": float(result)})
         out = seg.to_output(reward, parts, session_id=key, termination="error" if error else None)
-        out.error = error
+        out.error, out.answer_text = error, seg.last_text if result is None else None
         others = [s for s in conv.segments if s is not seg and s.request_ids]
         out.extra_segments = [dataclasses.asdict(s.to_output(reward, parts, session_id=key)) for s in others]
         out.turns.append({"kind": "segments", "count": 1 + len(others)})

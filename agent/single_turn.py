@@ -1,4 +1,4 @@
-"""The default loop: one prompt, one reply, a rule reward. What `agent_name` falls back to."""
+"""The default loop: one prompt, one reply, its text the answer the outcome scores. What `agent_name` falls back to."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 from agent.chat import ChatEncoder
 from agent.loop import AgentLoopBase, AgentLoopOutput, new_session_id
-from agent.rewards import score_trajectory
+from agent.rewards import loop_reward
 from agent.vision import without_pixels
 
 
@@ -26,11 +26,11 @@ class SingleTurnAgentLoop(AgentLoopBase):
         finally:
             self.client.end_session(session_id)
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        reward, extra = score_trajectory(row, text, shaping=self.config.get("reward_shaping"))
+        reward, extra = loop_reward(self.config.get("reward_shaping"))
         return AgentLoopOutput(
             prompt_ids=traj.prompt_ids, response_ids=traj.response_ids, response_mask=traj.response_mask,
             response_logprobs=traj.response_logprobs, reward=reward, num_turns=1,
             termination="stop" if result.finish_reason == "stop" else result.finish_reason,
             turns=turns, weight_versions=[result.weight_version], request_ids=[result.request_id],
             reward_extra=extra, messages=without_pixels(messages) + [{"role": "assistant", "content": text}],
-            session_id=session_id, multi_modal=traj.multi_modal())
+            session_id=session_id, multi_modal=traj.multi_modal(), answer_text=text)

@@ -231,8 +231,7 @@ class ToolAgentLoop(AgentLoopBase):
                     state = State.GENERATING
             tool_reward = sum([await tools[n].calc_reward(i) for n, i in instances.items()])  # raising: an error
             inter_score = await interaction.calculate_score(inter_id) if interaction is not None else None
-            reward, reward_extra = self._score(row, last_text, stats, termination, tool_reward, inter_score,
-                                               sum(step_rewards))
+            reward, reward_extra = self._score(stats, termination, tool_reward, inter_score, sum(step_rewards))
             if self.cfg.interaction_turn_rewards:
                 reward, reward_extra = reward + inter_turns, {**reward_extra, "interaction_turns": inter_turns}
         except asyncio.CancelledError:
@@ -248,7 +247,8 @@ class ToolAgentLoop(AgentLoopBase):
             response_logprobs=traj.response_logprobs, reward=reward, num_turns=assistant_turns,
             termination=termination, turns=turns, weight_versions=versions, request_ids=request_ids,
             reward_extra=reward_extra, messages=messages, session_id=session_id, error=error,
-            multi_modal=traj.multi_modal(), turn_rewards=turn_rewards if termination != "error" else [])
+            multi_modal=traj.multi_modal(), turn_rewards=turn_rewards if termination != "error" else [],
+            answer_text=last_text)
 
     def _decode(self, token_ids: list[int], end_of_turn_id: int) -> str:
         ids = token_ids[:-1] if token_ids and token_ids[-1] == end_of_turn_id else token_ids
@@ -324,13 +324,13 @@ class ToolAgentLoop(AgentLoopBase):
             return ToolResponse(f"Error: tool {call.name!r} failed: {type(e).__name__}: {e}", False)
         return resp if isinstance(resp, ToolResponse) else ToolResponse(str(resp))
 
-    def _score(self, row: Mapping[str, Any], text: str, stats: dict[str, int], termination: str,
-               tool_reward: float, inter_score: float | None, step_reward: float = 0.0) -> tuple[float, dict[str, float]]:
-        from agent.rewards import TrajectoryStats, score_trajectory
+    def _score(self, stats: dict[str, int], termination: str, tool_reward: float, inter_score: float | None,
+               step_reward: float = 0.0) -> tuple[float, dict[str, float]]:
+        """The loop's part of the reward (the outcome is scored once the loop ends: agent/rewards/outcome.py)."""
+        from agent.rewards import TrajectoryStats, loop_reward
 
         st = TrajectoryStats(hit_turn_limit=termination in ("max_assistant_turns", "max_user_turns"), **stats)
-        return score_trajectory(row, text, shaping=self.cfg.reward_shaping, stats=st, tool_reward=tool_reward,
-                                interaction_score=inter_score, step_reward=step_reward)
+        return loop_reward(self.cfg.reward_shaping, st, tool_reward, inter_score, step_reward)
 
     async def _cleanup(self, tools: Mapping[str, BaseTool], instances: Mapping[str, str], interaction: Any,
                        inter_id: str | None) -> None:

@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable, Mapping
 
 from agent.loop import DEFAULT_AGENT_NAME, AgentContext, AgentLoopOutput, AgentLoopRegistry
+from agent.rewards.outcome import OutcomeScorer
 from agent.tools.processes import install, kill_all, kill_owned, owned_by
 from agent.traces import TrajectoryTracer
 from rollout.bus.auth import ClientKeys
@@ -61,8 +62,7 @@ class AgentWorker:
         self.tools: dict[str, Any] = {}
         self.interactions: dict[str, Any] = {}
         self.tracer: TrajectoryTracer | None = None
-        self.reward_fn: Any = None  # the run's reward function (reward.function), when it names one
-        self.reward_model: Any = None  # the run's reward model or judge (reward.model), when it names one
+        self.outcome: Any = None  # the outcome's one source: rule, reward.function or reward.model
         self._trace_pool: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
@@ -88,16 +88,8 @@ class AgentWorker:
         # first use, so an optional package (langgraph) is only needed by datasets that use it
         for name in sorted({*cfg.agent_configs, *cfg.agent_loops}):
             self.registry.get(name)(self.contexts[name])
-        self.reward_fn = None
-        if cfg.reward.get("function"):
-            from agent.rewards.function import RewardConfig, RewardFunction
-
-            self.reward_fn = RewardFunction(RewardConfig.from_mapping(cfg.reward))
-        if (cfg.reward.get("model") or {}).get("path"):
-            from agent.rewards.model import RewardModel, RewardModelConfig
-
-            self.reward_model = RewardModel(RewardModelConfig.from_mapping(cfg.reward["model"]))
-            await self.reward_model.start(cfg.ready_timeout_s)
+        self.outcome = OutcomeScorer(cfg.reward)
+        await self.outcome.start(cfg.ready_timeout_s)
         self.tracer = TrajectoryTracer(cfg.tracing, self.experiment_id)
         self._trace_pool = ThreadPoolExecutor(1, thread_name_prefix="trace") if self.tracer.enabled else None
         await self.client.wait_ready(timeout_s=cfg.ready_timeout_s)
@@ -128,10 +120,7 @@ class AgentWorker:
             finally:
                 kill_owned(owner)
             t1 = time.time_ns()
-        if self.reward_fn is not None and out.termination != "error":
-            await self.reward_fn.score(row, out, self.tokenizer)
-        if self.reward_model is not None and out.termination != "error":  # sent the moment this loop ended
-            await self.reward_model.score(row, out, self.tokenizer)
+        await self.outcome.score(row, out, self.tokenizer)  # a judge is asked the moment this loop ended
         assert self.client is not None
         segments = self.client.take_segments(str(row.get("session_id", "")))
         if not out.version_segments and sum(n for _, n in segments) == len(out.model_token_ids()):
@@ -154,10 +143,8 @@ class AgentWorker:
         """Close the client, every tool and interaction that has a close(), flush traces, and kill
         the processes trajectories left."""
         kill_all()
-        if self.reward_fn is not None:
-            self.reward_fn.close()
-        if self.reward_model is not None:
-            await self.reward_model.close()
+        if self.outcome is not None:
+            await self.outcome.close()
         for obj in [*self.tools.values(), *self.interactions.values()]:
             close = getattr(obj, "close", None)
             if callable(close):
@@ -181,7 +168,12 @@ def worker_main(index: int, cfg_dict: dict[str, Any], experiment_id: str | None,
     import os
     import sys
 
-    watch_parent(lambda: os._exit(1))  # a trainer killed with -9 while this worker starts (or idles) takes it along
+    import multiprocessing
+
+    # a trainer killed with -9 while this worker starts (or idles) takes it along; the trainer's pid as
+    # multiprocessing knows it, not getppid(): a trainer killed before this line would already be gone
+    spawner = multiprocessing.parent_process()
+    watch_parent(lambda: os._exit(1), parent=spawner.pid if spawner is not None else None)
     logging.basicConfig(level=logging.WARNING, format=f"[agent-worker {index}] %(levelname)s %(name)s: %(message)s")
     loop = asyncio.new_event_loop()
     try:

@@ -29,6 +29,7 @@ from launch.data.rows import RowError, RowStream, load_rows, save_rows, validate
 from launch.data.sft import (IGNORE_INDEX, TraceError, build_sft_examples, calculator_result, encode_sft_example,
                              encoder_for_row, final_answer_text, sft_batches, trace_messages)
 from rollout.bus.client import GenerateResult
+from scoring import with_outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
@@ -322,7 +323,7 @@ def test_sft_layout_equals_tool_agent_trajectory(tok: Any) -> None:
         ids, labels = encode_sft_example(tok, messages, encoder_for_row(tok, row, schemas))
         replies = [m["content"] for m in messages if m["role"] == "assistant"]
         ctx = AgentContext(client=ReplayClient(tok, replies), tokenizer=tok, tools=tools)
-        out = asyncio.run(ToolAgentLoop(ctx).run({"temperature": 1.0}, **row))
+        out = with_outcome(row, asyncio.run(ToolAgentLoop(ctx).run({"temperature": 1.0}, **row)), tok)
         assert out.termination == "stop" and out.error == "" and out.reward == 1.0
         assert out.prompt_ids + out.response_ids == ids
         assert [0] * len(out.prompt_ids) + out.response_mask == [int(x != IGNORE_INDEX) for x in labels]

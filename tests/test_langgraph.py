@@ -25,6 +25,7 @@ from agent.parsers import get_tool_parser  # noqa: E402
 from agent.tools.calculator import CalculatorError, safe_eval  # noqa: E402
 from rollout.bus.client import GenerateClient  # noqa: E402
 from test_chat import HERMES_TEMPLATE  # noqa: E402
+from scoring import add_outcome  # noqa: E402
 from test_tool_agent import _server_log, _tokenizer, check_against_server  # noqa: E402
 from tool_model import gsm8k_rows  # noqa: E402
 
@@ -144,8 +145,9 @@ def test_react_agent_on_gsm8k_is_token_exact_and_sticky(servers, tool_caller) ->
         async with GenerateClient(srv.addresses) as client:
             await client.wait_ready(timeout_s=300)
             loops = [LangGraphAgentLoop(AgentContext(client, tok, config=config)) for _ in rows]
-            return await asyncio.gather(*(lp.run({"temperature": 0.7, "max_tokens": 48}, **row)
+            outs = await asyncio.gather(*(lp.run({"temperature": 0.7, "max_tokens": 48}, **row)
                                           for lp, row in zip(loops, rows)))
+            return [await add_outcome(row, out, tok) for row, out in zip(rows, outs)]
 
     outs = asyncio.run(main())
     sent = _server_log(srv.request_logs)

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agent.loop import AgentLoopOutput  # noqa: E402
 from agent.rewards.function import RewardConfig, RewardFunction, load_function  # noqa: E402
+from agent.rewards.outcome import OutcomeScorer  # noqa: E402
 from test_tool_agent_states import tok  # noqa: E402,F401
 from test_train import TINY, metrics, train  # noqa: E402
 
@@ -53,8 +54,8 @@ def garbage(data_source, solution_str, ground_truth, extra_info=None):
 
 def _out(tok, text: str) -> AgentLoopOutput:  # noqa: F811
     ids = tok.encode(text, add_special_tokens=False)
-    return AgentLoopOutput([1, 2], ids, [1] * len(ids), [-0.1] * len(ids), reward=1.5, num_turns=1, termination="stop",
-                           reward_extra={"rule": 1.0, "tool": 0.5}, messages=[{"role": "user", "content": "q"}])
+    return AgentLoopOutput([1, 2], ids, [1] * len(ids), [-0.1] * len(ids), reward=0.5, num_turns=1, termination="stop",
+                           reward_extra={"tool": 0.5}, messages=[{"role": "user", "content": "q"}])
 
 
 ROW = {"data_source": "arithmetic", "reward_model": {"style": "rule", "ground_truth": "42"}, "extra_info": {"i": 3}}
@@ -65,22 +66,22 @@ def test_every_form_scores_and_every_failure_stays_with_its_trajectory(tmp_path:
     path.write_text(SCORERS)
 
     async def score(name: str, **cfg) -> AgentLoopOutput:
-        fn = RewardFunction(RewardConfig(function=f"{path}:{name}", **cfg))
+        fn = OutcomeScorer(dict(function=f"{path}:{name}", **cfg))
         out = _out(tok, "the answer is 42")
         try:
             await fn.score(ROW, out, tok)
         finally:
-            fn.close()
+            await fn.close()
         return out
 
     async def body():
-        fn = RewardFunction(RewardConfig(function=f"{path}:compute_score", timeout_s=1.0))
+        fn = OutcomeScorer(dict(function=f"{path}:compute_score", timeout_s=1.0))
         outs = [_out(tok, "the answer is 42") for _ in range(3)]
         try:
             for o in outs:
                 await fn.score(ROW, o, tok)
         finally:
-            fn.close()
+            await fn.close()
         return outs, await score("whole"), await score("later"), await score("cpu", processes=1), \
             await score("garbage")
 
@@ -88,7 +89,7 @@ def test_every_form_scores_and_every_failure_stays_with_its_trajectory(tmp_path:
     assert raised.termination == "error" and "RuntimeError: scorer bug" in raised.error
     assert hung.termination == "error" and "reward.timeout_s=1.0" in hung.error
     assert raised.reward_extra["function_error"] == 1.0 and raised.reward == pytest.approx(0.5)  # the tool part stays
-    assert good.termination == "stop" and good.reward == pytest.approx(1.5)  # rule 1.0 replaced by the score 1.0
+    assert good.termination == "stop" and good.reward == pytest.approx(1.5)  # the tool's 0.5 and the score 1.0, no rule
     assert good.reward_extra["function"] == 1.0 and good.reward_extra["rule"] == 0.0
     assert good.reward_extra["function/acc"] == 1.0 and good.reward_extra["function/source_len"] == len("arithmetic")
     assert whole.reward_extra["function"] == pytest.approx(1.01)  # one turn, one message
@@ -152,12 +153,12 @@ def _batch(tmp_path: Path, tok, name: str, texts: list[str], **cfg) -> list[Agen
     path.write_text(BATCH_SCORERS)
 
     async def body() -> list[AgentLoopOutput]:
-        fn = RewardFunction(RewardConfig(function=f"{path}:{name}", **cfg))
+        fn = OutcomeScorer(dict(function=f"{path}:{name}", **cfg))
         outs = [_out(tok, t) for t in texts]
         try:
             await asyncio.gather(*(fn.score({**ROW, "extra_info": {"i": i}}, o, tok) for i, o in enumerate(outs)))
         finally:
-            fn.close()
+            await fn.close()
         return outs
 
     return asyncio.run(body())
@@ -203,7 +204,7 @@ def test_batch_form_a_hanging_call_fails_each_trajectory_at_its_own_deadline(tmp
     path.write_text(BATCH_SCORERS)
 
     async def body() -> tuple[list[AgentLoopOutput], list[float]]:
-        fn = RewardFunction(RewardConfig(function=f"{path}:slow", batch_size=2, batch_wait_s=0.45, timeout_s=0.5))
+        fn = OutcomeScorer(dict(function=f"{path}:slow", batch_size=2, batch_wait_s=0.45, timeout_s=0.5))
         outs, done = [_out(tok, "42") for _ in range(2)], [0.0, 0.0]
         t0 = time.monotonic()
 
@@ -215,7 +216,7 @@ def test_batch_form_a_hanging_call_fails_each_trajectory_at_its_own_deadline(tmp
         try:
             await asyncio.gather(one(0), one(1))
         finally:
-            fn.close()
+            await fn.close()
         return outs, done
 
     outs, done = asyncio.run(body())
@@ -236,7 +237,7 @@ def test_a_bad_batch_config_is_refused_naming_the_fix(tmp_path: Path):
     path = tmp_path / "batch_scorers.py"
     path.write_text(BATCH_SCORERS)
     with pytest.raises(ValueError, match="set reward.batch_size=N"):
-        RewardFunction(RewardConfig(function=f"{path}:traj_batch"))
+        OutcomeScorer(dict(function=f"{path}:traj_batch"))
 
 
 def test_one_grpo_step_with_a_reward_function_from_a_file(tmp_path: Path):
@@ -282,10 +283,10 @@ def test_the_rule_scorers_are_a_reward_function_and_turn_rewards_reach_their_tur
     assert compute_score("arithmetic", "it is 72", "72") == 1.0
 
     async def run(spec: str, outs: list[AgentLoopOutput]) -> None:
-        fn = RewardFunction(RewardConfig(function=spec, timeout_s=5))
+        fn = OutcomeScorer(dict(function=spec, timeout_s=5))
         await asyncio.gather(*(fn.score({"data_source": "arithmetic", "reward_model": {"ground_truth": "4"}}, o, tok)
                                for o in outs))
-        fn.close()
+        await fn.close()
 
     mod = sys.modules.setdefault("turn_scorers", type(sys)("turn_scorers"))
     mod.per_turn = lambda trajectory: {"score": 1.0, "turn_rewards": [0.25, 0.0, 0.5]}

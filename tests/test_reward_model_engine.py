@@ -185,11 +185,11 @@ def test_a_causal_lm_checkpoint_is_refused(tmp_path):
 
 def test_a_scalar_reward_model_scores_trajectories_through_the_bus(servers, reward_model):
     """`reward.model.kind: scalar`: each trajectory's conversation is scored by the hf_reward server and
-    the score replaces the rule part of its reward."""
+    the score is its outcome, in place of the rule scorer's."""
     from transformers import AutoModelForSequenceClassification
 
     from agent.loop import AgentLoopOutput
-    from agent.rewards.model import RewardModel, RewardModelConfig
+    from agent.rewards.outcome import OutcomeScorer
     from engines.models import load_tokenizer
 
     rm = servers(1, backend="hf_reward", model=str(reward_model))
@@ -197,13 +197,13 @@ def test_a_scalar_reward_model_scores_trajectories_through_the_bus(servers, rewa
     pairs = [(TEXTS[i], TEXTS[(i + 1) % len(TEXTS)]) for i in range(4)]  # (question, response)
     rows = [{"prompt": [{"role": "user", "content": q}]} for q, _ in pairs]
     outs = [AgentLoopOutput(prompt_ids=[3], response_ids=tokenizer(r, add_special_tokens=False)["input_ids"],
-                            response_mask=[], response_logprobs=[], reward=1.0, num_turns=1, termination="stop",
-                            reward_extra={"rule": 1.0}, session_id=f"s{i}") for i, (_, r) in enumerate(pairs)]
+                            response_mask=[], response_logprobs=[], reward=0.0, num_turns=1, termination="stop",
+                            session_id=f"s{i}") for i, (_, r) in enumerate(pairs)]
     for o in outs:
         o.response_mask, o.response_logprobs = [1] * len(o.response_ids), [0.0] * len(o.response_ids)
 
     async def main() -> None:
-        scorer = RewardModel(RewardModelConfig(path=str(reward_model), kind="scalar", addresses=rm.addresses))
+        scorer = OutcomeScorer({"model": dict(path=str(reward_model), kind="scalar", addresses=rm.addresses)})
         await scorer.start(timeout_s=120)
         try:
             await asyncio.gather(*(scorer.score(row, o, tokenizer) for row, o in zip(rows, outs)))

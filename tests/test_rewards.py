@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from agent.rewards import (FALLBACK_SCORER, RULE_SCORERS, ShapingConfig, TrajectoryStats, extract_answer,
-                           gsm8k_reward, rule_reward, score_trajectory, shape)
+                           gsm8k_reward, loop_reward, rule_reward, shape)
 from agent.rewards.gsm8k import to_number
 
 GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
@@ -181,30 +181,75 @@ def test_trajectory_stats_validation():
         TrajectoryStats(tool_calls=2, tool_successes=3)
 
 
-def test_score_trajectory_sums_every_component_and_lists_them():
+def scored(row: dict[str, Any], answer: str | None, loop_parts: tuple[float, dict[str, float]] | None = None,
+           reward: dict[str, Any] | None = None) -> Any:
+    """A finished single-turn trajectory with the loop's parts, its outcome added as the agent worker adds it."""
+    import asyncio
+
+    from agent.loop import AgentLoopOutput
+    from agent.rewards.outcome import OutcomeScorer
+
+    total, parts = loop_parts or loop_reward()
+    out = AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1], response_logprobs=[-0.5], reward=total,
+                          num_turns=1, termination="stop", reward_extra=parts, answer_text=answer)
+    asyncio.run(OutcomeScorer(reward).score(row, out, tokenizer=None))
+    return out
+
+
+def test_the_loop_parts_and_the_outcome_sum_to_the_reward_and_are_listed():
     row = verl_row(gsm8k_rows(n=1)[0])
     answer = gsm8k_rows(n=1)[0]["answer"]
     stats = TrajectoryStats(tool_calls=3, tool_successes=2, invalid_calls=1, hit_turn_limit=True)
     shaping = {"tool_success_bonus": 0.1, "invalid_call_penalty": 0.2, "turn_limit_penalty": 0.3}
-    total, parts = score_trajectory(row, answer, shaping=shaping, stats=stats, tool_reward=0.5, interaction_score=1.0)
-    assert parts == pytest.approx({"rule": 1.0, "tool": 0.5, "tool_step": 0.0, "interaction": 1.0, "tool_bonus": 0.2,
-                                   "invalid_call_penalty": -0.2, "turn_limit_penalty": -0.3})
-    assert total == pytest.approx(1.0 + 0.5 + 1.0 + 0.2 - 0.2 - 0.3) == pytest.approx(sum(parts.values()))
-    assert all(isinstance(v, float) for v in parts.values())
+    total, parts = loop_reward(shaping, stats, tool_reward=0.5, interaction_score=1.0)
+    assert "rule" not in parts  # the outcome is never a loop's
+    assert total == pytest.approx(0.5 + 1.0 + 0.2 - 0.2 - 0.3) == pytest.approx(sum(parts.values()))
     # a ShapingConfig works the same as its mapping
-    assert score_trajectory(row, answer, ShapingConfig(**shaping), stats, 0.5, 1.0) == (total, parts)
+    assert loop_reward(ShapingConfig(**shaping), stats, 0.5, 1.0) == (total, parts)
+    out = scored(row, answer, (total, parts))
+    assert out.reward_extra == pytest.approx({"rule": 1.0, "tool": 0.5, "tool_step": 0.0, "interaction": 1.0,
+                                              "tool_bonus": 0.2, "invalid_call_penalty": -0.2,
+                                              "turn_limit_penalty": -0.3})
+    assert out.reward == pytest.approx(1.0 + total) == pytest.approx(sum(out.reward_extra.values()))
+    assert all(isinstance(v, float) for v in out.reward_extra.values())
 
 
-def test_score_trajectory_as_the_single_turn_loop_calls_it():
+def test_the_rule_outcome_of_single_turn_answers():
     rows = gsm8k_rows(n=3)
     for r in rows:
-        total, parts = score_trajectory(verl_row(r), r["answer"], shaping=None)
-        assert total == 1.0
-        assert parts == {"rule": 1.0, "tool": 0.0, "tool_step": 0.0, "interaction": 0.0, "tool_bonus": 0.0,
-                         "invalid_call_penalty": 0.0, "turn_limit_penalty": 0.0}
-        assert score_trajectory(verl_row(r), perturb(r["answer"]))[0] == 0.0
-    # no rule reward: the rule component is 0, still listed
-    total, parts = score_trajectory({"prompt": []}, "anything", interaction_score=None)
-    assert total == 0.0 and parts["rule"] == 0.0 and parts["interaction"] == 0.0
+        out = scored(verl_row(r), r["answer"])
+        assert out.reward == 1.0 and out.termination == "stop"
+        assert out.reward_extra == {"rule": 1.0, "tool": 0.0, "tool_step": 0.0, "interaction": 0.0, "tool_bonus": 0.0,
+                                    "invalid_call_penalty": 0.0, "turn_limit_penalty": 0.0}
+        assert scored(verl_row(r), perturb(r["answer"])).reward == 0.0
+    # no rule reward: the rule component is 0, still listed; no answer text (an environment scored it): no rule
+    out = scored({"prompt": []}, "anything")
+    assert out.reward == 0.0 and out.reward_extra["rule"] == 0.0 and out.reward_extra["interaction"] == 0.0
+    assert scored(verl_row(rows[0]), None).reward_extra["rule"] == 0.0
     with pytest.raises(ValueError, match="unknown key"):
-        score_trajectory(verl_row(rows[0]), "x", shaping={"bonus": 1})
+        loop_reward({"bonus": 1})
+
+
+def test_a_text_answer_the_rule_cannot_read_fails_its_trajectory_and_a_function_replaces_the_rule(tmp_path):
+    row = {"prompt": [{"role": "user", "content": "Which animal?"}], "data_source": "zoo",
+           "reward_model": {"style": "rule", "ground_truth": "tiger"}}
+    out = scored(row, "a tiger")
+    assert out.termination == "error" and "not a number" in out.error and "reward.function" in out.error
+    fn = tmp_path / "zoo.py"
+    fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                  "    return float(ground_truth in solution_str)\n")
+
+    class Decoder:
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "a tiger"
+
+    import asyncio
+
+    from agent.loop import AgentLoopOutput
+    from agent.rewards.outcome import OutcomeScorer
+
+    out = AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1], response_logprobs=[-0.5], reward=0.0,
+                          num_turns=1, termination="stop", reward_extra=loop_reward()[1], answer_text="a tiger")
+    asyncio.run(OutcomeScorer({"function": f"{fn}:compute_score"}).score(row, out, Decoder()))
+    assert out.termination == "stop" and out.reward == 1.0
+    assert out.reward_extra["function"] == 1.0 and out.reward_extra["rule"] == 0.0

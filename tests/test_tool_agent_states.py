@@ -20,6 +20,7 @@ from agent.tool_agent import ToolAgentConfig, ToolAgentLoop, truncate_tokens
 from agent.tools import BaseTool, ToolResponse
 from agent.tools.calculator import CalculatorTool
 from rollout.bus.client import GenerateResult
+from scoring import with_outcome  # noqa: E402
 
 SCHEMA = {"type": "function", "function": {"name": "calculator", "description": "math",
                                            "parameters": {"type": "object", "properties": {}}}}
@@ -86,6 +87,7 @@ def run(tok: Any, replies: list[str], config: dict[str, Any] | None = None, row:
     loop = ToolAgentLoop(AgentContext(client, tok, tools, interactions or {}, config or {}))
     out = asyncio.run(loop.run({"temperature": 1.0, "max_tokens": 256}, **(row or ROW)))
     out.check()
+    with_outcome(row or ROW, out, tok)  # as the agent worker adds it
     return out, client, tools
 
 

@@ -1,5 +1,7 @@
-"""Rewards for one finished trajectory: rule rewards picked by the row's `data_source`, plus the
-tool, interaction and shaping terms, summed into one scalar with every part kept for logging.
+"""Rewards for one finished trajectory: the outcome (the rule scorer picked by the row's
+`data_source`, or the run's `reward.function` or `reward.model`: `outcome.py`, composed once per
+trajectory after its loop ends) plus the tool, interaction and shaping terms the loop earned
+(`loop_reward`), summed into one scalar with every part kept for logging.
 
 Rows are in verl's format:
 
@@ -12,6 +14,7 @@ Rows are in verl's format:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -43,6 +46,17 @@ RULE_SCORERS: Mapping[str, RuleScorer] = MappingProxyType({
 # taking the last number of the response: the most common case for math-like datasets, and
 # better than silently training on a reward of 0. A non-numeric ground truth raises instead.
 FALLBACK_SCORER: RuleScorer = _gsm8k_scorer("flexible")
+
+
+@dataclass
+class Outcome:
+    """What one source said of one trajectory: its score, the parts it logs, and why it failed."""
+
+    score: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+    turns: list[dict[str, Any]] = field(default_factory=list)  # recorded steps (a judge's verdict)
+    turn_rewards: list[list[float]] = field(default_factory=list)  # [position, reward]: part of score, per turn
 
 
 def rule_reward(row: Mapping[str, Any], response_text: str) -> float | None:
@@ -77,22 +91,21 @@ def compute_score(data_source: str | None, solution_str: str, ground_truth: Any,
     return float(scorer(solution_str, ground_truth, rm))
 
 
-def score_trajectory(row: Mapping[str, Any], response_text: str,
-                     shaping: Mapping[str, Any] | ShapingConfig | None = None,
-                     stats: TrajectoryStats | None = None, tool_reward: float = 0.0,
-                     interaction_score: float | None = None, step_reward: float = 0.0) -> tuple[float, dict[str, float]]:
-    """The trajectory's reward and its parts: rule + tool + tool steps + interaction + shaping terms.
+def loop_reward(shaping: Mapping[str, Any] | ShapingConfig | None = None, stats: TrajectoryStats | None = None,
+                tool_reward: float = 0.0, interaction_score: float | None = None,
+                step_reward: float = 0.0) -> tuple[float, dict[str, float]]:
+    """The part of a trajectory's reward its agent loop earned: tool + tool steps + interaction +
+    shaping terms, and every part by name.
 
-    The parts dict always has "rule", "tool", "tool_step" (the step rewards tools returned with
-    their calls), "interaction" and every shaping term (0.0 where
-    absent), so a trainer can log each one and the parts always sum to the total. The sources are
-    summed, not chosen between: a config that scores the same answer by rule and by a tool or
-    interaction counts it twice, which is the config's choice to make.
+    The parts dict always has "tool", "tool_step" (the step rewards tools returned with their
+    calls), "interaction" and every shaping term (0.0 where absent), so a trainer can log each one
+    and the parts always sum to the total. The outcome (rule, `reward.function` or `reward.model`)
+    is never a loop's: `agent/rewards/outcome.py` adds it once, after the loop ends. The sources
+    are summed, not chosen between: a config that scores the same answer by the outcome and by a
+    tool or interaction counts it twice, which is the config's choice to make.
     """
     cfg = shaping if isinstance(shaping, ShapingConfig) else ShapingConfig.from_mapping(shaping)
-    rule = rule_reward(row, response_text)
     parts = {
-        "rule": 0.0 if rule is None else rule,
         "tool": float(tool_reward),
         "tool_step": float(step_reward),
         "interaction": 0.0 if interaction_score is None else float(interaction_score),
@@ -101,5 +114,5 @@ def score_trajectory(row: Mapping[str, Any], response_text: str,
     return sum(parts.values()), parts
 
 
-__all__ = ["compute_score", "RULE_SCORERS", "FALLBACK_SCORER", "RuleScorer", "ShapingConfig", "TrajectoryStats", "extract_answer",
-           "gsm8k_reward", "rule_reward", "score_trajectory", "shape"]
+__all__ = ["Outcome", "compute_score", "RULE_SCORERS", "FALLBACK_SCORER", "RuleScorer", "ShapingConfig", "TrajectoryStats", "extract_answer",
+           "gsm8k_reward", "loop_reward", "rule_reward", "shape"]

@@ -14,8 +14,9 @@ Either may be `async def`. A dict's `score` is the reward and its other numeric 
 reward parts (`function/<key>`); its `turn_rewards`, a list with a number per model turn (a run of
 generated tokens) in order, are rewards of single turns: added to the score and credited to their
 turns for the turn-level estimator (`algorithm.advantage=turn_grpo`). The built-in rule scorers
-are a function of the same kind, `agent.rewards:compute_score`, to call from your own. The score replaces the rule part of the loop's reward (tool,
-interaction and shaping terms stay). A plain function runs in a thread of its own, or with `reward.processes`
+are a function of the same kind, `agent.rewards:compute_score`, to call from your own. The score is the
+outcome in place of the rule scorer's (outcome.py; the loop's tool, interaction and shaping terms
+stay), so rows whose ground truth is not a number reach it. A plain function runs in a thread of its own, or with `reward.processes`
 > 0 in a pool of processes of its own (CPU-heavy scorers then never hold up the agent loops); every
 call has a deadline (`reward.timeout_s`). A scorer that raises, hangs past its deadline or returns
 something that is not a finite number fails only its trajectory: reward part 0, `function_error`
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from agent.rewards.model import RewardModelConfig
+from agent.rewards import Outcome
 from engines.config_checks import from_mapping
 
 
@@ -289,30 +291,22 @@ class RewardFunction:
             if not fut.done():
                 fut.set_result(value)
 
-    async def score(self, row: Mapping[str, Any], out: Any, tokenizer: Any) -> None:
-        """Score `out` in place: its reward's rule part replaced by the function's score."""
+    async def score(self, row: Mapping[str, Any], out: Any, tokenizer: Any) -> Outcome:
+        """The function's outcome for `out` (outcome.py adds it to the loop's parts)."""
         try:
             args = self.arguments(row, out, tokenizer)
             call = self._submit(args) if self.cfg.batch_size > 0 else self._invoke(args)
             value = await asyncio.wait_for(call, self.cfg.timeout_s)
             score, parts = as_score(value)
             per_turn = as_turn_rewards(value, out)
-            error = ""
         except asyncio.TimeoutError:
-            score, parts, per_turn = 0.0, {}, []
-            error = f"the reward function took longer than reward.timeout_s={self.cfg.timeout_s}"
+            return Outcome(error=f"the reward function took longer than reward.timeout_s={self.cfg.timeout_s}")
         except Exception as e:  # noqa: BLE001 - a scorer's failure is its trajectory's, never the step's
-            score, parts, per_turn, error = 0.0, {}, [], f"the reward function failed: {type(e).__name__}: {e}"
+            return Outcome(error=f"the reward function failed: {type(e).__name__}: {e}")
         if per_turn:  # rewards of single turns: added to the total and credited to their turns (turn_grpo)
             parts["function/turn_rewards"] = sum(r for _, r in per_turn)
             score += parts["function/turn_rewards"]
-            out.turn_rewards = [*getattr(out, "turn_rewards", []), *per_turn]
-        rule = float(out.reward_extra.get("rule", 0.0))
-        out.reward = float(out.reward) - rule + score
-        out.reward_extra = {**out.reward_extra, "rule": 0.0, "function": score, **parts,
-                            "function_error": 1.0 if error else 0.0}
-        if error:
-            out.termination, out.error = "error", "; ".join(e for e in (out.error, error) if e)
+        return Outcome(score, parts, turn_rewards=per_turn)
 
     def close(self) -> None:
         if self._timer is not None:

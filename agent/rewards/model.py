@@ -22,8 +22,8 @@ reply that `pattern` matches. A scalar model scores the row's prompt messages fo
 response as the assistant's message, in its own chat template (without one: the messages' texts,
 one per line).
 
-The score replaces the rule part of the loop's reward (tool, interaction and shaping terms stay),
-and is logged as the reward part `model` beside `model/latency_s`. A verdict with no number scores 0
+The score is the outcome in place of the rule scorer's (outcome.py; the loop's tool, interaction
+and shaping terms stay), and is logged as the reward part `model` beside `model/latency_s`. A verdict with no number scores 0
 with the part `model/unparsed` 1 (the trajectory is still trained on: that is the judge's answer).
 A judge that fails or misses `timeout_s` fails only its trajectory (termination "error", the
 reason in its `error`). Every judgement is recorded as a "judge" turn (prompt, reply, score,
@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from agent.rewards import Outcome
 from engines.config_checks import from_mapping
 
 KINDS = ("judge", "scalar")
@@ -160,8 +161,8 @@ class RewardModel:
             [{"role": "user", "content": text}]
         return text, self.encoder.initial(messages)
 
-    async def score(self, row: Mapping[str, Any], out: Any, tokenizer: Any) -> None:
-        """Score `out` in place: its reward's rule part replaced by the model's score."""
+    async def score(self, row: Mapping[str, Any], out: Any, tokenizer: Any) -> Outcome:
+        """The model's outcome for `out` (outcome.py adds it to the loop's parts), its verdict as a turn."""
         assert self.client is not None, "call start() first"
         t0 = time.perf_counter()
         reply, parts, error, score = "", {}, "", 0.0
@@ -190,14 +191,9 @@ class RewardModel:
         latency = time.perf_counter() - t0
         if error:
             score = 0.0
-        rule = float(out.reward_extra.get("rule", 0.0))
-        out.reward = float(out.reward) - rule + score
-        out.reward_extra = {**out.reward_extra, "rule": 0.0, "model": score, **parts, "model/latency_s": latency,
-                            "model_error": 1.0 if error else 0.0}
-        out.turns = [*out.turns, {"kind": "judge", "prompt": prompt_text[-4000:], "reply": reply, "score": score,
-                                  "latency_s": latency, **({"error": error} if error else {})}]
-        if error:
-            out.termination, out.error = "error", "; ".join(e for e in (out.error, error) if e)
+        turn = {"kind": "judge", "prompt": prompt_text[-4000:], "reply": reply, "score": score, "latency_s": latency,
+                **({"error": error} if error else {})}
+        return Outcome(score, {**parts, "model/latency_s": latency}, error, turns=[turn])
 
     async def close(self) -> None:
         if self.client is not None:
