@@ -273,9 +273,12 @@ def validate(cfg: Config) -> None:
     """Cross-section checks that import classes but load no model."""
     from agent.loop import AgentLoopRegistry
 
-    if ESTIMATORS[cfg.algorithm.advantage].values and cfg.actor.backend != "torch":
+    from engines.training.backends import ACTORS, with_feature
+
+    if ESTIMATORS[cfg.algorithm.advantage].values and not ACTORS[cfg.actor.backend].critic:
         raise ConfigError(f"algorithm.advantage={cfg.algorithm.advantage} trains a critic beside the actor and needs "
-                          f"actor.backend=torch (got {cfg.actor.backend!r}); use grpo or rloo with megatron")
+                          f"actor.backend={'|'.join(with_feature('critic'))} (got {cfg.actor.backend!r}); use grpo or "
+                          f"rloo with {cfg.actor.backend}")
 
     try:
         registry = AgentLoopRegistry(cfg.rollout.agent_loops)

@@ -125,6 +125,7 @@ def make_plan(cfg: Any, recipe: str | None, nodes: int, gpus: int, gpu_gb: float
     """The plan of config `cfg` on `nodes` x `gpus` GPUs of `gpu_gb` GiB each (`engine_gpus` per node
     hold the engines in split placement: ENGINE_GPUS_PER_NODE of launch/slurm/train.sbatch)."""
     from engines.inference import ENGINES
+    from engines.training.backends import ACTORS
     from parallel.mesh import plan_placement
     from rollout.weights.link import Placement
     from rollout.weights.routes import choose
@@ -178,19 +179,17 @@ def make_plan(cfg: Any, recipe: str | None, nodes: int, gpus: int, gpu_gb: float
                  f"{r.weight_bucket_mb} MiB per step" + (f" (the LoRA adapter, {adapter / 1e6:.1f}M parameters)"
                                                          if adapters_travel else ""))
     # memory per GPU
-    if a.backend == "megatron":
-        actor = params / mp * ((6 + 12 / dp) if a.sharding == "optimizer" else 16)
-    elif lora is not None:  # a frozen base (compute dtype; fp32 when FSDP-sharded), the adapter trained
+    if lora is None:
+        actor = params * ACTORS[a.backend].state_bytes(a.sharding, dp, mp)
+    else:  # a frozen base (compute dtype; fp32 when FSDP-sharded), the adapter trained
         shard = dp if a.sharding == "fsdp" else 1
         base = params * (4 if a.sharding == "fsdp" else dtype_bytes(cfg.model.dtype))
         actor = (base + adapter * 16) / shard
-    else:
-        actor = params * 16 / (dp if a.sharding == "fsdp" else 1)
     from engines.training.advantages import ESTIMATORS
 
     if ESTIMATORS[cfg.algorithm.advantage].values:  # the critic: a second model trained beside the actor
         critic_sharding = cfg.critic.sharding or a.sharding
-        actor += params * 16 / (dp if critic_sharding == "fsdp" else 1)
+        actor += params * ACTORS["torch"].state_bytes(critic_sharding, dp, 1)
         lines.append("critic: the policy's size, trained on the trainer's GPUs (counted with the actor below)")
     ref = 0.0
     if cfg.algorithm.loss.kl_coef > 0 and lora is None:  # with LoRA the reference is the actor's own base

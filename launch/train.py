@@ -29,6 +29,7 @@ CONSOLE_KEYS = (REWARD_KEY, VAL_KEY, "rollout/invalid", "rollout/tool_calls_per_
 
 
 def train(cfg: Config) -> dict[str, Any]:
+    from engines.training.backends import ACTORS
     from launch.algorithm import learn
     from launch.guards import DriftGuard, InvalidGuard
     from launch.checkpoint import Checkpointer, load_run, save_run
@@ -38,7 +39,7 @@ def train(cfg: Config) -> dict[str, Any]:
     run = setup(cfg)
     actor, plane, stream, rank, barrier = run.actor, run.plane, run.stream, run.rank, run.barrier
     out, version, start, rollout_state = Path(cfg.trainer.output_dir), 0, 0, None
-    sharded = cfg.actor.backend == "megatron" or cfg.actor.sharding == "fsdp"  # a checkpoint file per rank
+    sharded = cfg.actor.sharding in ACTORS[cfg.actor.backend].per_rank_checkpoint  # a checkpoint file per rank
     ckpt = Checkpointer(out)
     latest = ckpt.latest() if cfg.trainer.resume else None
     if latest is not None:

@@ -12,14 +12,10 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from engines.config_checks import from_mapping
+from engines.training.backends import ACTORS, actor_backend, with_feature
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BACKENDS = ("torch", "megatron")
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2")  # HF attn_implementation names; auto = the model's
-SHARDINGS = {  # per backend: what is sharded over the data-parallel ranks besides TP/PP
-    "torch": ("none", "fsdp"),  # DDP replicas, or FSDP2 shards of weights, gradients and optimizer
-    "megatron": ("none", "optimizer"),  # optimizer: AdamW state over DP (ZeRO-1, as a distributed optimizer)
-}
 
 
 def compute_dtype(name: str) -> torch.dtype:
@@ -95,7 +91,7 @@ class ActorConfig(UpdateConfig):
     backend: str = "torch"
     tp: int = 1  # megatron: tensor parallel size
     pp: int = 1  # megatron: pipeline parallel size
-    sharding: str = "none"  # torch: none (DDP) | fsdp (FSDP2); megatron: none | optimizer (ZeRO-1 over DP)
+    sharding: str = "none"  # what is sharded over the DP ranks: ACTORS[backend].shardings (backends.py)
     lora: LoraConfig | None = None  # train a LoRA adapter (engines/training/lora.py); None = every weight
     # torch actor: the HF attention kernel of the policy's forward and backward. auto = the model's
     # default (sdpa); eager was 1.2x faster for a bf16 update of ~200-token rows on an AVX-512 CPU
@@ -107,38 +103,41 @@ class ActorConfig(UpdateConfig):
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
             self.lora = from_mapping(LoraConfig, self.lora, "actor.lora")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"actor.backend={self.backend!r} is not allowed; choose one of {list(BACKENDS)}")
+        spec = actor_backend(self.backend)
         for name in ("micro_batch_size", "ppo_epochs", "tp", "pp"):
             value = getattr(self, name)
             if value is None or value < 1:
                 raise ValueError(f"actor.{name}={value!r} must be a positive integer")
-        if self.backend == "torch" and (self.tp, self.pp) != (1, 1):
-            raise ValueError(f"actor.tp={self.tp}, actor.pp={self.pp} need actor.backend=megatron (the torch actor "
-                             "is data parallel only)")
-        if self.backend == "megatron" and (self.trainable or self.gradient_checkpointing):
+        if not spec.model_parallel and (self.tp, self.pp) != (1, 1):
+            raise ValueError(f"actor.tp={self.tp}, actor.pp={self.pp} need a model-parallel backend "
+                             f"(actor.backend={'|'.join(with_feature('model_parallel'))}); the {self.backend} actor is "
+                             "data parallel only")
+        if not spec.hf_options and (self.trainable or self.gradient_checkpointing):
             raise ValueError(f"actor.trainable={list(self.trainable)} / actor.gradient_checkpointing="
-                             f"{self.gradient_checkpointing} are torch-actor options; the megatron actor trains every "
-                             "parameter without recomputation: set actor.trainable=[] actor.gradient_checkpointing=false")
-        if self.sharding not in SHARDINGS[self.backend]:
+                             f"{self.gradient_checkpointing} are options of the {'|'.join(with_feature('hf_options'))} "
+                             f"actor; the {self.backend} actor trains every parameter without recomputation: set "
+                             "actor.trainable=[] actor.gradient_checkpointing=false")
+        if self.sharding not in spec.shardings:
             raise ValueError(f"actor.sharding={self.sharding!r} is not allowed with actor.backend={self.backend!r}; "
-                             f"choose one of {list(SHARDINGS[self.backend])}")
+                             f"choose one of {list(spec.shardings)}")
         if self.lr <= 0:
             raise ValueError(f"actor.lr={self.lr} must be > 0")
         if self.attn_implementation not in ATTENTION:
             raise ValueError(f"actor.attn_implementation={self.attn_implementation!r} is not allowed; choose one of "
                              f"{list(ATTENTION)}")
-        if self.attn_implementation != "auto" and self.backend != "torch":
-            raise ValueError(f"actor.attn_implementation={self.attn_implementation!r} is a torch-actor option; the "
-                             "megatron actor has its own attention: set actor.attn_implementation=auto")
+        if self.attn_implementation != "auto" and not spec.hf_options:
+            raise ValueError(f"actor.attn_implementation={self.attn_implementation!r} is an option of the "
+                             f"{'|'.join(with_feature('hf_options'))} actor; the {self.backend} actor has its own "
+                             "attention: set actor.attn_implementation=auto")
         if self.max_tokens_per_micro_batch < 0:
             raise ValueError(f"actor.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= 0 "
                              "(0 = actor.micro_batch_size rows per micro-batch)")
         if self.ppo_mini_batch_size < 0:
             raise ValueError(f"actor.ppo_mini_batch_size={self.ppo_mini_batch_size} must be >= 0 (0 = the whole batch)")
-        if self.lora is not None and self.backend != "torch":
-            raise ValueError(f"actor.lora is set with actor.backend={self.backend!r}; LoRA trains on the torch actor "
-                             "(actor.backend=torch, with actor.sharding=none or fsdp), or unset it (actor.lora=null)")
+        if self.lora is not None and not spec.lora:
+            raise ValueError(f"actor.lora is set with actor.backend={self.backend!r}; LoRA trains on the "
+                             f"{'|'.join(with_feature('lora'))} actor (actor.backend={with_feature('lora')[0]}), or "
+                             "unset it (actor.lora=null)")
         if self.lora is not None and self.trainable:
             raise ValueError(f"actor.lora and actor.trainable={list(self.trainable)} both choose what trains; with "
                              "LoRA only the adapter trains: set actor.trainable=[] (or actor.lora=null)")
@@ -170,9 +169,9 @@ class CriticConfig(UpdateConfig):
             raise ValueError(f"critic.value_clip={self.value_clip} must be >= 0 (0 = no value clipping)")
         if self.value_warmup_steps < 0:
             raise ValueError(f"critic.value_warmup_steps={self.value_warmup_steps} must be >= 0")
-        if self.sharding not in ("", *SHARDINGS["torch"]):
+        if self.sharding not in ("", *ACTORS["torch"].shardings):
             raise ValueError(f"critic.sharding={self.sharding!r} is not allowed; choose one of "
-                             f"{['', *SHARDINGS['torch']]} ('' = as actor.sharding)")
+                             f"{['', *ACTORS['torch'].shardings]} ('' = as actor.sharding)")
         self.optim(ActorConfig())  # the shared checks of the batch geometry and optimizer keys
 
     def optim(self, actor: ActorConfig) -> ActorConfig:

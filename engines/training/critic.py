@@ -94,7 +94,10 @@ class Critic(TorchActor):
 def make_critic(cfg: CriticConfig, actor_cfg: ActorConfig, model: str, dtype: str = "float32", seed: int = 0,
                 progress: bool = True) -> Critic:
     """The critic for the HF checkpoint directory `model`; the actor must be the torch one."""
-    if actor_cfg.backend != "torch":
-        raise ValueError(f"algorithm.advantage=gae trains a critic beside the actor, which needs actor.backend=torch "
-                         f"(got {actor_cfg.backend!r}); use an outcome estimator (grpo, rloo) with megatron")
+    from engines.training.backends import actor_backend, with_feature
+
+    if not actor_backend(actor_cfg.backend).critic:
+        raise ValueError(f"algorithm.advantage=gae trains a critic beside the actor, which needs actor.backend="
+                         f"{'|'.join(with_feature('critic'))} (got {actor_cfg.backend!r}); use an outcome estimator "
+                         f"(grpo, rloo) with {actor_cfg.backend}")
     return Critic(cfg, actor_cfg, model, dtype, seed + 1, progress)
