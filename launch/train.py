@@ -38,12 +38,13 @@ def train(cfg: Config) -> dict[str, Any]:
 
     run = setup(cfg)
     actor, plane, stream, rank, barrier = run.actor, run.plane, run.stream, run.rank, run.barrier
-    out, version, start, rollout_state = Path(cfg.trainer.output_dir), 0, 0, None
+    fleet, weights = plane.fleet, plane.weights
+    out, start, rollout_state = Path(cfg.trainer.output_dir), 0, None
     sharded = cfg.actor.sharding in ACTORS[cfg.actor.backend].per_rank_checkpoint  # a checkpoint file per rank
     ckpt = Checkpointer(out)
     latest = ckpt.latest() if cfg.trainer.resume else None
     if latest is not None:
-        start, version, rollout_state = load_run(ckpt, latest, actor, stream, rank, sharded, critic=run.critic)
+        start, weights.version, rollout_state = load_run(ckpt, latest, actor, stream, rank, sharded, critic=run.critic)
         print(f"resuming from {latest} (step {start}, data position {stream.position})", flush=True)
     overlap = cfg.rollout.staleness > 0  # asynchronous RL: rollout runs on through updates
     logger = MetricsLogger(out, cfg.trainer.wandb_project, resume_step=start) if rank == 0 else None
@@ -58,60 +59,56 @@ def train(cfg: Config) -> dict[str, Any]:
 
             turns = int(cfg.rollout.agent.get("tool_agent", {}).get("max_assistant_turns", 3))
             warm_up(actor, run.rows, run.tools, run.model_dir, cfg.sft, turns - 1, show=rank == 0)
-            save_run(ckpt, 0, actor, stream, version, rank, sharded, barrier, critic=run.critic)
+            save_run(ckpt, 0, actor, stream, weights.version, rank, sharded, barrier, critic=run.critic)
         plane.start_workers()
         barrier()  # no node runs ahead (e.g. a resumed run with no steps left) while rank 0 connects
         if latest is not None or cfg.sft.enabled:  # engines start from the base model; bring them to the actor
             # a resumed run's weights are the checkpoint's version (fresh engines are at 0): no gap
-            version = max(version, 1) if latest is not None else version + 1
-            plane.push_weights(actor.named_sync_weights(plane.takes_adapters()), version)
+            weights.load(actor, max(weights.version, 1) if latest is not None else weights.version + 1)
         if validator is not None and logger is not None and cfg.trainer.val_before_train and start == 0 \
                 and not logger.logged(0, VAL_KEY):  # once: not again after a kill during step 1
-            logger.log(0, _validate(validator, plane, 0, version), console=(VAL_KEY,))
+            logger.log(0, _validate(validator, plane, 0, weights.version), console=(VAL_KEY,))
         if overlap:
             plane.start_async(stream, cfg.data.prompts_per_step, rollout_state)
         for step in range(start + 1, cfg.trainer.steps + 1):
             t0 = time.perf_counter()
             if overlap:  # the first finished groups within the staleness bound
-                batch, metrics = plane.take_batch(version)
+                batch, metrics = plane.take_batch(weights.version)
             else:
-                lagging = plane.behind(version)  # attached engines that restarted: bring them to the current weights
-                if lagging:
-                    plane.push_weights(actor.named_sync_weights(plane.takes_adapters()), version, engines=lagging)
+                weights.catch_up(actor)  # attached engines that restarted: back to the current weights
                 rows = stream.next_batch(cfg.data.prompts_per_step)
-                batch, metrics = plane.generate(rows, version, more_rows=stream.next_batch,
+                batch, metrics = plane.generate(rows, weights.version, more_rows=stream.next_batch,
                                                 record=getattr(stream, "record", None))
                 if rank == 0 and hasattr(stream, "stats"):  # the curriculum's difficulty, pool and retired rows
                     metrics.update(stream.stats(rows))
             t_rollout = time.perf_counter() - t0
             failed = invalids.check(step, batch, metrics)  # no valid trajectory: nothing to learn, nothing to push
-            metrics.update(plane.engine_metrics(t_rollout))
+            metrics.update(fleet.engine_metrics(t_rollout))
             t_update, t_sync = time.time(), 0.0
             if not failed:
-                metrics.update(plane.sleep())
+                metrics.update(fleet.sleep())
                 plane.training(True)
-                t_update, busy = time.time(), plane.engine_busy_s()
+                t_update, busy = time.time(), fleet.engine_busy_s()
                 metrics.update(learn(batch, actor, run.ref, cfg.algorithm, cfg.actor, critic=run.critic))
-                drift.check(step, metrics, plane.mismatched)  # warns, or (trainer.max_drift) stops the run
+                drift.check(step, metrics, weights.mismatched)  # warns, or (trainer.max_drift) stops the run
                 plane.training(False)
                 if rank == 0:  # how much the engines generated while the trainer updated (0: they idled)
-                    metrics["time/engine_busy_in_update"] = (plane.engine_busy_s() - busy) / max(
-                        1e-9, (time.time() - t_update) * len(plane.engines))
-                version += 1
-                plane.wake()  # colocated engines come back; the push below is what they serve with
+                    metrics["time/engine_busy_in_update"] = (fleet.engine_busy_s() - busy) / max(
+                        1e-9, (time.time() - t_update) * len(fleet.engines))
+                fleet.wake()  # colocated engines come back; the push below is what they serve with
                 # asynchronous: running generations stop for the push and go on with the new weights
-                t_sync = plane.push_weights(actor.named_sync_weights(plane.takes_adapters()), version, preempt=overlap)
-            metrics.update({"weight_version": version, "time/rollout_s": t_rollout, "time/sync_s": t_sync,
+                t_sync = weights.publish(actor, preempt=overlap)
+            metrics.update({"weight_version": weights.version, "time/rollout_s": t_rollout, "time/sync_s": t_sync,
                             "time/step_s": time.perf_counter() - t0, "data/epoch": stream.position[0],
-                            "data/index": stream.position[1], **plane.last_sync})
+                            "data/index": stream.position[1], **weights.last_sync})
             if overlap:
                 metrics.update({"time/update_start_t": t_update, "time/update_end_t": time.time()})
             if validator is not None and validator.due(step, cfg.trainer.steps, cfg.trainer.val_every):
-                metrics.update(_validate(validator, plane, step, version))  # logged with the step: once per step
+                metrics.update(_validate(validator, plane, step, weights.version))  # logged with the step: once per step
             if logger is not None:
                 logger.log(step, metrics, console=CONSOLE_KEYS)
             if step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
-                save_run(ckpt, step, actor, stream, version, rank, sharded, barrier,
+                save_run(ckpt, step, actor, stream, weights.version, rank, sharded, barrier,
                          rollout=plane.rollout_state() if rank == 0 else None, critic=run.critic)
             barrier()
         invalids.finish()  # every step failed: the run trained nothing, and exits non-zero
@@ -123,7 +120,7 @@ def train(cfg: Config) -> dict[str, Any]:
         barrier()  # every node keeps its engines until rank 0 is done with them
         return summary
     except BaseException:
-        plane.print_engine_logs()
+        fleet.print_engine_logs()
         raise
     finally:
         plane.close()

@@ -64,7 +64,8 @@ def main(engine: str, model_dir: str, out_dir: str) -> None:
     out = Path(out_dir)
     cfg = _config(engine, model_dir, out, "lora")
     run = setup(cfg)
-    plane, records, version = run.plane, [], 0
+    plane, records = run.plane, []
+    weights = plane.weights
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     # one node: shm (auto) and bus; two nodes (two launchers, a rank and an engine each): the collective
     routes = ["in_process"] if engine.endswith("_inproc") else ["auto", "bus"] if world == 1 else ["auto"]
@@ -76,20 +77,18 @@ def main(engine: str, model_dir: str, out_dir: str) -> None:
             actor = run.actor if mode == "lora" else make_actor(cfg.actor, run.model_dir, cfg.model.dtype,
                                                                 cfg.rollout.temperature, cfg.trainer.seed,
                                                                 progress=False)
-            plane.adapter_rank = cfg.actor.lora.rank if cfg.actor.lora is not None else 0
+            weights.adapter_rank = plane.fleet.adapter_rank = cfg.actor.lora.rank if cfg.actor.lora is not None else 0
             before = digests(actor.named_hf_weights())
             for route in routes:
                 plane.cfg.weight_path = route
-                if version:  # this mode's actor as it is now, whatever the engine served before
-                    version += 1
-                    plane.push_weights(actor.named_sync_weights(plane.takes_adapters()), version)
+                if weights.version:  # this mode's actor as it is now, whatever the engine served before
+                    weights.publish(actor)
                 for _ in range(2):
-                    batch, _ = plane.generate(run.stream.next_batch(cfg.data.prompts_per_step), version)
+                    batch, _ = plane.generate(run.stream.next_batch(cfg.data.prompts_per_step), weights.version)
                     learn(batch, actor, None, cfg.algorithm, cfg.actor)
-                    version += 1
-                    plane.push_weights(actor.named_sync_weights(plane.takes_adapters()), version)
-                sync = dict(plane.last_sync)
-                batch, _ = plane.generate(run.stream.next_batch(cfg.data.prompts_per_step), version)
+                    weights.publish(actor)
+                sync = dict(weights.last_sync)
+                batch, _ = plane.generate(run.stream.next_batch(cfg.data.prompts_per_step), weights.version)
                 actor_lp = actor.compute_logprobs(batch)[0]
                 mask = batch.loss_mask.bool()
                 gap = (batch.rollout_logprobs - actor_lp).abs()[mask]
@@ -101,14 +100,14 @@ def main(engine: str, model_dir: str, out_dir: str) -> None:
                     torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX)
                 if run.rank != 0:
                     continue
-                records.append({"engine": engine, "mode": mode, "route": plane.route(), "tokens": int(total[1]),
+                records.append({"engine": engine, "mode": mode, "route": weights.route(), "tokens": int(total[1]),
                                 "drift_max": float(top[0]) if total[1] else None,
                                 "drift_mean": float(total[0] / total[1]) if total[1] else None,
                                 "rewards": sorted(set(batch.rewards[batch.valid].tolist())),
-                                "adapter_push": plane.takes_adapters(), "moved": _moved(actor, before),
+                                "adapter_push": weights.takes_adapters(), "moved": _moved(actor, before),
                                 "verified": sync.get("sync/verified_tensors"),
                                 "mismatched": sync.get("sync/mismatched_tensors"),
-                                "mismatched_names": {str(e): [n for n, _ in b] for e, b in plane.mismatched.items()}})
+                                "mismatched_names": {str(e): [n for n, _ in b] for e, b in weights.mismatched.items()}})
                 print(json.dumps(records[-1]), flush=True)
             if actor is not run.actor:
                 del actor

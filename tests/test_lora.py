@@ -202,8 +202,8 @@ def test_adapters_go_only_to_engines_that_apply_them():
     from rollout.config import RolloutConfig
     from rollout.plane import RolloutPlane
 
-    def plane(rank: int = 8, **kw: Any) -> RolloutPlane:
-        return RolloutPlane(RolloutConfig(**{"engine": "hf", **kw}), "m", "float32", 0, 1, adapter_rank=rank)
+    def plane(rank: int = 8, **kw: Any) -> Any:
+        return RolloutPlane(RolloutConfig(**{"engine": "hf", **kw}), "m", "float32", 0, 1, adapter_rank=rank).weights
 
     assert plane().takes_adapters() and plane().adapter_options() == {}
     assert plane(engine="vllm").adapter_options() == {"lora_rank": 8}
@@ -213,8 +213,8 @@ def test_adapters_go_only_to_engines_that_apply_them():
     assert not plane(placement="colocated", sleep_level=2).takes_adapters()  # its base is freed while asleep
     assert plane(placement="colocated", sleep_level=1).takes_adapters()
     # by default a LoRA run's colocated engines keep their base asleep, so every push is the adapter alone
-    assert plane(placement="colocated").takes_adapters() and plane(placement="colocated").sleep_level == 1
-    assert plane(0, placement="colocated").sleep_level == 2
+    assert plane(placement="colocated").takes_adapters() and plane(placement="colocated").fleet.sleep_level == 1
+    assert plane(0, placement="colocated").fleet.sleep_level == 2
     assert not plane(engines=["ipc:///tmp/e0.sock"]).takes_adapters()  # started elsewhere
 
 

@@ -2,7 +2,7 @@
 
 A route is a class with a `name`, `applies(placement)` (does it serve a run placed so) and
 `send(push, link) -> bytes sent`; the trainer's plane takes the first route of `ROUTES` that applies
-(rollout/weight_route.py), keeps one instance per route (it may hold buffers across pushes) and
+(rollout/weights/sync.py), keeps one instance per route (it may hold buffers across pushes) and
 calls `send` on every rank, where rank 0 is the source. The engine side of
 every route is `rollout/weights/receive.py`: buckets that ride as frames or name a buffer of one of
 its `READERS` kinds. A new route is one module with its class (`name`, `applies`, `send`, `close`)

@@ -1,19 +1,23 @@
-"""Which weight route a run takes, by placement, and the push after each update: the part of
-`RolloutPlane` that picks a route of `rollout.weights.routes.ROUTES` and calls it. One node: rank 0
+"""Weight sync: the actor's weights into every engine of the fleet (`rollout/fleet.py`), one call
+per weight version, by the route the run's placement picks from `routes.ROUTES`. One node: rank 0
 packs each bucket into a shared-memory slot its node's engines map (`shm`), or, colocated on one
 GPU, into a device buffer they open by its CUDA IPC handle (`handle`). Several nodes: rank 0
 broadcasts each bucket to every node's leader, which feeds its engines the same way
 (`collective`). `rollout.weight_path=bus`: frames over the sockets (`bus`); `rollout.in_process`:
 tensors by reference (`in_process`).
 
-Whatever the route, a LoRA actor's push is the adapter alone (`engines/lora.py`) when the run's
-engines apply adapters (`takes_adapters`), and the merged weights otherwise."""
+`WeightSync.version` is the run's weight version, the one place the trainer keeps it: `publish`
+pushes the actor's weights as the next version (preempting running generations under asynchronous
+RL), `catch_up` brings attached engines that restarted back to it, `load` sets it at start or
+resume. Whatever the route, a LoRA actor's push is the adapter alone (`engines/lora.py`) when the
+run's engines apply adapters (`takes_adapters`), and the merged weights otherwise. After a push of
+whole weights every engine's digest is compared with what was sent (`verify.py`)."""
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -25,29 +29,19 @@ from rollout.weights.shm import free_bytes, shm_dir
 from rollout.weights.verify import DigestTap, check_engines, tied_embeddings, warn_mismatched
 
 
-class WeightRoutes:
-    """Mixed into `RolloutPlane`, whose attributes it reads (cfg, rank, nodes, local_rank, node,
-    engines, control, local_control, weight_group, routes, feeder, dtype, last_sync, _no_room)."""
+class WeightSync:
+    """The run's weights into its fleet's engines. Every rank holds one; rank 0 is the source."""
 
-    cfg: Any
-    rank: int
-    nodes: int
-    node: int
-    local_rank: int
-    engines: list[Any]
-    control: Any
-    local_control: Any
-    weight_group: Any
-    routes: dict[str, Any]
-    feeder: Any
-    dtype: str
-    last_sync: dict[str, float]
-    _no_room: bool
-    inproc: Any
-    sleeps: bool
-    adapter_rank: int
-    model_dir: str
-    mismatched: dict[int, list[tuple[str, float]]]  # the last push's engines whose copy differs (verify.py)
+    def __init__(self, cfg: Any, fleet: Any, dtype: str, model_dir: str, adapter_rank: int = 0) -> None:
+        self.cfg, self.fleet, self.dtype, self.model_dir, self.adapter_rank = cfg, fleet, dtype, model_dir, adapter_rank
+        self.version = 0  # the weight version the engines serve (or are being sent)
+        self.routes: dict[str, Any] = {}  # the routes used so far, by name (they keep their buffers)
+        self.last_sync: dict[str, float] = {}  # the last push's figures (engines per route, GB, GB/s, digests)
+        self.mismatched: dict[int, list[tuple[str, float]]] = {}  # the last push's differing tensors per engine
+        self.group: Any = None  # the node leaders' process group, for the collective route (connect)
+        self.local_control: Any = None  # another node's leader: its client to its own engines (connect_clients)
+        self.pushed: list[Callable[[], None]] = []  # told after every push (the asynchronous rollout)
+        self._no_room = False  # shared memory too small for two buckets on this one-node run: the bus instead
 
     def takes_adapters(self) -> bool:
         """Whether each push carries only the actor's LoRA adapter: it trains one, and this run's
@@ -59,13 +53,7 @@ class WeightRoutes:
         if self.cfg.in_process and spec.in_process:
             spec = ENGINES[spec.in_process]
         return (self.adapter_rank > 0 and spec.adapters and not self.cfg.engines
-                and not (self.sleeps and self.sleep_level == 2))
-
-    @property
-    def sleep_level(self) -> int:
-        """How deep colocated engines sleep: `rollout.sleep_level`, or by default 2 (free the weights,
-        the push resends them) and 1 with a LoRA actor (the base stays; each push is the adapter)."""
-        return self.cfg.sleep_level or (1 if self.adapter_rank > 0 else 2)
+                and not (self.fleet.sleeps and self.fleet.sleep_level == 2))
 
     def adapter_options(self) -> dict[str, Any]:
         """Engine options that ready an engine for adapters of the actor's rank (`EngineSpec.adapter_option`)."""
@@ -78,39 +66,39 @@ class WeightRoutes:
         applies to this run's placement (in_process, bus, collective, handle, shm; see there)."""
         path = "bus" if self.cfg.engines else self.cfg.weight_path  # attached engines: only the bus reaches them
         return choose(Placement(in_process=bool(self.cfg.in_process), weight_path=path,
-                                shm_room=not self._no_room, nodes=self.nodes,
-                                engines_on_my_gpu=self.nodes == 1 and self._engines_on_my_gpu()))
+                                shm_room=not self._no_room, nodes=self.fleet.nodes,
+                                engines_on_my_gpu=self.fleet.nodes == 1 and self._engines_on_my_gpu()))
 
     def _engines_on_my_gpu(self) -> bool:
         """Colocated on one GPU node with every engine on rank 0's GPU: buckets go by CUDA IPC handle
         (`rollout.weights.handle`) and never leave the device. Written for GPUs, not run here."""
-        placement = getattr(self, "placement", None)
-        if placement != "colocated" or not torch.cuda.is_available() or not self.engines:
+        engines = self.fleet.engines
+        if self.fleet.placement != "colocated" or not torch.cuda.is_available() or not engines:
             return False
         mine = (torch.cuda.current_device(),)
-        return all(tuple(e.devices) == mine for e in self.engines)
+        return all(tuple(e.devices) == mine for e in engines)
 
-    def _check_shm_room(self) -> None:
+    def check_room(self) -> None:
         """Shared memory must hold two buckets (a container's /dev/shm is often 64 MiB): one node falls
         back to the bus with a warning; several nodes, whose leaders all take the collective path,
         stop with what to change."""
         need = 2 * (self.cfg.weight_bucket_mb << 20)
-        if self.cfg.weight_path == "bus" or self.cfg.in_process or self.local_rank != 0:
+        if self.cfg.weight_path == "bus" or self.cfg.in_process or self.fleet.local_rank != 0:
             return
         free = free_bytes()
         if free >= need:
             return
         text = (f"{shm_dir()} has {free >> 20} MiB free, the weight path through shared memory needs "
                 f"{need >> 20} MiB (2 x rollout.weight_bucket_mb)")
-        if self.nodes > 1:
-            raise RuntimeError(f"node {self.node}: {text}; enlarge it (docker run --shm-size=2g), lower "
+        if self.fleet.nodes > 1:
+            raise RuntimeError(f"node {self.fleet.node}: {text}; enlarge it (docker run --shm-size=2g), lower "
                                "rollout.weight_bucket_mb, or set rollout.weight_path=bus")
         print(f"WARNING: {text}; weights go over the bus instead (slower). Enlarge it (docker run --shm-size=2g) "
               "or lower rollout.weight_bucket_mb to use it.", file=sys.stderr, flush=True)
         self._no_room = True
 
-    def push_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int, preempt: bool = False,
-                     engines: list[int] | None = None) -> float:
+    def push(self, named: Iterable[tuple[str, torch.Tensor]], version: int, preempt: bool = False,
+             engines: list[int] | None = None) -> float:
         """Load `named` into every engine as `version` by the route `route()` names (one of
         `rollout.weights.routes.ROUTES`); seconds taken. Every rank iterates `named` (a sharded actor
         gathers while it yields); rank 0 is the source. `preempt`: running generations stop and
@@ -118,7 +106,8 @@ class WeightRoutes:
         the run's engines; the bus routes), e.g. attached engines that restarted and lag behind.
         `last_sync` holds the step's figures (engines per route, GB, GB/s)."""
         name = self.route()
-        if name != "collective" and (self.rank != 0 or self.control is None):
+        fleet = self.fleet
+        if name != "collective" and (fleet.rank != 0 or fleet.control is None):
             drain(named)
             return 0.0
         if name not in self.routes:
@@ -130,29 +119,66 @@ class WeightRoutes:
         sent = self.routes[name].send(
             Push(tap if tap is not None else named, version, preempt, self.cfg.weight_bucket_mb << 20,
                  self.engine_dtype(), timeout_s, engines),
-            Link(self.rank, self.local_rank, self.control, self.local_control, self.weight_group, self.inproc))
+            Link(fleet.rank, fleet.local_rank, fleet.control, self.local_control, self.group, fleet.inproc))
         seconds = time.perf_counter() - t0
-        if self.rank == 0:
-            here = sum(e.node == self.node for e in self.engines)
-            self.last_sync = {f"sync/engines_{name}": float(len(self.engines) - here if name == "collective" else
-                                                             len(self.engines)),
+        if fleet.rank == 0:
+            here = sum(e.node == fleet.node for e in fleet.engines)
+            self.last_sync = {f"sync/engines_{name}": float(len(fleet.engines) - here if name == "collective" else
+                                                             len(fleet.engines)),
                               "sync/gb": sent / 1e9, "sync/gb_per_s": sent / 1e9 / max(seconds, 1e-9)}
             if name == "collective":
                 self.last_sync["sync/engines_shm"] = float(here)
             if tap is not None:
                 self._verify(tap, version, engines)
-        if self.feeder is not None:
-            self.feeder.weights_pushed()
+        for told in self.pushed:
+            told()
         return seconds
+
+    def connect(self) -> None:
+        """Every rank, once the fleet started: the node leaders' process group for the collective route
+        (torch.distributed asks every rank to create it)."""
+        if self.route() == "collective":
+            self.group = torch.distributed.new_group(self.fleet.leaders)
+
+    def connect_clients(self) -> None:
+        """Another node's leader on the collective route: a control client to its own engines."""
+        from rollout.bus.auth import TRAINER
+        from rollout.fleet import ControlClient
+
+        fleet = self.fleet
+        if fleet.rank != 0 and fleet.local_rank == 0 and self.route() == "collective":
+            mine = [e.ipc for e in fleet.engines if e.node == fleet.node]
+            self.local_control = ControlClient(mine, fleet.keys.for_role(TRAINER) if fleet.keys is not None else None,
+                                               self.cfg.startup_timeout_s)
+
+    def publish(self, actor: Any, preempt: bool = False) -> float:
+        """The actor's weights into every engine as the next version; seconds taken. `preempt`:
+        running generations stop for it and go on with the new weights (asynchronous RL)."""
+        self.version += 1
+        return self.push(actor.named_sync_weights(self.takes_adapters()), self.version, preempt)
+
+    def load(self, actor: Any, version: int) -> float:
+        """At start: the engines (started from the base model) brought to the actor as `version`."""
+        self.version = version
+        return self.push(actor.named_sync_weights(self.takes_adapters()), version)
+
+    def catch_up(self, actor: Any) -> float:
+        """Attached engines that restarted (and serve an older version) get the current weights
+        again before a rollout (rollout/service.py); the others already hold them."""
+        lagging = self.fleet.behind(self.version)
+        if not lagging:
+            return 0.0
+        return self.push(actor.named_sync_weights(self.takes_adapters()), self.version, engines=lagging)
 
     def _verifies(self) -> bool:
         """Whether this push is checked against the engines' digests (rank 0, whole weights, not off)."""
-        return self.rank == 0 and self.control is not None and self.cfg.verify_weights and not self.takes_adapters()
+        return self.fleet.rank == 0 and self.fleet.control is not None and self.cfg.verify_weights \
+            and not self.takes_adapters()
 
     def _verify(self, tap: DigestTap, version: int, engines: list[int] | None) -> None:
         """Compare what every engine serves now with what `tap` saw sent; name what differs (verify.py)."""
         dtype = str(self.dtype)
-        found = check_engines(self.control, tap.sent, dtype, tied_embeddings(self.model_dir), engines)
+        found = check_engines(self.fleet.control, tap.sent, dtype, tied_embeddings(self.model_dir), engines)
         self.mismatched = found["mismatched"]
         self.last_sync.update({"sync/verified_tensors": float(found["compared"]),
                                "sync/mismatched_tensors": float(sum(len(b) for b in self.mismatched.values())),
@@ -160,7 +186,10 @@ class WeightRoutes:
         if self.mismatched:
             warn_mismatched(self.mismatched, version, dtype)
 
-    def close_routes(self) -> None:
+    def close(self) -> None:
+        if self.local_control is not None:
+            self.local_control.close()
+            self.local_control = None
         for route in self.routes.values():
             route.close()
         self.routes = {}

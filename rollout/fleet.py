@@ -1,0 +1,345 @@
+"""The engine fleet of a run: the engine servers every node starts (or the ones it attaches to),
+their addresses and keys, the trainer's control client, sleep/wake, status, logs and shutdown.
+
+On every node, local rank 0 starts that node's engines from the placement plan (`parallel.mesh`):
+a slice of the node's cores each on CPU, their own GPUs (`CUDA_VISIBLE_DEVICES`) on GPU nodes. Each
+engine binds ipc for clients on its node and, when the job spans nodes, tcp for the others, behind
+the run's CURVE keys (`rollout.bus.auth`); the addresses travel to every rank over
+torch.distributed, so no shared filesystem is needed. Global rank 0 prints the plan and writes it to
+the run directory, and holds the control client (status, sleep/wake, weight pushes). Colocated
+engines sleep through the actor's update and wake for the sync. A reward model's engines
+(`rollout/reward_engines.py`) are started here too, on rank 0, and never sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Coroutine
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.inference import ENGINES
+from rollout.config import RolloutConfig
+from rollout.engine_stats import engine_metrics, statuses
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """One engine as every rank knows it after the address exchange."""
+
+    engine_id: str
+    node: int
+    devices: tuple[int, ...]  # cores (cpu) or GPU indices on its node
+    ipc: str
+    tcp: str | None
+    pid: int
+
+
+def node_topology() -> tuple[int, int, int]:
+    """(node index, number of nodes, local rank) of this process under torchrun (0, 1, 0 alone)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    node = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
+    return node, max(1, world // max(1, local_world)), int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def bind_host(configured: str | None) -> str:
+    """The address other nodes reach this node's engines on: the config, $SWITCHYARD_HOST, or the
+    local address of the route to the rendezvous host (what torchrun's other nodes reach too)."""
+    if configured:
+        return configured
+    if os.environ.get("SWITCHYARD_HOST"):
+        return os.environ["SWITCHYARD_HOST"]
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, 9))  # no packet is sent; this only picks the outgoing interface
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def resolve_placement(mode: str) -> str:
+    if mode == "auto":
+        return "colocated" if torch.cuda.is_available() else "cpu"
+    return mode
+
+
+class ControlClient:
+    """Rank 0's own bus client (the trainer's key) on a background event loop: status, sleep/wake
+    and weight pushes without restarting a client per call."""
+
+    def __init__(self, addresses: list[str], keys: Any, ready_timeout_s: float) -> None:
+        from rollout.bus.client import GenerateClient
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-control", daemon=True)
+        self.thread.start()
+        self.client = GenerateClient(addresses, keys=keys)
+        self.run(self.client.start())
+        self.run(self.client.wait_ready(timeout_s=ready_timeout_s))
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        try:
+            self.run(self.client.close())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=30)
+            self.loop.close()
+
+
+class EngineFleet:
+    def __init__(self, cfg: RolloutConfig, model_dir: str, dtype: str, rank: int, world: int, dp_rank: int = 0,
+                 adapter_rank: int = 0) -> None:
+        self.cfg, self.model_dir, self.dtype, self.rank, self.world = cfg, model_dir, dtype, rank, world
+        self.dp_rank, self.adapter_rank = dp_rank, adapter_rank
+        self.replica_of: list[int] = [dp_rank]  # every rank's data-parallel replica (start)
+        self.node, self.nodes, self.local_rank = node_topology()
+        self.placement = resolve_placement(cfg.placement)
+        self.sleeps = self.placement == "colocated"
+        self.procs: list[Any] = []
+        self.engines: list[EngineInfo] = []
+        self.engine_logs: list[Path] = []
+        self.keys: Any = None
+        self.control: ControlClient | None = None  # rank 0's client to every engine (connect)
+        self.tmp_dirs: list[Path] = []  # this node's sockets, keys and engine logs
+        self.run_dir = Path(".")  # the run's output directory (start)
+        self._last: dict[str, dict[str, float]] = {}  # engine id -> counters at the last report
+        self.leaders: list[int] = [0]  # the global rank that started each node's engines (its local rank 0)
+        self.inproc: Any = None  # rollout.in_process: the engine this process serves
+        self.reward_engines: Any = None  # rank 0: the reward model's engines (rollout/reward_engines.py)
+
+    @property
+    def sleep_level(self) -> int:
+        """How deep colocated engines sleep: `rollout.sleep_level`, or by default 2 (free the weights,
+        the push resends them) and 1 with a LoRA actor (the base stays; each push is the adapter)."""
+        return self.cfg.sleep_level or (1 if self.adapter_rank > 0 else 2)
+
+    # ------------------------------------------------------------------ start-up
+    def start(self, run_dir: Path, engine_options: dict[str, Any], check_room: Callable[[], None]) -> None:
+        """Every node's local rank 0 starts its engines (`engine_options` on top of the config's
+        defaults; `check_room` first, for engines it starts); every rank learns every engine's
+        addresses."""
+        self.run_dir = run_dir
+        multi = self.nodes > 1
+        attached = bool(self.cfg.engines)  # engines as a service (rollout/service.py): started elsewhere
+        if attached:
+            from rollout.service import service_keys
+
+            self.keys, self.sleeps = service_keys(self.cfg), False
+        elif multi:
+            from rollout.bus.auth import BusKeys
+
+            box = [BusKeys.generate() if self.rank == 0 else None]
+            torch.distributed.broadcast_object_list(box, src=0)  # never written to the run directory
+            self.keys = box[0]
+        if not attached:
+            check_room()
+        local = self._start_local(run_dir, multi, engine_options) if self.local_rank == 0 and not attached else []
+        self._keep_off_engine_cores()
+        if self.world > 1:
+            everyone: list[Any] = [None] * self.world
+            torch.distributed.all_gather_object(everyone, (local, self.dp_rank, self.local_rank))
+            self.engines = [e for part, _, _ in everyone for e in part]
+            self.replica_of = [dp for _, dp, _ in everyone]
+            self.leaders = [r for r, (_, _, lr) in enumerate(everyone) if lr == 0]
+        else:
+            self.engines = local
+        if attached:
+            self.engines = [EngineInfo(f"service{i}", -1, (), a, a, 0) for i, a in enumerate(self.cfg.engines)]
+        if self.rank == 0:
+            text = self.describe()
+            print(text, flush=True)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "placement.txt").write_text(text + "\n")
+            (run_dir / "engines.json").write_text(json.dumps([asdict(e) for e in self.engines], indent=1) + "\n")
+
+    def _start_local(self, run_dir: Path, tcp: bool, engine_options: dict[str, Any]) -> list[EngineInfo]:
+        from parallel.mesh import plan_placement
+        from rollout.bus.launcher import read_endpoints, start_server_process
+
+        cfg = self.cfg
+        if torch.cuda.is_available() and self.placement != "cpu":  # written for GPU nodes, not run here
+            # every node plans alike: colocated engines on its training GPUs; split engines on the
+            # GPUs past its local ranks (train.sbatch's ENGINE_GPUS_PER_NODE leaves them free)
+            tp = int(cfg.engine_options.get("tensor_parallel_size", 1))
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            plan = plan_placement(self.placement, nodes=1, devices_per_node=torch.cuda.device_count(),
+                                  train_devices=local_ranks, rollout_tp=tp)
+            slots = list(plan.engines)
+        else:
+            slots = list(plan_placement("cpu", num_engines=cfg.num_engines, cores=cfg.engine_cores or None).engines)
+        tmp = Path(tempfile.mkdtemp(prefix="switchyard-"))  # mode 0700: the ipc sockets' trust boundary
+        self.tmp_dirs.append(tmp)  # removed by close()
+        keys_file = self.keys.write(tmp / "bus_keys.json") if self.keys is not None else None
+        on_gpus = torch.cuda.is_available() and self.placement != "cpu"  # each engine sees its own GPUs as cuda:0..
+        device = {"device": "cuda"} if on_gpus and cfg.engine == "hf" else {}  # the hf engine defaults to the CPU
+        options = {**ENGINES[cfg.engine].defaults, "dtype": self.dtype, **device, **engine_options,
+                   **cfg.engine_options}
+        host = bind_host(cfg.bind_host) if tcp else None
+        started = []
+        for i, slot in enumerate(slots):
+            eid = f"node{self.node}-engine{i}" if self.nodes > 1 else slot.engine_id
+            addrs = [f"ipc://{tmp}/{eid}.sock"] + ([f"tcp://{host}:0"] if tcp else [])
+            log, env, cores = tmp / f"{eid}.log", None, list(slot.devices)
+            if torch.cuda.is_available() and self.placement != "cpu":
+                env, cores = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.devices))}, None
+            request_log = None
+            if cfg.request_log:
+                (run_dir / "engines").mkdir(parents=True, exist_ok=True)
+                request_log = run_dir / "engines" / f"{eid}.jsonl"
+            if cfg.in_process:  # served from this process: weights load by reference (rollout/inproc.py)
+                from rollout.inproc import InProcessEngine
+
+                if self.nodes > 1:
+                    raise RuntimeError("rollout.in_process=true is for one node; across nodes weights travel by "
+                                       "collective broadcast: turn it off")
+                self.inproc = InProcessEngine(cfg.engine, self.model_dir, addrs, eid, options,
+                                              str(request_log) if request_log else None)
+                self.procs.append(self.inproc)
+                started.append((eid, slot, self.inproc, None, log))
+                continue
+            proc = start_server_process(cfg.engine, self.model_dir, addrs, eid, options, log_file=log, env=env,
+                                        cpu_cores=cores, keys_file=keys_file, endpoint_file=tmp / f"{eid}.json",
+                                        request_log=request_log)
+            self.procs.append(proc)
+            self.engine_logs.append(log)
+            started.append((eid, slot, proc, tmp / f"{eid}.json", log))
+        infos = []
+        for eid, slot, proc, endpoint_file, log in started:
+            bound = (proc.endpoints(cfg.startup_timeout_s) if endpoint_file is None
+                     else read_endpoints(endpoint_file, proc, cfg.startup_timeout_s, log))
+            infos.append(EngineInfo(eid, self.node, tuple(slot.devices), bound[0], bound[1] if tcp else None, proc.pid))
+        return infos
+
+    def _keep_off_engine_cores(self) -> None:
+        """`rollout.engine_cores` on CPU: this rank (and the agent workers it starts) keeps to the other cores."""
+        if self.cfg.engine_cores and self.placement == "cpu":
+            from parallel.mesh import keep_off_cores
+
+            keep_off_cores(list(self.cfg.engine_cores))
+
+    def behind(self, version: int) -> list[int]:
+        """Every rank: the attached engines that serve an older weight version than `version` (they
+        restarted), to push the weights to again before the rollout (rollout/service.py); the others
+        already hold `version` and would refuse it."""
+        if not self.cfg.engines:
+            return []
+        from rollout.service import behind
+
+        box = [behind(self.control, len(self.engines), version) if self.control is not None else []]
+        if self.world > 1:
+            torch.distributed.broadcast_object_list(box, src=0)
+        return list(box[0])
+
+    def describe(self) -> str:
+        if self.cfg.engines:
+            return (f"attached to {len(self.engines)} engine(s) started on their own (rollout.engines); weights go "
+                    f"over the bus, and this run never sleeps or stops them:\n  " + "\n  ".join(self.cfg.engines))
+        kind = "cores" if self.placement == "cpu" or not torch.cuda.is_available() else "GPUs"
+        lines = [f"placement {self.placement}: {self.nodes} node(s), {len(self.engines)} engine(s); agent workers "
+                 f"on node 0 route over all of them"]
+        if self.placement == "cpu":
+            lines.append(f"  engines on cores {list(self.cfg.engine_cores)}, the trainer ranks on the others"
+                         if self.cfg.engine_cores else "  engines share each node's cores with its trainer ranks")
+        if self.sleeps:
+            lines.append(f"  engines sleep (level {self.sleep_level}) during each update and wake for the sync")
+        for e in self.engines:
+            where = e.tcp or e.ipc
+            lines.append(f"  {e.engine_id}: node {e.node}, {kind} {list(e.devices)}, {where}")
+        return "\n".join(lines)
+
+    def addresses(self) -> list[str]:
+        """How this rank reaches every engine: ipc on its own node, tcp elsewhere."""
+        return [e.ipc if e.node == self.node else str(e.tcp) for e in self.engines]
+
+    def connect(self) -> None:
+        """Rank 0: the trainer's control client, connected to every engine."""
+        from rollout.bus.auth import TRAINER
+
+        if self.rank == 0 and self.control is None:
+            self.control = ControlClient(self.addresses(), self.keys.for_role(TRAINER) if self.keys is not None
+                                         else None, self.cfg.startup_timeout_s)
+
+    def start_reward_engines(self, model: dict[str, Any]) -> list[str]:
+        """Rank 0: the reward model's or judge's own engines, started (or attached to); their addresses."""
+        from rollout.reward_engines import RewardEngines
+
+        self.reward_engines = RewardEngines(model, self.dtype, self.run_dir, self.cfg.request_log,
+                                            self.cfg.startup_timeout_s)
+        judges = self.reward_engines.start()
+        self.engine_logs += self.reward_engines.logs
+        print(self.reward_engines.describe(judges), flush=True)
+        return judges
+
+    # ------------------------------------------------------------------ every step
+    def engine_metrics(self, seconds: float) -> dict[str, float]:
+        """Rank 0: per engine since the last call (`rollout/engine_stats.py`); {} elsewhere."""
+        if self.control is None:
+            return {}
+        return engine_metrics(self.engines, self._statuses(), self._last, seconds)
+
+    def engine_busy_s(self) -> float:
+        """Rank 0: the engines' summed seconds with a generation inside them so far (0 elsewhere)."""
+        if self.control is None:
+            return 0.0
+        return sum(float(st.stats.get("busy_s", 0.0)) for st in self._statuses() if st is not None)
+
+    def sleep(self) -> dict[str, float]:
+        """Colocated: every engine frees its memory for the update (level `sleep_level`). Returns
+        each engine's resident memory once asleep (rank 0; {} elsewhere or when not colocated)."""
+        if not self.sleeps or self.control is None:
+            return {}
+        from rollout.bus import protocol as P
+
+        self.control.run(self.control.client.broadcast(P.Sleep(level=self.sleep_level)))
+        return {f"engine/{e.engine_id}/rss_asleep_mb": float(st.stats.get("rss_mb", 0))
+                for e, st in zip(self.engines, self._statuses()) if st is not None}
+
+    def _statuses(self) -> list[Any]:
+        assert self.control is not None
+        return statuses(self.control, len(self.engines))
+
+    def wake(self) -> None:
+        """Colocated: engines take their memory back; after level 2 they serve again only once the
+        next weight push has committed."""
+        if self.sleeps and self.control is not None:
+            from rollout.bus import protocol as P
+
+            self.control.run(self.control.client.broadcast(P.Wake()))
+
+    # ------------------------------------------------------------------ shutdown
+    def print_engine_logs(self, tail: int = 3000) -> None:
+        """The last lines of every engine's log on this node, on stderr: what a failed run needs."""
+        for log in self.engine_logs:
+            if log.exists():
+                print(f"--- {log.name} (last lines) ---\n{log.read_text()[-tail:]}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.control is not None:
+            self.control.close()
+        self.control = None
+        if self.reward_engines is not None:
+            self.reward_engines.close()
+            self.reward_engines = None
+        from rollout.bus.launcher import stop_processes
+
+        stop_processes(self.procs)
+        self.procs = []
+        import shutil
+
+        for d in self.tmp_dirs:  # sockets, keys and engine logs (their tails were printed on failure)
+            shutil.rmtree(d, ignore_errors=True)
+        self.tmp_dirs = []
