@@ -185,7 +185,7 @@ class EngineFleet:
         self.tmp_dirs.append(tmp)  # removed by close()
         keys_file = self.keys.write(tmp / "bus_keys.json") if self.keys is not None else None
         on_gpus = torch.cuda.is_available() and self.placement != "cpu"  # each engine sees its own GPUs as cuda:0..
-        device = {"device": "cuda"} if on_gpus and cfg.engine == "hf" else {}  # the hf engine defaults to the CPU
+        device = dict(ENGINES[cfg.engine].on_gpu) if on_gpus else {}
         options = {**ENGINES[cfg.engine].defaults, "dtype": self.dtype, **device, **engine_options,
                    **cfg.engine_options}
         host = bind_host(cfg.bind_host) if tcp else None

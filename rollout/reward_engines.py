@@ -40,9 +40,12 @@ class RewardEngines:
         if engine not in ENGINES:
             raise ValueError(f"reward.model.engine={engine!r} is not an engine; choose one of {sorted(ENGINES)}")
         model_dir = str(resolve_model(str(m["path"])))
-        options = {**ENGINES[engine].defaults, "dtype": self.dtype, **dict(m.get("engine_options") or {})}
-        self.tmp = Path(tempfile.mkdtemp(prefix="switchyard-reward-"))  # 0700: the ipc sockets' trust boundary
+        import torch
+
         devices = [int(d) for d in m.get("devices") or []]
+        on_gpu = dict(ENGINES[engine].on_gpu) if devices and torch.cuda.is_available() else {}
+        options = {**ENGINES[engine].defaults, "dtype": self.dtype, **on_gpu, **dict(m.get("engine_options") or {})}
+        self.tmp = Path(tempfile.mkdtemp(prefix="switchyard-reward-"))  # 0700: the ipc sockets' trust boundary
         n = int(m.get("num_engines", 1))
         started = []
         for i in range(n):

@@ -27,18 +27,20 @@ class EngineSpec:
     # actor sends it the adapter alone; `adapter_option`: the engine option set to the adapter's rank
     adapters: bool = False
     adapter_option: str | None = None
+    on_gpu: Mapping[str, Any] = field(default_factory=dict)  # options it needs to run on the GPUs it is given
 
 
 ENGINES: dict[str, EngineSpec] = {
     "hf": EngineSpec("engines.inference.hf:HFEngine", {"max_batch_size": 64}, in_process="hf", images=True,
-                     adapters=True),
+                     adapters=True, on_gpu={"device": "cuda"}),  # it defaults to the CPU
     "vllm": EngineSpec("engines.inference.vllm:VLLMEngine", in_process="vllm_inproc", in_process_one_rank=True,
                        images=True, adapters=True, adapter_option="lora_rank"),
     "vllm_inproc": EngineSpec("engines.inference.vllm_inproc:VLLMInProcessEngine", rollout=False, images=True),
     "sglang": EngineSpec("engines.inference.sglang:SGLangEngine"),  # its scheduler runs in processes of its own
     "echo": EngineSpec("engines.inference.echo:EchoEngine", rollout=False),
     # a reward model (sequence classification, one output): scores prompts, is never a policy nor weight-synced
-    "hf_reward": EngineSpec("engines.inference.hf_reward:HFRewardEngine", {"max_batch_size": 64}, rollout=False),
+    "hf_reward": EngineSpec("engines.inference.hf_reward:HFRewardEngine", {"max_batch_size": 64}, rollout=False,
+                            on_gpu={"device": "cuda"}),
 }
 BACKENDS: dict[str, str] = {name: spec.target for name, spec in ENGINES.items()}
 ROLLOUT_ENGINES: tuple[str, ...] = tuple(name for name, spec in ENGINES.items() if spec.rollout)
