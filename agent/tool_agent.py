@@ -131,124 +131,22 @@ class ToolAgentLoop(AgentLoopBase):
         self.parser = get_tool_parser(self.cfg.tool_parser, parameter_schemas(self.ctx.tools))
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
-        session_id = row.get("session_id") or new_session_id()
-        messages = self.prompt_messages(row)
-        extra = row.get("extra_info") or {}
-        tools_kwargs = extra.get("tools_kwargs") or {}
-        tools = {name: tool for name, tool in self.ctx.tools.items()
-                 if not extra.get("tools") or name in extra["tools"]}
-        # verl's rows keep them in extra_info and may omit the name; with no interaction loaded they are ignored
-        inter_kwargs = dict(row.get("interaction_kwargs") or extra.get("interaction_kwargs") or {})
-        if not self.ctx.interactions:
-            inter_kwargs = {}
-        encoder = ChatEncoder(self.tokenizer, tools=[t.tool_schema for t in tools.values()] or None,
-                              vision=self.ctx.vision)
-        traj = self.start_trajectory(encoder, messages)
-        messages = without_pixels(messages)
-        turns: list[dict[str, Any]] = []
-        versions: list[int] = []
-        request_ids: list[str] = []
-        instances: dict[str, str] = {}
-        interaction, inter_id = None, None
-        stats = {"tool_calls": 0, "tool_successes": 0, "invalid_calls": 0}
-        step_rewards: list[float] = []  # what tools' execute returned as step rewards, call by call
-        turn_rewards: list[list[float]] = []  # [response position, reward]: what the turn before it earned
-        inter_turns = 0.0  # interaction turn scores added to the reward (interaction_turn_rewards)
-        termination, error, last_text = "stop", "", ""
-        reward, reward_extra = 0.0, {}
-        assistant_turns = user_turns = 0
-        state = State.PENDING
+        ep = Episode(self, sampling_params, row)
         try:
-            for name, tool in tools.items():
-                instances[name] = await tool.create(**((tools_kwargs.get(name) or {}).get("create_kwargs") or {}))
-                if hasattr(tool, "bind_row_kwargs"):  # verl-contract tools take the other kwargs blocks too
-                    tool.bind_row_kwargs(instances[name], tools_kwargs.get(name) or {})
-            if inter_kwargs:
-                iname = inter_kwargs.pop("name", None)
-                if iname is None and len(self.ctx.interactions) == 1:
-                    iname = next(iter(self.ctx.interactions))  # the only one loaded
-                if iname not in self.ctx.interactions:
-                    raise KeyError(f"interaction {iname!r} is not loaded; known: {sorted(self.ctx.interactions)}"
-                                   + ("" if iname else " (the row's interaction_kwargs has no name: add one)"))
-                interaction = self.ctx.interactions[iname]
-                inter_id = await interaction.start(**inter_kwargs)
-            state, parsed = State.GENERATING, None
-            while state is not State.TERMINATED:
-                if state is State.GENERATING:
-                    remaining = self.cfg.max_response_tokens - len(traj)
-                    params = {**sampling_params,
-                              "max_tokens": min(self.cfg.max_turn_tokens, remaining,
-                                                int(sampling_params.get("max_tokens", remaining)))}
-                    result = await self.generate(traj, params, session_id, row.get("group_id"), turns)
-                    assistant_turns += 1
-                    versions.append(result.weight_version)
-                    request_ids.append(result.request_id)
-                    last_text = self._decode(result.token_ids, encoder.end_of_turn_id)
-                    messages.append({"role": "assistant", "content": last_text})
-                    if result.finish_reason in ("abort", "length"):
-                        termination = ("token_budget" if result.finish_reason == "length" and
-                                       len(traj) >= self.cfg.max_response_tokens else result.finish_reason)
-                        break
-                    traj.add_context(encoder.close_assistant_turn(result.token_ids))
-                    parsed = self.parser.parse(last_text)
-                    if not parsed.calls and not parsed.errors:
-                        if interaction is None:
-                            termination = "stop"
-                            break
-                        state = State.INTERACTING
-                    elif assistant_turns >= self.cfg.max_assistant_turns:
-                        termination = "max_assistant_turns"
-                        break
-                    else:
-                        state = State.PROCESSING_TOOLS
-                elif state is State.PROCESSING_TOOLS:
-                    before = len(step_rewards)
-                    new = await self._run_tools(parsed, tools, instances, stats, turns, step_rewards)
-                    if any(step_rewards[before:]) and len(traj):
-                        turn_rewards.append([len(traj), sum(step_rewards[before:])])
-                    if not self._append(traj, encoder, messages, new):
-                        termination = "token_budget"
-                        break
-                    state = State.GENERATING
-                elif state is State.INTERACTING:
-                    t0 = time.perf_counter()
-                    done, text, score = await interaction.generate_response(inter_id, messages)
-                    turns.append({"kind": "interaction", "done": bool(done), "score": float(score),
-                                  "latency_s": time.perf_counter() - t0})
-                    if self.cfg.interaction_turn_rewards and float(score) and len(traj):
-                        turn_rewards.append([len(traj), float(score)])
-                        inter_turns += float(score)
-                    if done:
-                        termination = "interaction_done"
-                        break
-                    if user_turns >= self.cfg.max_user_turns:
-                        termination = "max_user_turns"
-                        break
-                    user_turns += 1
-                    if not self._append(traj, encoder, messages, [{"role": "user", "content": text}]):
-                        termination = "token_budget"
-                        break
-                    state = State.GENERATING
-            tool_reward = sum([await tools[n].calc_reward(i) for n, i in instances.items()])  # raising: an error
-            inter_score = await interaction.calculate_score(inter_id) if interaction is not None else None
-            reward, reward_extra = self._score(stats, termination, tool_reward, inter_score, sum(step_rewards))
-            if self.cfg.interaction_turn_rewards:
-                reward, reward_extra = reward + inter_turns, {**reward_extra, "interaction_turns": inter_turns}
+            await ep.open()
+            ep.state = State.GENERATING
+            while ep.state is not State.TERMINATED:
+                ep.state = await ep.step()
+            await ep.score()
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # a broken trajectory is reported (SystemExit from a tool's create too)
-            log.exception("trajectory %s failed in state %s", session_id, state.value)
-            termination, error = "error", f"{type(e).__name__}: {e}"
+            log.exception("trajectory %s failed in state %s", ep.session_id, ep.state.value)
+            ep.termination, ep.error = "error", f"{type(e).__name__}: {e}"
         finally:
-            self.client.end_session(session_id)
-            await self._cleanup(tools, instances, interaction, inter_id)
-        return AgentLoopOutput(
-            prompt_ids=traj.prompt_ids, response_ids=traj.response_ids, response_mask=traj.response_mask,
-            response_logprobs=traj.response_logprobs, reward=reward, num_turns=assistant_turns,
-            termination=termination, turns=turns, weight_versions=versions, request_ids=request_ids,
-            reward_extra=reward_extra, messages=messages, session_id=session_id, error=error,
-            multi_modal=traj.multi_modal(), turn_rewards=turn_rewards if termination != "error" else [],
-            answer_text=last_text)
+            self.client.end_session(ep.session_id)
+            await self._cleanup(ep.tools, ep.instances, ep.interaction, ep.inter_id)
+        return ep.output()
 
     def _decode(self, token_ids: list[int], end_of_turn_id: int) -> str:
         ids = token_ids[:-1] if token_ids and token_ids[-1] == end_of_turn_id else token_ids
@@ -349,3 +247,137 @@ class ToolAgentLoop(AgentLoopBase):
                 raise
             except BaseException:
                 log.exception("interaction finalize(%s) failed", inter_id)
+
+
+class Episode:
+    """One trajectory of `ToolAgentLoop` as it runs: what it holds, and one method per state, each
+    returning the next state (TERMINATED with `termination` set)."""
+
+    def __init__(self, loop: "ToolAgentLoop", sampling_params: dict[str, Any], row: dict[str, Any]) -> None:
+        self.loop, self.cfg, self.sampling_params, self.row = loop, loop.cfg, sampling_params, row
+        ctx = loop.ctx
+        self.session_id = row.get("session_id") or new_session_id()
+        messages = loop.prompt_messages(row)
+        extra = row.get("extra_info") or {}
+        self.tools_kwargs = extra.get("tools_kwargs") or {}
+        self.tools = {name: tool for name, tool in ctx.tools.items() if not extra.get("tools") or name in extra["tools"]}
+        # verl's rows keep them in extra_info and may omit the name; with no interaction loaded they are ignored
+        self.inter_kwargs = dict(row.get("interaction_kwargs") or extra.get("interaction_kwargs") or {})
+        if not ctx.interactions:
+            self.inter_kwargs = {}
+        self.encoder = ChatEncoder(loop.tokenizer, tools=[t.tool_schema for t in self.tools.values()] or None,
+                                   vision=ctx.vision)
+        self.traj = loop.start_trajectory(self.encoder, messages)
+        self.messages = without_pixels(messages)
+        self.turns: list[dict[str, Any]] = []
+        self.versions: list[int] = []
+        self.request_ids: list[str] = []
+        self.instances: dict[str, str] = {}
+        self.interaction: Any = None
+        self.inter_id: str | None = None
+        self.stats = {"tool_calls": 0, "tool_successes": 0, "invalid_calls": 0}
+        self.step_rewards: list[float] = []  # what tools' execute returned as step rewards, call by call
+        self.turn_rewards: list[list[float]] = []  # [response position, reward]: what the turn before it earned
+        self.inter_turns = 0.0  # interaction turn scores added to the reward (interaction_turn_rewards)
+        self.termination, self.error, self.last_text = "stop", "", ""
+        self.reward, self.reward_extra = 0.0, {}
+        self.assistant_turns = self.user_turns = 0
+        self.parsed: Any = None
+        self.state = State.PENDING
+
+    async def open(self) -> None:
+        """Every tool's instance created for this trajectory, and its interaction started."""
+        interactions = self.loop.ctx.interactions
+        for name, tool in self.tools.items():
+            self.instances[name] = await tool.create(**((self.tools_kwargs.get(name) or {}).get("create_kwargs") or {}))
+            if hasattr(tool, "bind_row_kwargs"):  # verl-contract tools take the other kwargs blocks too
+                tool.bind_row_kwargs(self.instances[name], self.tools_kwargs.get(name) or {})
+        if self.inter_kwargs:
+            iname = self.inter_kwargs.pop("name", None)
+            if iname is None and len(interactions) == 1:
+                iname = next(iter(interactions))  # the only one loaded
+            if iname not in interactions:
+                raise KeyError(f"interaction {iname!r} is not loaded; known: {sorted(interactions)}"
+                               + ("" if iname else " (the row's interaction_kwargs has no name: add one)"))
+            self.interaction = interactions[iname]
+            self.inter_id = await self.interaction.start(**self.inter_kwargs)
+
+    def step(self) -> Any:
+        return {State.GENERATING: self.generating, State.PROCESSING_TOOLS: self.processing_tools,
+                State.INTERACTING: self.interacting}[self.state]()
+
+    def end(self, termination: str) -> State:
+        self.termination = termination
+        return State.TERMINATED
+
+    async def generating(self) -> State:
+        """One model turn, exactly as the engine returned it; then tools, the interaction, or the end."""
+        traj, cfg = self.traj, self.cfg
+        remaining = cfg.max_response_tokens - len(traj)
+        params = {**self.sampling_params, "max_tokens": min(cfg.max_turn_tokens, remaining,
+                                                            int(self.sampling_params.get("max_tokens", remaining)))}
+        result = await self.loop.generate(traj, params, self.session_id, self.row.get("group_id"), self.turns)
+        self.assistant_turns += 1
+        self.versions.append(result.weight_version)
+        self.request_ids.append(result.request_id)
+        self.last_text = self.loop._decode(result.token_ids, self.encoder.end_of_turn_id)
+        self.messages.append({"role": "assistant", "content": self.last_text})
+        if result.finish_reason in ("abort", "length"):
+            return self.end("token_budget" if result.finish_reason == "length" and
+                            len(traj) >= cfg.max_response_tokens else result.finish_reason)
+        traj.add_context(self.encoder.close_assistant_turn(result.token_ids))
+        self.parsed = self.loop.parser.parse(self.last_text)
+        if not self.parsed.calls and not self.parsed.errors:
+            return self.end("stop") if self.interaction is None else State.INTERACTING
+        if self.assistant_turns >= cfg.max_assistant_turns:
+            return self.end("max_assistant_turns")
+        return State.PROCESSING_TOOLS
+
+    async def processing_tools(self) -> State:
+        """The turn's calls run; their observations appended (mask 0) if they fit the budget."""
+        before = len(self.step_rewards)
+        new = await self.loop._run_tools(self.parsed, self.tools, self.instances, self.stats, self.turns,
+                                         self.step_rewards)
+        if any(self.step_rewards[before:]) and len(self.traj):
+            self.turn_rewards.append([len(self.traj), sum(self.step_rewards[before:])])
+        if not self.loop._append(self.traj, self.encoder, self.messages, new):
+            return self.end("token_budget")
+        return State.GENERATING
+
+    async def interacting(self) -> State:
+        """The interaction answers the model's turn as the user; done, out of user turns, or on."""
+        t0 = time.perf_counter()
+        done, text, score = await self.interaction.generate_response(self.inter_id, self.messages)
+        self.turns.append({"kind": "interaction", "done": bool(done), "score": float(score),
+                           "latency_s": time.perf_counter() - t0})
+        if self.cfg.interaction_turn_rewards and float(score) and len(self.traj):
+            self.turn_rewards.append([len(self.traj), float(score)])
+            self.inter_turns += float(score)
+        if done:
+            return self.end("interaction_done")
+        if self.user_turns >= self.cfg.max_user_turns:
+            return self.end("max_user_turns")
+        self.user_turns += 1
+        if not self.loop._append(self.traj, self.encoder, self.messages, [{"role": "user", "content": text}]):
+            return self.end("token_budget")
+        return State.GENERATING
+
+    async def score(self) -> None:
+        """The loop's part of the reward: tools' calc_reward, the interaction's score, step rewards, shaping."""
+        tool_reward = sum([await self.tools[n].calc_reward(i) for n, i in self.instances.items()])  # raising: an error
+        inter_score = await self.interaction.calculate_score(self.inter_id) if self.interaction is not None else None
+        self.reward, self.reward_extra = self.loop._score(self.stats, self.termination, tool_reward, inter_score,
+                                                          sum(self.step_rewards))
+        if self.cfg.interaction_turn_rewards:
+            self.reward += self.inter_turns
+            self.reward_extra = {**self.reward_extra, "interaction_turns": self.inter_turns}
+
+    def output(self) -> AgentLoopOutput:
+        traj, failed = self.traj, self.termination == "error"
+        return AgentLoopOutput(
+            prompt_ids=traj.prompt_ids, response_ids=traj.response_ids, response_mask=traj.response_mask,
+            response_logprobs=traj.response_logprobs, reward=self.reward, num_turns=self.assistant_turns,
+            termination=self.termination, turns=self.turns, weight_versions=self.versions,
+            request_ids=self.request_ids, reward_extra=self.reward_extra, messages=self.messages,
+            session_id=self.session_id, error=self.error, multi_modal=traj.multi_modal(),
+            turn_rewards=[] if failed else self.turn_rewards, answer_text=self.last_text)
