@@ -1,6 +1,7 @@
 """Building a training process from the config, in the order that fails cheapest first: batch
-geometry, then rows and tools (no model yet), then the process group, the actor, the reference
-and the (not yet started) rollout plane. `launch/train.py` runs what this builds."""
+geometry, then rows and tools (no model yet), then the process group, the rollout plane (whose
+engines, where it is safe, start loading at once), the actor and the reference. `launch/train.py`
+runs what this builds."""
 
 from __future__ import annotations
 
@@ -38,11 +39,9 @@ def setup(cfg: Config) -> Run:
     from agent.loop import AgentLoopRegistry
     from agent.tools import load_tools
     from engines.models import resolve_model
-    from engines.training import make_actor
-    from engines.training.reference import make_reference
     from launch.data import training_rows, validation_rows
     from engines.inference import ENGINES
-    from launch.data.rows import RowStream, has_images
+    from launch.data.rows import has_images
     from parallel.mesh import init_distributed
     from rollout.plane import RolloutPlane
 
@@ -84,7 +83,27 @@ def setup(cfg: Config) -> Run:
         resolve_model(cfg.model.path)  # fetch/convert once, before other ranks read it
     barrier()
     model_dir = str(resolve_model(cfg.model.path))
+    plane = RolloutPlane(r, model_dir, cfg.model.dtype, rank, world, tools_path, inter_path, reward=reward,
+                         adapter_rank=cfg.actor.lora.rank if cfg.actor.lora is not None else 0)
+    plane.launch_engines(Path(cfg.trainer.output_dir))  # they load while the actor is built
+    try:
+        return _build(cfg, rank, world, barrier, rows, val_rows, tools, model_dir, plane)
+    except BaseException:
+        plane.close()
+        raise
+
+
+def _build(cfg: Config, rank: int, world: int, barrier: Any, rows: list[dict[str, Any]],
+           val_rows: list[dict[str, Any]], tools: dict[str, Any], model_dir: str, plane: Any) -> Run:
+    """The actor, its critic and reference, and the row stream; `plane` learns this rank's replica."""
+    from engines.models import resolve_model
+    from engines.training import make_actor
+    from engines.training.reference import make_reference
+    from launch.data.rows import RowStream
+
+    r = cfg.rollout
     actor = make_actor(cfg.actor, model_dir, cfg.model.dtype, r.temperature, cfg.trainer.seed)
+    plane.fleet.dp_rank = int(getattr(actor, "dp_rank", rank))
     if rank == 0 and hasattr(actor, "mesh"):
         print(actor.mesh.describe(), flush=True)
     if rank == 0:
@@ -121,9 +140,6 @@ def setup(cfg: Config) -> Run:
     elif cfg.algorithm.loss.kl_coef > 0:
         ref = make_reference(cfg.reference.backend, model_dir, dtype=cfg.model.dtype, temperature=r.temperature,
                              micro_batch_size=cfg.actor.micro_batch_size)
-    plane = RolloutPlane(r, model_dir, cfg.model.dtype, rank, world, tools_path, inter_path,
-                         dp_rank=int(getattr(actor, "dp_rank", rank)), reward=reward,
-                         adapter_rank=cfg.actor.lora.rank if cfg.actor.lora is not None else 0)
     if cfg.data.curriculum.mode != "off":
         from launch.data.curriculum import CurriculumStream
 

@@ -120,6 +120,7 @@ class EngineFleet:
         self.leaders: list[int] = [0]  # the global rank that started each node's engines (its local rank 0)
         self.inproc: Any = None  # rollout.in_process: the engine this process serves
         self.reward_engines: Any = None  # rank 0: the reward model's engines (rollout/reward_engines.py)
+        self.launched: list[tuple[Any, ...]] | None = None  # this node's engines once spawned (launch/start)
 
     @property
     def sleep_level(self) -> int:
@@ -145,9 +146,10 @@ class EngineFleet:
             box = [BusKeys.generate() if self.rank == 0 else None]
             torch.distributed.broadcast_object_list(box, src=0)  # never written to the run directory
             self.keys = box[0]
-        if not attached:
+        if self.launched is None and not attached and self.local_rank == 0:
             check_room()
-        local = self._start_local(run_dir, multi, engine_options) if self.local_rank == 0 and not attached else []
+            self.launched = self._spawn(run_dir, multi, engine_options)
+        local = self._bound(self.launched, multi) if self.launched is not None else []
         self._keep_off_engine_cores()
         if self.world > 1:
             everyone: list[Any] = [None] * self.world
@@ -166,9 +168,24 @@ class EngineFleet:
             (run_dir / "placement.txt").write_text(text + "\n")
             (run_dir / "engines.json").write_text(json.dumps([asdict(e) for e in self.engines], indent=1) + "\n")
 
-    def _start_local(self, run_dir: Path, tcp: bool, engine_options: dict[str, Any]) -> list[EngineInfo]:
+    def launch(self, run_dir: Path, engine_options: dict[str, Any], check_room: Callable[[], None]) -> None:
+        """One node, engines of its own on the CPU or on GPUs apart from the trainer's: their processes
+        are spawned now and load while the trainer builds its actor (`start` then waits for them).
+        Elsewhere (several nodes exchange keys first; colocated engines measure the GPU memory they
+        find free, so the actor must hold its share first; in-process or attached engines) `start`
+        does it all."""
+        colocated_gpu = self.placement == "colocated" and torch.cuda.is_available()
+        if (self.launched is not None or self.cfg.engines or self.cfg.in_process or self.nodes > 1
+                or self.local_rank != 0 or colocated_gpu):
+            return
+        self.run_dir = run_dir
+        check_room()
+        self.launched = self._spawn(run_dir, False, engine_options)
+
+    def _spawn(self, run_dir: Path, tcp: bool, engine_options: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """This node's engine processes (or in-process engine), started; (id, slot, proc, endpoint file, log) each."""
         from parallel.mesh import plan_placement
-        from rollout.bus.launcher import read_endpoints, start_server_process
+        from rollout.bus.launcher import start_server_process
 
         cfg = self.cfg
         if torch.cuda.is_available() and self.placement != "cpu":  # written for GPU nodes, not run here
@@ -217,10 +234,16 @@ class EngineFleet:
             self.procs.append(proc)
             self.engine_logs.append(log)
             started.append((eid, slot, proc, tmp / f"{eid}.json", log))
+        return started
+
+    def _bound(self, started: list[tuple[Any, ...]], tcp: bool) -> list[EngineInfo]:
+        """The started engines once each has bound its addresses (within rollout.startup_timeout_s)."""
+        from rollout.bus.launcher import read_endpoints
+
         infos = []
         for eid, slot, proc, endpoint_file, log in started:
-            bound = (proc.endpoints(cfg.startup_timeout_s) if endpoint_file is None
-                     else read_endpoints(endpoint_file, proc, cfg.startup_timeout_s, log))
+            bound = (proc.endpoints(self.cfg.startup_timeout_s) if endpoint_file is None
+                     else read_endpoints(endpoint_file, proc, self.cfg.startup_timeout_s, log))
             infos.append(EngineInfo(eid, self.node, tuple(slot.devices), bound[0], bound[1] if tcp else None, proc.pid))
         return infos
 

@@ -43,6 +43,10 @@ class RolloutPlane:
         self.run_dir = Path(".")  # the run's output directory (start_engines)
 
     # ------------------------------------------------------------------ start-up
+    def launch_engines(self, run_dir: Path) -> None:
+        """Where it is safe (`EngineFleet.launch`), this node's engines start loading now, beside the actor."""
+        self.fleet.launch(run_dir, self.weights.adapter_options(), self.weights.check_room)
+
     def start_engines(self, run_dir: Path) -> None:
         """Every node's engines started (or attached to) and known to every rank; the weight route set up."""
         self.run_dir = run_dir
