@@ -40,7 +40,7 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("override, key", [
+BAD_CONFIGS = [
     (["data.agent_name=no_such_agent"], "data.agent_name"),
     (["data.prompts_per_step=-4"], "data.prompts_per_step=-4"),
     (["rollout.engine=tensorrt"], "rollout.engine='tensorrt'"),
@@ -65,16 +65,28 @@ def metrics(out: Path) -> list[dict]:
     (["reward.model.path=tiny-llama", "reward.model.kind=critic"], "reward.model.kind='critic'"),
     (["rollout.engines=[http://node7:7100]"], "rollout.engines lists 'http://node7:7100'"),
     (["rollout.engines=[tcp://node7:7100]"], "rollout.engine_keys is not set"),
-])
-def test_bad_config_values_fail_before_any_model_loads(tmp_path: Path, override: list[str], key: str):
-    cache = tmp_path / "cache"
-    t0 = time.monotonic()
-    proc = train(override, timeout=120, cache=cache)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert key in proc.stderr and "config error" in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+]
+
+
+@pytest.fixture(scope="module")
+def bad_config_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+    """Every bad config through launch/train.py's entry point, in one process (tests/config_errors.py)."""
+    cache = tmp_path_factory.mktemp("bad-configs") / "cache"
+    proc = subprocess.run([sys.executable, "tests/config_errors.py", json.dumps([o for o, _ in BAD_CONFIGS])],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env=_env(cache))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), cache
+
+
+@pytest.mark.parametrize("i", range(len(BAD_CONFIGS)), ids=[k[:40] for _, k in BAD_CONFIGS])
+def test_bad_config_values_fail_before_any_model_loads(bad_config_runs: tuple[list[dict], Path], i: int):
+    runs, cache = bad_config_runs
+    key, run = BAD_CONFIGS[i][1], runs[i]
+    assert run["code"] == 2, run["stderr"][-2000:]
+    assert key in run["stderr"] and "config error" in run["stderr"], run["stderr"][-2000:]
+    assert "Traceback" not in run["stderr"]
     assert not cache.exists()  # no model was fetched or built
-    assert time.monotonic() - t0 < 60
+    assert run["seconds"] < 60
 
 
 def test_a_model_path_that_does_not_exist_is_a_config_error(tmp_path: Path):
