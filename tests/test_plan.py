@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,21 @@ RECIPES = sorted((REPO / "launch" / "configs" / "recipes").glob("*.yaml"))
 
 
 def plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "launch/train.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    """`python launch/train.py <args>` as its entry point runs it (in this process: a plan loads no model)."""
+    import contextlib
+    import io
+    import os
+
+    from launch.train import main
+
+    out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(REPO)  # recipes and --config paths are relative to the repository, as for the CLI
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(cwd)
+    return subprocess.CompletedProcess(["launch/train.py", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
