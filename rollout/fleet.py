@@ -13,14 +13,12 @@ engines sleep through the actor's update and wake for the sync. A reward model's
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import socket
 import sys
 import tempfile
-import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from typing import Any
 import torch
 
 from engines.inference import ENGINES
+from rollout.bus.control import ControlClient
 from rollout.config import RolloutConfig
 from rollout.engine_stats import engine_metrics, statuses
 
@@ -72,32 +71,6 @@ def resolve_placement(mode: str) -> str:
     if mode == "auto":
         return "colocated" if torch.cuda.is_available() else "cpu"
     return mode
-
-
-class ControlClient:
-    """Rank 0's own bus client (the trainer's key) on a background event loop: status, sleep/wake
-    and weight pushes without restarting a client per call."""
-
-    def __init__(self, addresses: list[str], keys: Any, ready_timeout_s: float) -> None:
-        from rollout.bus.client import GenerateClient
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-control", daemon=True)
-        self.thread.start()
-        self.client = GenerateClient(addresses, keys=keys)
-        self.run(self.client.start())
-        self.run(self.client.wait_ready(timeout_s=ready_timeout_s))
-
-    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def close(self) -> None:
-        try:
-            self.run(self.client.close())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=30)
-            self.loop.close()
 
 
 class EngineFleet:

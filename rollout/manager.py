@@ -76,6 +76,7 @@ class AgentLoopManager:
         self._calls = itertools.count()
         self._next_worker = itertools.count()
         self._inbox: queue.Queue = queue.Queue()  # streaming results of the in-process worker
+        self._inproc_calls: dict[int, Any] = {}  # call id -> the in-process worker's future of it
         self._broken: str | None = None
 
     @property
@@ -227,28 +228,33 @@ class AgentLoopManager:
         self._validate(rows)
         if not rows:
             return []
-        sampling = dict(self.cfg.sampling if sampling is None else sampling)
-        call, tag = next(self._calls), uuid.uuid4().hex[:12]
-        num_workers = max(1, len(self._procs))
-        chunks: list[list[dict[str, Any]]] = [[] for _ in range(num_workers)]
-        for i, row in enumerate(rows):
-            gid = f"{tag}-g{i}"
-            chunks[i % num_workers] += [{"index": i * n + j, "row": {**row, "group_id": gid, "session_id": f"{gid}-s{j}"}}
-                                        for j in range(n)]
-        total = len(rows) * n
-        found: list[AgentLoopOutput | None] = [None] * total
+        call = self.submit(rows, weight_version, sampling, n)
+        found: list[AgentLoopOutput | None] = [None] * (len(rows) * n)
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
-        with tqdm(total=total, desc=desc, unit="traj", disable=not self.cfg.progress) as bar:
-            for w, msg in self._dispatch(call, chunks, sampling, weight_version, deadline):
-                if msg.get("call") != call:
-                    continue  # left over from an earlier call that raised
-                if msg["op"] == "call_failed":
-                    raise RuntimeError(f"agent worker {w} failed running its trajectories:\n{msg['error']}")
-                found[msg["index"]] = msg["output"]
-                bar.update(1)
-                if all(o is not None for o in found):
-                    break
+        with tqdm(total=len(found), desc=desc, unit="traj", disable=not self.cfg.progress) as bar:
+            try:
+                self._collect(call, found, deadline, bar)
+            finally:  # an in-process call that failed or ran out of time stops here
+                fut = self._inproc_calls.pop(call, None)
+                if fut is not None and not fut.done():
+                    fut.cancel()
         return [o for o in found if o is not None]
+
+    def _collect(self, call: int, found: list[AgentLoopOutput | None], deadline: float, bar: Any) -> None:
+        """Fill `found` with the outputs of `call` as they arrive, by `deadline`."""
+        missing = sum(o is None for o in found)
+        while missing:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the agent workers did not finish in time: {missing} of {len(found)} "
+                                   f"trajectories of rollout call {call} missing; check their logs and that the engines "
+                                   f"at {self.cfg.addresses} answer (a run's deadline per step is "
+                                   "rollout.step_timeout_s)")
+            for got_call, index, out in self.poll(timeout_s=min(1.0, left)):
+                if got_call == call and found[index] is None:  # others: left over from an earlier call that raised
+                    found[index] = out
+                    missing -= 1
+                    bar.update(1)
 
     def _validate(self, rows: Sequence[Mapping[str, Any]]) -> None:
         for i, row in enumerate(rows):
@@ -260,42 +266,6 @@ class AgentLoopManager:
             if "prompt" not in row:
                 raise ValueError(f"row {i} has no `prompt` column (columns: {sorted(row)}); every row needs its "
                                  "chat messages under `prompt`")
-
-    def _dispatch(self, call: int, chunks: list[list[dict[str, Any]]], sampling: dict[str, Any],
-                  weight_version: int | None, deadline: float) -> Any:
-        """Send each worker its chunk and yield (worker, message) as results arrive."""
-        if self._inproc is not None:
-            yield from self._dispatch_in_process(call, chunks[0], sampling, weight_version, deadline)
-            return
-        for w, items in enumerate(chunks):
-            if items:
-                self._tasks[w].send({"op": "run", "call": call, "items": items, "sampling": sampling,
-                                     "weight_version": weight_version})
-        every = set(range(len(self._procs)))  # an idle worker dying breaks the manager too
-        while True:
-            yield from self._receive(every, deadline, f"rollout call {call}")
-
-    def _dispatch_in_process(self, call: int, items: list[dict[str, Any]], sampling: dict[str, Any],
-                             weight_version: int | None, deadline: float) -> Any:
-        assert self._inproc is not None
-        worker, loop, _ = self._inproc
-        inbox: queue.Queue = queue.Queue()
-        fut = asyncio.run_coroutine_threadsafe(
-            worker.run_items(items, sampling, weight_version, lambda d: inbox.put({**d, "call": call})), loop)
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"rollout call {call} did not finish in time; check the engines at "
-                                       f"{self.cfg.addresses}")
-                try:
-                    yield 0, inbox.get(timeout=min(1.0, left))
-                except queue.Empty:
-                    if fut.done() and fut.exception() is not None:
-                        raise RuntimeError(f"the in-process agent worker failed: {fut.exception()!r}") from fut.exception()
-        finally:
-            if not fut.done():
-                fut.cancel()
 
     # ---------------------------------------------------------------- streaming (asynchronous RL)
     def submit(self, rows: Sequence[Mapping[str, Any]], weight_version: int | None = None,
@@ -320,7 +290,7 @@ class AgentLoopManager:
                           for j in range(n)]
         if self._inproc is not None:
             worker, loop, _ = self._inproc
-            asyncio.run_coroutine_threadsafe(
+            self._inproc_calls[call] = asyncio.run_coroutine_threadsafe(
                 worker.run_items(chunks[0], sampling, weight_version,
                                  lambda d: self._inbox.put({**d, "call": call})), loop)
             return call
@@ -342,6 +312,12 @@ class AgentLoopManager:
             except queue.Empty:
                 pass
             msgs = [(0, m) for m in got]
+            for call, fut in list(self._inproc_calls.items()):
+                if fut.done():
+                    del self._inproc_calls[call]
+                    if not fut.cancelled() and fut.exception() is not None:
+                        raise RuntimeError(f"the in-process agent worker failed running call {call}: "
+                                           f"{fut.exception()!r}") from fut.exception()
         else:
             msgs = self._receive(set(range(len(self._procs))), time.monotonic() + max(timeout_s, 1e-3) + 3600,
                                  "a streaming rollout")

@@ -143,7 +143,7 @@ class WeightSync:
     def connect_clients(self) -> None:
         """Another node's leader on the collective route: a control client to its own engines."""
         from rollout.bus.auth import TRAINER
-        from rollout.fleet import ControlClient
+        from rollout.bus.control import ControlClient
 
         fleet = self.fleet
         if fleet.rank != 0 and fleet.local_rank == 0 and self.route() == "collective":
