@@ -30,7 +30,7 @@ from common import machine, result_line, write_result  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def one(model: str, dtype: str, attn: str, retain: bool, updates: int) -> dict[str, Any]:
+def one(model: str, dtype: str, attn: str, retain: bool, updates: int, trajectories: int = 32) -> dict[str, Any]:
     """In this process: the actor's warm-up update, then `updates` timed ones."""
     import resource
     import time
@@ -46,7 +46,7 @@ def one(model: str, dtype: str, attn: str, retain: bool, updates: int) -> dict[s
     torch.manual_seed(0)
     actor = TorchActor(ActorConfig(lr=1e-6, micro_batch_size=8, attn_implementation=attn, retain_freed_memory=retain),
                        str(resolve_model(model)), dtype=dtype, progress=False)
-    batch = demo_batch(int(actor.module.config.vocab_size))
+    batch = demo_batch(int(actor.module.config.vocab_size), trajectories)
     adv = torch.randn(len(batch))[:, None] * batch.response_mask
     seconds, faults = [], []
     for i in range(updates + 1):
@@ -64,20 +64,22 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=None)
     ap.add_argument("--updates", type=int, default=2, help="timed updates per process, after one warm-up")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--trajectories", type=int, default=32, help="the batch: the CPU demo's 32, or fewer")
     ap.add_argument("--attn", default="eager")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one setting in this process
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = "tiny-llama" if args.quick else "smollm2-135m-instruct"
     if args.one is not None:
-        print(json.dumps(one(model, args.dtype, args.attn, args.one == "on", args.updates)))
+        print(json.dumps(one(model, args.dtype, args.attn, args.one == "on", args.updates, args.trajectories)))
         return
     pairs = args.pairs or (2 if args.quick else 3)
     runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
     for p in range(pairs):
         for setting in ("on", "off"):
             cmd = [sys.executable, __file__, "--one", setting, "--dtype", args.dtype, "--attn", args.attn,
-                   "--updates", str(args.updates), *(["--quick"] if args.quick else [])]
+                   "--updates", str(args.updates), "--trajectories", str(args.trajectories),
+                   *(["--quick"] if args.quick else [])]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=ROOT)
             if out.returncode:
                 raise SystemExit(f"{setting} run failed:\n{out.stderr[-3000:]}")
@@ -88,6 +90,7 @@ def main() -> None:
     med = {k: statistics.median(statistics.median(r["update_s"]) for r in v) for k, v in runs.items()}
     ratios = [statistics.median(off["update_s"]) / statistics.median(on["update_s"]) for on, off in zip(runs["on"], runs["off"])]
     report = {"machine": machine(), "model": model, "dtype": args.dtype, "attn": args.attn, "pairs": pairs,
+              "trajectories": args.trajectories,
               "updates": args.updates, "runs": runs, "update_s_median": med, "speedup_per_pair": ratios,
               "speedup_median": statistics.median(ratios),
               "fault_gib_median": {k: statistics.median(f for r in v for f in r["fault_gib"]) for k, v in runs.items()},

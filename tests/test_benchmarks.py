@@ -117,11 +117,13 @@ def test_micro_batches_small_run(tmp_path):
 
 
 def test_host_memory_small_run(tmp_path):
-    last, report = _run("benchmarks/host_memory.py", ["--quick", "--pairs", "1", "--updates", "1"], tmp_path)
+    last, report = _run("benchmarks/host_memory.py", ["--quick", "--pairs", "1", "--updates", "1",
+                                                       "--trajectories", "8"], tmp_path)
     assert last.startswith("RESULT retain_vs_default_update_speed=")
     for setting in ("on", "off"):
         (run,) = report["runs"][setting]
         assert len(run["update_s"]) == 1 and run["update_s"][0] > 0 and run["peak_rss_gib"] > 0.1
+    assert report["trajectories"] == 8
     assert report["speedup_per_pair"][0] == pytest.approx(report["runs"]["off"][0]["update_s"][0]
                                                           / report["runs"]["on"][0]["update_s"][0])
 
