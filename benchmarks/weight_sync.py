@@ -93,7 +93,7 @@ def _collective_rank(rank: int, world: int, init: str, model: str, addrs: list[l
     import torch
     import torch.distributed as dist
 
-    from rollout.plane import _Control
+    from rollout.bus.control import ControlClient
     from rollout.weights.shm import ShmSlots
     from rollout.weights.collective import commit_everywhere, relay_buckets, relay_push
 
@@ -107,7 +107,7 @@ def _collective_rank(rank: int, world: int, init: str, model: str, addrs: list[l
         named = list(load_file(f"{model}/model.safetensors").items())
     times = []
 
-    control = _Control(addrs[rank - 1], None, 600) if rank else None  # a leader's client, on a loop thread
+    control = ControlClient(addrs[rank - 1], None, 600) if rank else None  # a leader's client, on a loop thread
     for rep in range(reps + 1):
         dist.barrier()
         t0 = time.perf_counter()

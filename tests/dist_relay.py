@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engines.models import load_tokenizer, resolve_model, tiny_llama  # noqa: E402
 from rollout.bus import protocol as P  # noqa: E402
 from rollout.bus.launcher import read_endpoints, start_server_process  # noqa: E402
-from rollout.plane import _Control  # noqa: E402
+from rollout.bus.control import ControlClient  # noqa: E402
 from rollout.weights.shm import ShmSlots  # noqa: E402
 from rollout.weights.collective import relay_push  # noqa: E402
 
@@ -50,7 +50,7 @@ def main() -> None:
                                 endpoint_file=tmp / "ep.json", cpu_threads=1)
     result: dict = {"rank": rank}
     try:
-        control = _Control(read_endpoints(tmp / "ep.json", proc, 300, tmp / "log"), None, 300)
+        control = ControlClient(read_endpoints(tmp / "ep.json", proc, 300, tmp / "log"), None, 300)
         new = tiny_llama(load_tokenizer("tiny-llama"), seed=5)
         named = list(new.state_dict().items()) if rank == 0 else []
         slots = FlippingSlots()
