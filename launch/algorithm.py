@@ -14,17 +14,16 @@ from engines.training.batch import Batch
 from engines.training.config import ActorConfig
 from engines.training.losses import kl_penalty
 from engines.training.advantages import ESTIMATORS, compute_advantages
+from parallel.reduce import over_ranks
 
 
 def _over_ranks(sums: list[float], top: float, shard: bool) -> tuple[list[float], float]:
     """Sums and a maximum over every rank when each holds a shard of the batch (replicas of one
     shard count alike in numerator and denominator, so means are unaffected)."""
-    if not shard or not torch.distributed.is_initialized():
+    if not shard:
         return sums, top
-    t, m = torch.tensor(sums, dtype=torch.float64), torch.tensor([top], dtype=torch.float64)
-    torch.distributed.all_reduce(t)
-    torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX)
-    return t.tolist(), float(m[0])
+    total, (most,) = over_ranks(sums, [top])
+    return total, most
 
 
 def drift(rollout_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, mask: torch.Tensor,

@@ -91,13 +91,15 @@ class InvalidGuard:
         Raises InvalidError when the batches stayed mostly invalid for INVALID_PATIENCE steps."""
         import torch
 
+        from parallel.reduce import over_ranks
+
         errors = [e for e, ok in zip(batch.errors, batch.valid.tolist()) if not ok]
         reasons: dict[str, int] = {}
         for e in errors:
             reasons[_reason(e)] = reasons.get(_reason(e), 0) + 1
-        counts = torch.tensor([float(len(batch)), float(len(errors))], dtype=torch.float64)
+        counts = [float(len(batch)), float(len(errors))]
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1 and batch.is_shard:
-            torch.distributed.all_reduce(counts)
+            counts, _ = over_ranks(counts)
             gathered: list[Any] = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(gathered, (reasons, errors[:1]))
             reasons, errors = {}, []

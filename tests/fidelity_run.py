@@ -60,6 +60,7 @@ def main(engine: str, model_dir: str, out_dir: str) -> None:
     from engines.weight_digest import digests
     from launch.algorithm import learn
     from launch.setup import setup
+    from parallel.reduce import over_ranks
 
     out = Path(out_dir)
     cfg = _config(engine, model_dir, out, "lora")
@@ -93,11 +94,8 @@ def main(engine: str, model_dir: str, out_dir: str) -> None:
                 mask = batch.loss_mask.bool()
                 gap = (batch.rollout_logprobs - actor_lp).abs()[mask]
                 # this rank's rows (its shard when several): sums and the maximum over every rank
-                total = torch.tensor([float(gap.sum()), float(gap.numel())], dtype=torch.float64)
-                top = torch.tensor([float(gap.max()) if gap.numel() else 0.0], dtype=torch.float64)
-                if world > 1:
-                    torch.distributed.all_reduce(total)
-                    torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX)
+                total, top = over_ranks([float(gap.sum()), float(gap.numel())],
+                                        [float(gap.max()) if gap.numel() else 0.0])
                 if run.rank != 0:
                     continue
                 records.append({"engine": engine, "mode": mode, "route": weights.route(), "tokens": int(total[1]),

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from engines.training.batch import Batch, MicroBatch
 from engines.training.config import ActorConfig, compute_dtype
 from engines.training.losses import IGNORE_INDEX, LossConfig, compute_loss
+from parallel.reduce import over_ranks
 
 _ADDITIVE = ("pg_loss", "kl", "entropy", "loss")  # per-micro-batch shares of the mini-batch value
 # keys ending in "_max" (ratio_max, is_weight_max) are maxima over micro-batches and ranks, not means
@@ -378,29 +379,23 @@ class ActorBase:
         if not keys:
             return {}
         own = self._owns_metrics()
-        t = torch.tensor([[tally.sums.get(k, 0.0) if own else 0.0 for k in keys],
-                          [tally.weights.get(k, 0.0) if own else 0.0 for k in keys]], dtype=torch.float64)
-        top = torch.tensor([tally.maxes.get(k, -math.inf) if own else -math.inf for k in keys], dtype=torch.float64)
-        if self.world > 1:
-            dist.all_reduce(t)
-            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        summed, top = over_ranks([tally.sums.get(k, 0.0) if own else 0.0 for k in keys]
+                                 + [tally.weights.get(k, 0.0) if own else 0.0 for k in keys],
+                                 [tally.maxes.get(k, -math.inf) if own else -math.inf for k in keys])
+        sums, weights = summed[:len(keys)], summed[len(keys):]
         out = {}
         for i, k in enumerate(keys):
             if k.endswith("_max"):
-                out[k] = float(top[i]) if math.isfinite(float(top[i])) else 0.0
+                out[k] = top[i] if math.isfinite(top[i]) else 0.0
                 continue
-            den = float(steps) if k in _ADDITIVE else float(t[1, i])
-            out[k] = float(t[0, i] / den) if den > 0 else 0.0
+            den = float(steps) if k in _ADDITIVE else weights[i]
+            out[k] = sums[i] / den if den > 0 else 0.0
         return out
 
     def _reduce_drift(self, tally: _Tally) -> dict[str, float]:
         own = self._owns_metrics()
-        total = torch.tensor(tally.drift[:2] if own else [0.0, 0.0], dtype=torch.float64)
-        top = torch.tensor([tally.drift[2] if own else 0.0], dtype=torch.float64)
-        if self.world > 1:
-            dist.all_reduce(total)
-            dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        return {"drift_mean": float(total[0] / total[1]) if total[1] > 0 else 0.0, "drift_max": float(top[0])}
+        (gap, tokens), (top,) = over_ranks(tally.drift[:2] if own else [0.0, 0.0], [tally.drift[2] if own else 0.0])
+        return {"drift_mean": gap / tokens if tokens > 0 else 0.0, "drift_max": top}
 
 
 def _sft_micro(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor,

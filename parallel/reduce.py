@@ -1,0 +1,24 @@
+"""Numbers every rank holds, summed and maximised over the ranks: the one way per-rank metrics (a
+shard's token counts, logprob gaps, invalid trajectories) become the run's."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+def over_ranks(sums: Sequence[float], maxima: Sequence[float] = (), group: Any = None) -> tuple[list[float], list[float]]:
+    """`sums` summed and `maxima` maximised over the ranks of `group` (every rank by default), in
+    float64; as given when torch.distributed does not run or runs one rank. Every rank of the group
+    must call it with lists of the same lengths."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [float(x) for x in sums], [float(x) for x in maxima]
+    total = torch.tensor([float(x) for x in sums], dtype=torch.float64)
+    top = torch.tensor([float(x) for x in maxima], dtype=torch.float64)
+    if len(total):
+        dist.all_reduce(total, group=group)
+    if len(top):
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    return total.tolist(), top.tolist()
