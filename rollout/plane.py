@@ -37,7 +37,7 @@ class RolloutPlane:
         self.tools_config, self.interaction_config = tools_config, interaction_config
         self.reward = dict(reward or {})  # the `reward:` section, for the agent workers
         self.fleet = EngineFleet(cfg, model_dir, dtype, rank, world, dp_rank, adapter_rank)
-        self.weights = WeightSync(cfg, self.fleet, dtype, model_dir, adapter_rank)
+        self.weights = WeightSync(cfg, self.fleet, dtype, model_dir)  # the adapter's rank: the fleet's
         self.manager: Any = None
         self.feeder: Any = None  # rank 0 under rollout.staleness >= 1: the AsyncRollout
         self.run_dir = Path(".")  # the run's output directory (start_engines)

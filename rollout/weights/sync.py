@@ -32,8 +32,8 @@ from rollout.weights.verify import DigestTap, check_engines, tied_embeddings, wa
 class WeightSync:
     """The run's weights into its fleet's engines. Every rank holds one; rank 0 is the source."""
 
-    def __init__(self, cfg: Any, fleet: Any, dtype: str, model_dir: str, adapter_rank: int = 0) -> None:
-        self.cfg, self.fleet, self.dtype, self.model_dir, self.adapter_rank = cfg, fleet, dtype, model_dir, adapter_rank
+    def __init__(self, cfg: Any, fleet: Any, dtype: str, model_dir: str) -> None:
+        self.cfg, self.fleet, self.dtype, self.model_dir = cfg, fleet, dtype, model_dir
         self.version = 0  # the weight version the engines serve (or are being sent)
         self.routes: dict[str, Any] = {}  # the routes used so far, by name (they keep their buffers)
         self.last_sync: dict[str, float] = {}  # the last push's figures (engines per route, GB, GB/s, digests)
@@ -52,14 +52,14 @@ class WeightSync:
         spec = ENGINES[self.cfg.engine]
         if self.cfg.in_process and spec.in_process:
             spec = ENGINES[spec.in_process]
-        return (self.adapter_rank > 0 and spec.adapters and not self.cfg.engines
+        return (self.fleet.adapter_rank > 0 and spec.adapters and not self.cfg.engines
                 and not (self.fleet.sleeps and self.fleet.sleep_level == 2))
 
     def adapter_options(self) -> dict[str, Any]:
         """Engine options that ready an engine for adapters of the actor's rank (`EngineSpec.adapter_option`)."""
         spec = ENGINES[self.cfg.engine]
         option = spec.adapter_option
-        return {option: self.adapter_rank} if option and self.takes_adapters() else {}
+        return {option: self.fleet.adapter_rank} if option and self.takes_adapters() else {}
 
     def route(self) -> str:
         """How weights reach the engines: the first route of `rollout.weights.routes.ROUTES` that
