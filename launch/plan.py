@@ -135,10 +135,11 @@ def make_plan(cfg: Any, recipe: str | None, nodes: int, gpus: int, gpu_gb: float
     shape = model_shape(cfg.model.path, config_file)
     params = shape.parameters()
     a, r = cfg.actor, cfg.rollout
-    placement = "colocated" if r.placement in ("auto", "cpu") else r.placement
+    attached = list(r.engines)  # engines as a service: on GPUs of their own, reached over the bus
+    placement = "attached" if attached else "colocated" if r.placement in ("auto", "cpu") else r.placement
     engine_tp = int(r.engine_options.get("tensor_parallel_size", 1))
     util = float(r.engine_options.get("gpu_memory_utilization", 0.5 if placement == "colocated" else 0.9))
-    train_per_node = gpus if placement == "colocated" else gpus - (engine_gpus or gpus // 2)
+    train_per_node = gpus if placement in ("colocated", "attached") else gpus - (engine_gpus or gpus // 2)
     world = nodes * train_per_node
     lines.append(f"model {cfg.model.path}: {params / 1e9:.2f}B parameters, {shape.layers} layers, hidden {shape.hidden}, "
                  f"{shape.heads} heads / {shape.kv_heads} KV heads")
@@ -156,17 +157,22 @@ def make_plan(cfg: Any, recipe: str | None, nodes: int, gpus: int, gpu_gb: float
     lines.append(f"trainer: {world} rank(s) on {nodes} node(s) x {train_per_node} GPU(s); {a.backend} actor, TP {a.tp} x "
                  f"PP {a.pp} x DP {dp}, sharding {a.sharding}")
     # the engines
-    if shape.heads % engine_tp or engine_tp > gpus:
+    if shape.heads % engine_tp or (engine_tp > gpus and not attached):
         errors.append(f"rollout.engine_options.tensor_parallel_size={engine_tp} must divide the model's {shape.heads} "
                       f"heads and fit a node's {gpus} GPUs")
-    try:
-        pp_plan = plan_placement(placement, nodes=nodes, devices_per_node=gpus,
-                                 train_devices=None if placement == "colocated" else world, rollout_tp=engine_tp)
-        lines += ["  " + x for x in pp_plan.describe().splitlines()]
-    except ValueError as e:
-        errors.append(f"engine placement: {e}")
-    route = choose(Placement(in_process=bool(r.in_process), weight_path=r.weight_path, nodes=nodes,
-                             engines_on_my_gpu=placement == "colocated" and nodes == 1 and engine_tp == 1 and gpus == 1))
+    if attached:
+        lines.append(f"  engines: {len(attached)} attached server(s) (rollout.engines) on GPUs of their own, sized "
+                     f"where they run (python -m rollout.service); none on the trainer's GPUs")
+    else:
+        try:
+            pp_plan = plan_placement(placement, nodes=nodes, devices_per_node=gpus,
+                                     train_devices=None if placement == "colocated" else world, rollout_tp=engine_tp)
+            lines += ["  " + x for x in pp_plan.describe().splitlines()]
+        except ValueError as e:
+            errors.append(f"engine placement: {e}")
+    route = choose(Placement(in_process=bool(r.in_process), weight_path="bus" if attached else r.weight_path,
+                             nodes=nodes, engines_on_my_gpu=placement == "colocated" and nodes == 1 and engine_tp == 1
+                             and gpus == 1))
     engine_bytes = params * dtype_bytes(cfg.model.dtype)
     lora = getattr(a, "lora", None)
     adapter = shape.adapter_parameters(lora.rank, list(lora.target_modules)) if lora is not None else 0
@@ -195,18 +201,20 @@ def make_plan(cfg: Any, recipe: str | None, nodes: int, gpus: int, gpu_gb: float
     if cfg.algorithm.loss.kl_coef > 0 and lora is None:  # with LoRA the reference is the actor's own base
         ref = params * dtype_bytes(cfg.model.dtype) / (world if cfg.reference.backend == "deepspeed" else 1)
     engine_weights = engine_bytes / engine_tp
-    engine_total = util * gpu_gb * GB
+    engine_total = 0.0 if attached else util * gpu_gb * GB
     kv = engine_total - engine_weights
+    engine_text = "engine 0 (attached elsewhere)" if attached else (
+        f"engine {engine_total / GB:.1f} GiB (gpu_memory_utilization {util}: weights {engine_weights / GB:.1f}, KV cache "
+        f"{max(kv, 0) / GB:.1f} GiB = {int(max(kv, 0) / max(shape.kv_bytes_per_token(2), 1) * engine_tp):,} tokens)")
     lines.append(f"memory per GPU ({gpu_gb:.0f} GiB): actor {actor / GB:.1f} GiB (weights, gradients, AdamW; activations "
-                 f"on top), reference {ref / GB:.1f} GiB, engine {engine_total / GB:.1f} GiB "
-                 f"(gpu_memory_utilization {util}: weights {engine_weights / GB:.1f}, KV cache {max(kv, 0) / GB:.1f} GiB "
-                 f"= {int(max(kv, 0) / max(shape.kv_bytes_per_token(2), 1) * engine_tp):,} tokens)")
-    if kv <= 0:
+                 f"on top), reference {ref / GB:.1f} GiB, {engine_text}")
+    if kv <= 0 and not attached:
         errors.append(f"the engine's share ({util} x {gpu_gb:.0f} GiB) does not even hold its weights "
                       f"({engine_weights / GB:.1f} GiB); raise gpu_memory_utilization or tensor_parallel_size")
-    resident = actor + ref + (engine_total if placement == "colocated" else 0.0)
-    if placement != "colocated":
-        resident = max(actor + ref, engine_total)
+    reward = _reward_model(cfg, gpus, train_per_node, lines, errors)  # GPU -> the reward model's bytes on it
+    trainer_gpu = actor + ref + (engine_total if placement == "colocated" else 0.0)
+    resident = max([trainer_gpu + reward.get(d, 0.0) for d in range(train_per_node)]
+                   + [engine_total + reward.get(d, 0.0) for d in range(train_per_node, gpus)])
     if resident > gpu_gb * GB:
         fixes = ("shard the actor (actor.sharding=fsdp, or megatron with actor.tp) over more GPUs, lower "
                  "rollout.engine_options.gpu_memory_utilization, or use more GPUs")
@@ -220,6 +228,48 @@ def make_plan(cfg: Any, recipe: str | None, nodes: int, gpus: int, gpu_gb: float
     else:
         lines.append(f"start: torchrun --nproc-per-node {train_per_node} launch/train.py {target}")
     return Plan(lines, errors)
+
+
+def _reward_model(cfg: Any, gpus: int, train_per_node: int, lines: list[str], errors: list[str]) -> dict[int, float]:
+    """Places and sizes `reward.model`'s engines: their GPUs (`reward.model.devices`, split over
+    `num_engines` as rollout/reward_engines.py does) and the bytes of weights each of a node's GPUs
+    holds for them (empty when they are attached or run on the CPU)."""
+    from engines.inference import ENGINES
+
+    m = cfg.reward.model
+    if m.path is None:
+        return {}
+    if m.addresses:
+        lines.append(f"reward model ({m.kind}) {m.path}: {len(m.addresses)} attached server(s) "
+                     "(reward.model.addresses), none on these GPUs")
+        return {}
+    try:
+        rshape = model_shape(str(m.path))
+    except ValueError as e:
+        errors.append(f"reward.model.path: {e}")
+        return {}
+    n = int(m.num_engines)
+    weights = rshape.parameters() * dtype_bytes(cfg.model.dtype)
+    devices = [int(d) for d in m.devices]
+    bad = [d for d in devices if not 0 <= d < gpus]
+    if bad:
+        errors.append(f"reward.model.devices={devices}: {bad} not on a node of {gpus} GPUs (0..{gpus - 1})")
+        return {}
+    if not devices:
+        if ENGINES[str(m.engine)].on_gpu:
+            lines.append(f"reward model ({m.kind}) {m.path}: {n} x {m.engine} with no reward.model.devices: they run "
+                         "on the CPU; name GPUs in reward.model.devices to put them on one")
+        return {}
+    shares = [devices[i * len(devices) // n:(i + 1) * len(devices) // n] or devices for i in range(n)]
+    per_gpu: dict[int, float] = {}
+    for share in shares:  # each engine's weights spread over its share (tensor parallel), its KV cache beside them
+        for d in share:
+            per_gpu[d] = per_gpu.get(d, 0.0) + weights / len(share)
+    where = ", ".join(f"GPU {d}: {b / GB:.1f} GiB" for d, b in sorted(per_gpu.items()))
+    lines.append(f"reward model ({m.kind}) {m.path}: {rshape.parameters() / 1e9:.2f}B parameters, {n} x {m.engine} on "
+                 f"GPUs {devices} ({where} of weights, KV cache on top)"
+                 + ("; shares the trainer's GPUs" if any(d < train_per_node for d in per_gpu) else ""))
+    return per_gpu
 
 
 def plan_main(path: str | None, argv: list[str]) -> int:

@@ -81,3 +81,27 @@ def test_the_plan_counts_a_lora_adapter_and_a_critic():
     actor_gb = lambda out: float(re.search(r"actor ([\d.]+) GiB", out).group(1))  # noqa: E731
     assert actor_gb(lora.stdout) < actor_gb(full.stdout) / 3  # a frozen bf16 base, AdamW for the adapter only
     assert "critic:" in critic.stdout and actor_gb(critic.stdout) > 1.9 * actor_gb(full.stdout)
+
+
+def test_the_plan_places_attached_engines_and_the_reward_model():
+    recipe = "launch/configs/recipes/gsm8k_qwen2.5-3b_4gpu.yaml"
+    mem = lambda out: float(re.search(r"fits: ([\d.]+) of", out).group(1))  # noqa: E731
+    base = plan(recipe, "--plan")
+    attached = plan(recipe, "--plan", "rollout.engines=[ipc:///run/engines/e0.sock]",
+                    "rollout.placement=auto")
+    assert base.returncode == attached.returncode == 0, base.stdout + attached.stdout
+    # attached engines run on GPUs of their own: the weights go over the bus and take none of the trainer's memory
+    assert "1 attached server(s) (rollout.engines)" in attached.stdout and "route bus" in attached.stdout
+    assert "engine 0 (attached elsewhere)" in attached.stdout and mem(attached.stdout) < mem(base.stdout) - 30
+    # a judge of qwen2.5-7b's size (7.6B, bf16: 14.2 GiB) pinned to GPU 0 of the trainer's, then on two of its own
+    judge = ["reward.model={path: qwen2.5-7b, kind: judge, devices: [0]}"]
+    shared = plan(recipe, "--plan", "--gpus-per-node", "4", *judge)
+    assert shared.returncode == 0, shared.stdout
+    assert "1 x hf on GPUs [0] (GPU 0: 14.2 GiB of weights" in shared.stdout and "shares the trainer's GPUs" in shared.stdout
+    alone = plan(recipe, "--plan", "--gpus-per-node", "4")
+    assert mem(shared.stdout) == pytest.approx(mem(alone.stdout) + 14.2, abs=0.11)
+    own = plan(recipe, "--plan", "--gpus-per-node", "4", "--gpu-memory-gb", "40",
+               "reward.model={path: qwen2.5-7b, kind: judge, devices: [0], num_engines: 1}")
+    assert own.returncode == 2 and "does not fit 40 GiB" in own.stdout, own.stdout  # the judge tips GPU 0 over
+    bad = plan(recipe, "--plan", "--gpus-per-node", "4", "reward.model={path: qwen2.5-7b, devices: [7]}")
+    assert bad.returncode == 2 and "reward.model.devices=[7]: [7] not on a node of 4 GPUs" in bad.stdout
