@@ -1,4 +1,4 @@
-"""The GPU smoke suite: nine checks of the paths written for CUDA, each timed and caught on its own.
+"""The GPU smoke suite: the paths written for CUDA that one GPU can run, each timed and caught on its own.
 
     bash benchmarks/gpu_smoke.sh                  # on the GPU machine (installs what is missing, picks the model)
     python benchmarks/gpu_smoke.py --device cpu --model tiny-llama --quick    # the same checks here (CI)
@@ -18,6 +18,20 @@
   megatron_run the same with the Megatron actor (TP 1), 2 steps (needs megatron-core; skipped without)
   lora_run     the same with a LoRA actor (rank 8), 2 steps: each push the adapter alone, < 5% of the model
   deepspeed_ref the same with a KL term to a DeepSpeed ZeRO-3 reference, 2 steps (skipped without deepspeed)
+  reward_model a scalar reward model on the hf_reward engine parked on the host while asleep (GB freed, same
+               scores after waking); a judged launch/train.py run, the judge pinned by reward.model.devices
+  fsdp2_two_ranks, ddp_two_ranks, megatron_tp2, megatron_pp2, megatron_zero1
+               torchrun with 2 ranks on the one GPU (SWITCHYARD_RANKS_PER_GPU=2; gloo carries CUDA tensors, as
+               NCCL refuses two ranks on one device), 2 GRPO steps each on --model (CPU: tests/test_distributed.py
+               and tests/test_megatron.py run them in CI)
+  recipes      each recipe of launch/configs/recipes shrunk to one GPU and the suite's model, 2 steps
+               (vLLM/SGLang, absent from the image, replaced by hf and said so)
+
+Figures beside what the device measured in the same run (`limits`): the handle route's GB/s against the
+device-to-device copy bandwidth, the FSDP2 and Megatron updates' FLOP/s (6 N T, a floor) against the
+matmul rate in the dtype they train in, the hf engine's tokens/s against transformers' own generate on
+the same batch. `--model-size 1b` builds a random 1.07B llama with --model's tokenizer on the device
+first and runs the checks on it.
 
 Writes a JSON report (--out) and a last line `RESULT {...}` with the headline numbers; exits 1 if any
 check failed. A check that needs CUDA reports `skipped` with its reason on CPU.
@@ -44,9 +58,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_smoke_lib import (Ctx, Skip, checkpoint_tensors, engine_outputs, free_memory, fsdp2_actor,  # noqa: E402
-                           chosen, gb, load_model, one_rank_group, pad_id, perturbed_model, prompts, rollout_batch,
-                           teacher_forced)
+from gpu_smoke_lib import (SIZES, Ctx, Skip, build_model, checkpoint_tensors, chosen, device_limits,  # noqa: E402
+                           engine_outputs, free_memory, fsdp2_actor, gb, generate_rate, load_model, one_rank_group, pad_id,
+                           perturbed_model, prompts, rollout_batch, teacher_forced, update_flops)
 
 FP32_LOGPROB_TOL = 1e-3  # the engine's fp32 logprobs against a plain forward (measured ~1e-6 on CPU)
 BF16_LOGPROB_TOL = 1.0  # bf16 differs by kernel and batch shape; past 1 nat the weights or the math are wrong
@@ -73,6 +87,8 @@ def check_hf_engine(ctx: Ctx) -> dict[str, Any]:
             diffs.append((torch.tensor(o.logprobs) - want).abs())
             agree += int((logp.argmax(-1) == torch.tensor(o.token_ids)).sum())
             total += len(o.token_ids)
+        if dtype == "bfloat16":  # the engine's rate beside transformers' generate on the same batch
+            out["bf16_generate_tokens_per_s"] = round(generate_rate(ctx, ref, ps, params.max_tokens), 1)
         del ref
         free_memory(ctx)
         d = torch.cat(diffs)
@@ -84,6 +100,7 @@ def check_hf_engine(ctx: Ctx) -> dict[str, Any]:
                              f"(> {FP32_LOGPROB_TOL}): {out}")
     if not out["bf16_max_abs_diff"] < BF16_LOGPROB_TOL:
         raise AssertionError(f"bf16 engine logprobs differ from transformers' by {out['bf16_max_abs_diff']:.3g}: {out}")
+    out["bf16_engine_vs_generate"] = round(out["bf16_tokens_per_s"] / out["bf16_generate_tokens_per_s"], 3)
     if out["fp32_greedy_agreement"] < 0.95:
         raise AssertionError(f"the fp32 engine's greedy tokens are not the forward's argmax: {out}")
     return out
@@ -201,6 +218,8 @@ def check_handle_route(ctx: Ctx) -> dict[str, Any]:
     m = {"handle": "cuda ipc" if ctx.cuda else "cpu (file-backed shared memory; CUDA IPC needs CUDA)",
          "path": rep.path, "buckets": rep.buckets, "gb": gb(rep.bytes), "push_s": round(rep.seconds, 3),
          "gb_per_s": round(rep.bytes / 2**30 / max(rep.seconds, 1e-9), 3), "pushed_logprob_gap": gap_new,
+         "copy_gb_per_s": device_limits(ctx)["copy_gb_per_s"],
+         "of_copy": round(rep.bytes / 1e9 / max(rep.seconds, 1e-9) / device_limits(ctx)["copy_gb_per_s"], 4),
          "changed_from_base": gap_base if gap_base != float("inf") else "tokens changed",
          "flipped_byte_refused": "failed its checksum" in r["refused"],
          "refused_bucket_left_weights": [(x.token_ids, x.logprobs) for x in r["after"]]
@@ -238,7 +257,9 @@ def check_fsdp_actor(ctx: Ctx) -> dict[str, Any]:
                 torch.cuda.synchronize()
             steps.append(time.perf_counter() - t0)
         exported = sum(t.numel() for _, t in actor.named_hf_weights())
-        out = {"sharded": type(actor.module).__name__, "rows": rows, "tokens_per_row": plen + rlen,
+        tflops = update_flops(exported, rows * (plen + rlen)) / steps[1] / 1e12
+        peak = device_limits(ctx)["matmul_tflops"]
+        out = {"tflops": round(tflops, 4), "matmul_tflops": peak, "of_peak": round(tflops / peak, 4),"sharded": type(actor.module).__name__, "rows": rows, "tokens_per_row": plen + rlen,
                "loss": m["loss"], "pg_loss": m["pg_loss"], "grad_norm": m["grad_norm"],
                "step_s_first": round(steps[0], 3), "step_s": round(steps[1], 3),
                "peak_gb": gb(torch.cuda.max_memory_allocated()) if ctx.cuda else None,
@@ -285,11 +306,15 @@ def check_drift(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
-def _train(ctx: Ctx, tag: str, extra: list[str], steps: int) -> tuple[list[dict[str, Any]], float, list[str]]:
-    """launch/train.py for `steps` GRPO steps with the hf engine on the model (bf16 on the GPU, where the
-    engine shares the actor's device: weights by CUDA IPC handle); its metrics.jsonl steps, wall seconds, args."""
+def _train(ctx: Ctx, tag: str, extra: list[str], steps: int, ranks: int = 1, config: str | None = None,
+           model: str | None = None) -> tuple[list[dict[str, Any]], float, list[str]]:
+    """launch/train.py (`config` if given) for `steps` GRPO steps with the hf engine on the model (bf16 on
+    the GPU, where the engine shares the actor's device: weights by CUDA IPC handle); its metrics.jsonl
+    steps, wall seconds, args. `ranks` > 1: torchrun with that many ranks on the one GPU
+    (SWITCHYARD_RANKS_PER_GPU; gloo for CUDA tensors, since NCCL refuses two ranks on one device) and
+    the engine in a process of its own beside them (placement cpu, on the GPU by its device option)."""
     out_dir = ctx.work / tag
-    args = [f"model.path={ctx.model}", "rollout.engine=hf", f"trainer.steps={steps}", "sft.enabled=false",
+    args = [f"model.path={model or ctx.model}", "rollout.engine=hf", f"trainer.steps={steps}", "sft.enabled=false",
             "data.val_path=null", f"data.prompts_per_step={ctx.size(2, 8)}", f"rollout.n={ctx.size(2, 4)}",
             f"rollout.max_tokens={ctx.size(16, 128)}", f"trainer.output_dir={out_dir}", "trainer.resume=false",
             "trainer.export_hf=false", *extra]
@@ -297,11 +322,17 @@ def _train(ctx: Ctx, tag: str, extra: list[str], steps: int) -> tuple[list[dict[
         args += ["model.dtype=bfloat16", "rollout.engine_options.device=cuda"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    cmd = [sys.executable, "launch/train.py", *([config] if config else []), *args]
+    if ranks > 1:
+        args += ["rollout.placement=cpu"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               "launch/train.py", *([config] if config else []), *args]
+        env.update(SWITCHYARD_RANKS_PER_GPU=str(ranks), SWITCHYARD_PG_BACKEND="cpu:gloo,cuda:gloo")
     log = ctx.work / f"{tag}.log"
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "launch/train.py", *args], cwd=REPO, env=env, stdout=f,
-                              stderr=subprocess.STDOUT, timeout=ctx.size(240, 420))
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=ctx.size(240, 420))
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise AssertionError(f"launch/train.py exited {proc.returncode}:\n{log.read_text()[-3000:]}")
@@ -318,6 +349,16 @@ def _steps(got: list[dict[str, Any]], wall: float, args: list[str]) -> dict[str,
             "mismatched_tensors": [m.get("sync/mismatched_tensors") for m in got], "args": args}
 
 
+def _update_rate(ctx: Ctx, got: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last step's update as FLOP/s (6 N T over the tokens it read) and as a fraction of the measured
+    matmul rate; a small batch of short rows, so a floor, not the backend's best."""
+    params = sum(t.numel() for t in checkpoint_tensors(ctx.model).values())
+    last = got[-1]
+    tflops = update_flops(params, int(last.get("rollout/tokens") or 0)) / max(last["time/update_s"], 1e-9) / 1e12
+    peak = device_limits(ctx)["matmul_tflops"]
+    return {"update_tflops": round(tflops, 4), "matmul_tflops": peak, "update_of_peak": round(tflops / peak, 4)}
+
+
 def check_grpo_run(ctx: Ctx) -> dict[str, Any]:
     """launch/train.py: 3 GRPO steps with the hf engine; step seconds and reward from metrics.jsonl."""
     steps, wall, args = _train(ctx, "grpo_run", [], 3)
@@ -330,13 +371,10 @@ def check_grpo_run(ctx: Ctx) -> dict[str, Any]:
 def check_megatron_run(ctx: Ctx) -> dict[str, Any]:
     """launch/train.py with the Megatron actor (TP 1): the path that failed at its first forward on CUDA
     (its RNG tracker unseeded); 2 GRPO steps, their update seconds and drift."""
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError as e:
-        raise Skip(f"megatron-core is not importable ({e}); benchmarks/gpu_wheels.sh carries its wheel")
+    _needs_megatron()
     steps, wall, args = _train(ctx, "megatron_run", ["actor.backend=megatron", "actor.trainable=[]",
                                                      "actor.gradient_checkpointing=false"], 2)
-    return _steps(steps, wall, args)
+    return {**_steps(steps, wall, args), **_update_rate(ctx, steps)}
 
 
 def check_lora_run(ctx: Ctx) -> dict[str, Any]:
@@ -367,10 +405,162 @@ def check_deepspeed_ref(ctx: Ctx) -> dict[str, Any]:
     return {**_steps(steps, wall, args), "kl_in_reward": [m.get("kl_in_reward") for m in steps]}
 
 
+def check_reward_model(ctx: Ctx) -> dict[str, Any]:
+    """The reward model's engines on a GPU: a one-output sequence classifier built from the model (its
+    head seeded) scored by the hf_reward engine on the device, parked on the host while asleep (device
+    memory freed, the same scores after waking); then launch/train.py judged by the model itself as an
+    hf engine pinned to GPU 0 by `reward.model.devices`, 2 steps, every trajectory scored."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from engines.inference.base import SamplingParams
+    from engines.inference.hf_reward import HFRewardEngine
+
+    if not ctx.cuda:
+        raise Skip("needs CUDA: parking on the host frees device memory; on CPU the scalar engine runs in CI "
+                   "(tests/test_reward_model_engine.py) and a judged GRPO step (tests/test_reward_model.py)")
+    path = ctx.work / "scalar-rm"
+    cfg = AutoConfig.from_pretrained(ctx.model, num_labels=1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        AutoModelForSequenceClassification.from_pretrained(ctx.model, config=cfg, torch_dtype=torch.bfloat16) \
+            .save_pretrained(str(path))
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(ctx.model).save_pretrained(str(path))
+    ps = prompts(ctx, 4)
+
+    async def scores_and_memory() -> dict[str, Any]:
+        engine = HFRewardEngine(str(path), device="cuda", dtype="bfloat16")
+        await engine.start()
+        try:
+            async def score(tag: str) -> list[float]:
+                outs = [await engine.generate(f"{tag}{i}", p, SamplingParams(max_tokens=1)) for i, p in enumerate(ps)]
+                return [o.score for o in outs]
+            before = await score("a")
+            free0 = torch.cuda.mem_get_info()[0]
+            await engine.sleep(1)
+            free1 = torch.cuda.mem_get_info()[0]
+            await engine.wake()
+            after = await score("b")
+            return {"scores": before, "same_after_wake": before == after, "parked_freed_gb": gb(free1 - free0)}
+        finally:
+            await engine.close()
+
+    out = asyncio.run(scores_and_memory())
+    if not out["same_after_wake"] or out["parked_freed_gb"] <= 0:
+        raise AssertionError(f"the parked reward model freed nothing or scored differently after waking: {out}")
+    judge = f"reward.model={{path: {ctx.small_model}, kind: judge, devices: [0], max_tokens: 8}}"
+    steps, wall, args = _train(ctx, "reward_model", [judge], 2, model=ctx.small_model)
+    invalid = [m.get("rollout/invalid") for m in steps]
+    if any(invalid):
+        raise AssertionError(f"judged trajectories failed to score ({invalid} invalid per step); see reward_model.log")
+    return {**out, **_steps(steps, wall, args), "invalid": invalid}
+
+
+TWO_RANKS_ON_CPU = ("two ranks on CPU run in CI as tests/test_distributed.py (DDP, FSDP2) and tests/test_megatron.py "
+                    "(TP 2, PP 2, ZeRO-1 over 2 DP ranks) over gloo; this check is the same run on one GPU")
+
+
+def _two_ranks(ctx: Ctx, tag: str, extra: list[str]) -> dict[str, Any]:
+    if not ctx.cuda:
+        raise Skip(TWO_RANKS_ON_CPU)
+    steps, wall, args = _train(ctx, tag, extra, 2, ranks=2, model=ctx.small_model)
+    return {**_steps(steps, wall, args), "pg_backend": "cpu:gloo,cuda:gloo (NCCL refuses two ranks on one GPU)"}
+
+
+def _needs_megatron() -> None:
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        raise Skip(f"megatron-core is not importable ({e}); benchmarks/gpu_wheels.sh carries its wheel")
+
+
+def check_fsdp2_two_ranks(ctx: Ctx) -> dict[str, Any]:
+    """torchrun, 2 ranks on the one GPU: the torch actor sharded by FSDP2, 2 GRPO steps."""
+    return _two_ranks(ctx, "fsdp2_two_ranks", ["actor.sharding=fsdp", "actor.trainable=[]"])
+
+
+def check_ddp_two_ranks(ctx: Ctx) -> dict[str, Any]:
+    """torchrun, 2 ranks on the one GPU: the torch actor replicated (DDP), 2 GRPO steps."""
+    return _two_ranks(ctx, "ddp_two_ranks", ["actor.sharding=none", "actor.trainable=[]"])
+
+
+def check_megatron_tp2(ctx: Ctx) -> dict[str, Any]:
+    """torchrun, 2 ranks on the one GPU: Megatron TP 2, 2 GRPO steps."""
+    _needs_megatron()
+    return _two_ranks(ctx, "megatron_tp2", ["actor.backend=megatron", "actor.tp=2", "actor.trainable=[]",
+                                            "actor.gradient_checkpointing=false"])
+
+
+def check_megatron_pp2(ctx: Ctx) -> dict[str, Any]:
+    """torchrun, 2 ranks on the one GPU: Megatron PP 2, 2 GRPO steps."""
+    _needs_megatron()
+    return _two_ranks(ctx, "megatron_pp2", ["actor.backend=megatron", "actor.pp=2", "actor.trainable=[]",
+                                            "actor.gradient_checkpointing=false"])
+
+
+def check_megatron_zero1(ctx: Ctx) -> dict[str, Any]:
+    """torchrun, 2 ranks on the one GPU: Megatron DP 2 with its ZeRO-1 optimizer, 2 GRPO steps."""
+    _needs_megatron()
+    return _two_ranks(ctx, "megatron_zero1", ["actor.backend=megatron", "actor.sharding=optimizer",
+                                              "actor.trainable=[]", "actor.gradient_checkpointing=false"])
+
+
+RECIPE_SWAPS = {"vllm": "hf", "sglang": "hf"}  # engines the GPU image lacks
+GSM8K_TRAIN = [Path(p) for p in filter(None, [os.environ.get("SMOKE_GSM8K")])] + [
+    REPO / "data" / "gsm8k" / "train.jsonl", REPO / "shared" / "data" / "gsm8k" / "train.jsonl",
+    REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"]
+
+
+def check_recipes(ctx: Ctx) -> dict[str, Any]:
+    """Each recipe shrunk to one GPU and the suite's model: its own placement, actor, reference and
+    algorithm choices, 2 GRPO steps; an engine the image lacks replaced by hf (said in the result);
+    TP/PP/DP and multi-node layouts folded to one rank. Each recipe timed and caught on its own."""
+    import yaml
+
+    if not ctx.cuda:
+        raise Skip("the recipes are GPU layouts (colocated vLLM, FSDP2 over 8 GPUs, Megatron TP 2, Slurm); on CPU "
+                   "their plans are checked in CI (tests/test_plan.py) and the demo's own run (tests/test_train.py)")
+    out: dict[str, Any] = {}
+    for recipe in sorted((REPO / "launch" / "configs" / "recipes").glob("*.yaml")):
+        cfg = yaml.safe_load(recipe.read_text())
+        engine = (cfg.get("rollout") or {}).get("engine", "vllm")
+        actor = cfg.get("actor") or {}
+        extra = ["rollout.placement=auto", "rollout.num_engines=1", "rollout.engine_options={}", "actor.tp=1",
+                 "actor.pp=1", "actor.micro_batch_size=4", "actor.ppo_mini_batch_size=0", "actor.trainable=[]",
+                 "rollout.staleness=" + str(min(1, int((cfg.get("rollout") or {}).get("staleness", 0)))),
+                 "actor.sharding=" + ("none" if actor.get("backend", "torch") == "torch" else "optimizer")]
+        train = (cfg.get("data") or {}).get("train_path")
+        if train and not (REPO / train).is_file():
+            found = next((f for f in GSM8K_TRAIN if f.is_file()), None)
+            if found is None:
+                out[recipe.stem] = {"status": "skipped", "reason": f"its data {train} is not here (the recipe's "
+                                    "header says how to make it; or set SMOKE_GSM8K to a GSM8K train.jsonl)"}
+                continue
+            extra.append(f"data.train_path={found}")
+        t0 = time.perf_counter()
+        try:
+            steps, wall, _ = _train(ctx, f"recipe_{recipe.stem}", extra, 2, config=str(recipe))
+            out[recipe.stem] = {"status": "ok", "engine": f"hf (the recipe's {engine} is not in the image)"
+                                if engine in RECIPE_SWAPS else engine, **_steps(steps, wall, [])}
+            out[recipe.stem].pop("args", None)
+        except Exception as e:  # one recipe's failure never hides the others'
+            out[recipe.stem] = {"status": "failed", "error": f"{type(e).__name__}: {e}"[-2000:]}
+        out[recipe.stem]["seconds"] = round(time.perf_counter() - t0, 1)
+        print(f"[gpu_smoke] recipes: {recipe.stem}: {out[recipe.stem]['status']}", file=sys.stderr, flush=True)
+    failed = [k for k, v in out.items() if v["status"] == "failed"]
+    if failed:
+        raise AssertionError(f"recipes failed on one GPU: {failed}: {json.dumps(out, default=str)[:3000]}")
+    return out
+
+
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {  # by value: a run cut off still reports the most
     "hf_engine": check_hf_engine, "sleep_wake": check_sleep_wake, "handle_route": check_handle_route,
     "fsdp_actor": check_fsdp_actor, "drift": check_drift, "grpo_run": check_grpo_run,
-    "megatron_run": check_megatron_run, "lora_run": check_lora_run, "deepspeed_ref": check_deepspeed_ref}
+    "megatron_run": check_megatron_run, "lora_run": check_lora_run, "deepspeed_ref": check_deepspeed_ref,
+    "reward_model": check_reward_model, "fsdp2_two_ranks": check_fsdp2_two_ranks, "ddp_two_ranks": check_ddp_two_ranks,
+    "megatron_tp2": check_megatron_tp2, "megatron_pp2": check_megatron_pp2, "megatron_zero1": check_megatron_zero1,
+    "recipes": check_recipes}
 
 
 def run_check(name: str, fn: Callable[[Ctx], dict[str, Any]], ctx: Ctx) -> dict[str, Any]:
@@ -397,13 +587,17 @@ def headline(report: dict[str, Any]) -> dict[str, Any]:
         return c.get(check, {}).get(key)
 
     grpo_steps = get("grpo_run", "step_s") or []
-    return {"device": report["device"], "gpu": report["gpu"], "model": Path(report["model"]).name,
+    model = report["model"]
+    return {"device": report["device"], "gpu": report["gpu"], "model": model if model.startswith("random") else Path(model).name,
             **{s: sum(r["status"] == s for r in c.values()) for s in ("ok", "failed", "skipped")},
             "hf_fp32_max_diff": get("hf_engine", "fp32_max_abs_diff"),
             "hf_bf16_max_diff": get("hf_engine", "bf16_max_abs_diff"),
             "sleep_l1_freed_gb": get("sleep_wake", "level1_freed_gb"),
             "sleep_l2_freed_gb": get("sleep_wake", "level2_freed_gb"),
-            "handle_gb_per_s": get("handle_route", "gb_per_s"),
+            "handle_gb_per_s": get("handle_route", "gb_per_s"), "copy_gb_per_s": get("handle_route", "copy_gb_per_s"),
+            "hf_engine_vs_generate": get("hf_engine", "bf16_engine_vs_generate"),
+            "fsdp_of_peak": get("fsdp_actor", "of_peak"), "megatron_of_peak": get("megatron_run", "update_of_peak"),
+            "matmul_tflops": (report.get("limits") or {}).get("matmul_tflops"),
             "handle_flip_refused": get("handle_route", "flipped_byte_refused"),
             "fsdp_step_s": get("fsdp_actor", "step_s"), "fsdp_peak_gb": get("fsdp_actor", "peak_gb"),
             "fsdp_grad_norm": get("fsdp_actor", "grad_norm"),
@@ -422,6 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model", default=os.environ.get("SMOKE_MODEL", "tiny-llama"),
                     help="a local HF model directory or a built-in name (engines/models.py)")
+    ap.add_argument("--model-size", default=None, choices=sorted(SIZES),
+                    help="build a llama of this size with random weights and --model's tokenizer on the device, and "
+                         "run the checks on it (1b: 1.07B parameters); the two-rank checks keep --model")
     ap.add_argument("--quick", action="store_true", help="small batches and few tokens (the CPU test)")
     ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(CHECKS)}")
     ap.add_argument("--out", default=None, help="JSON report path (default: $OUT/gpu_smoke.json, else runs/gpu_smoke/)")
@@ -442,12 +639,21 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu-smoke-") as work:
         ctx = Ctx(args.device, model, args.quick, Path(work))
+        if args.model_size:
+            t1 = time.perf_counter()
+            ctx.small, ctx.model = model, str(build_model(args.model_size, model, Path(work) / f"llama-{args.model_size}",
+                                                          args.device))
+            print(f"[gpu_smoke] built a random {args.model_size} llama in {time.perf_counter() - t1:.1f} s",
+                  file=sys.stderr, flush=True)
         checks = {name: run_check(name, CHECKS[name], ctx) for name in names}
-        for name in ("handle_route", "grpo_run", "megatron_run", "lora_run", "deepspeed_ref"):  # logs beside the report
+        for name in ("handle_route", "grpo_run", "megatron_run", "lora_run", "deepspeed_ref", "reward_model",
+                     "fsdp2_two_ranks",
+                     "ddp_two_ranks", "megatron_tp2", "megatron_pp2", "megatron_zero1", "recipe_"):  # logs beside it
             for f in Path(work).glob(f"{name}*.log"):
                 (out.parent / f.name).write_text(f.read_text())
     report = {"device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-              "torch": torch.__version__, "model": model, "quick": args.quick, "checks": checks,
+              "torch": torch.__version__, "model": f"random {args.model_size} llama ({model}'s tokenizer)"
+              if args.model_size else model, "limits": ctx.limits, "quick": args.quick, "checks": checks,
               "seconds": round(time.perf_counter() - t0, 1)}
     report["result"] = headline(report)
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")

@@ -27,6 +27,12 @@ class Ctx:
     model: str  # a local HF model directory
     quick: bool
     work: Path
+    limits: dict[str, float] | None = None  # device_limits(), measured once
+    small: str | None = None  # the model given, when --model-size built a larger one: the two-rank checks' model
+
+    @property
+    def small_model(self) -> str:
+        return self.small or self.model
 
     @property
     def cuda(self) -> bool:
@@ -173,3 +179,93 @@ def pad_id(ctx: Ctx) -> int:
 
     tok = AutoTokenizer.from_pretrained(ctx.model)
     return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+
+
+# the models the suite builds on the machine itself (`--model-size`): random weights of a llama shape, the
+# tokenizer of the model given, so figures mean something at a real size without a download
+SIZES = {
+    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+           "num_key_value_heads": 8},  # 1.07B parameters with SmolLM2's 49,152-token vocabulary
+    "test": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2},  # the CPU form of the same build
+}
+
+
+def build_model(size: str, tokenizer_from: str, out: Path, device: str) -> Path:
+    """A llama of shape SIZES[size] with seeded random weights and `tokenizer_from`'s tokenizer, saved
+    in bf16 at `out` (built on `device`: a 1B model takes seconds on a GPU)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if size not in SIZES:
+        raise ValueError(f"--model-size {size!r}; choose one of {sorted(SIZES)}")
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=4096, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                      torch_dtype="bfloat16", **SIZES[size])
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    del model
+    return out
+
+
+def device_limits(ctx: Ctx) -> dict[str, float]:
+    """What this device can do, measured here, so the suite's figures read as fractions of it: the
+    device-to-device copy bandwidth (GB/s, bytes read) and the matmul rate (TFLOP/s) in the dtype the
+    suite trains in (bf16 on a GPU, fp32 on a CPU). Cached."""
+    if ctx.limits:
+        return ctx.limits
+    dev = ctx.torch_device
+
+    def timed(fn: Any, reps: int) -> float:
+        fn()
+        if ctx.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if ctx.cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps
+
+    n = (1 << 30) if ctx.cuda else (64 << 20)
+    src, dst = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
+    copy_s = timed(lambda: dst.copy_(src), 10 if ctx.cuda else 3)
+    del src, dst
+    k, dtype = (8192, torch.bfloat16) if ctx.cuda else (512, torch.float32)  # the dtype the suite trains in there
+    a, b = torch.randn(k, k, device=dev, dtype=dtype), torch.randn(k, k, device=dev, dtype=dtype)
+    mm_s = timed(lambda: a @ b, 20 if ctx.cuda else 4)
+    del a, b
+    free_memory(ctx)
+    ctx.limits = {"copy_gb_per_s": round(n / copy_s / 1e9, 1), "matmul_tflops": round(2 * k**3 / mm_s / 1e12, 4),
+                  "matmul_dtype": str(dtype).removeprefix("torch.")}
+    return ctx.limits
+
+
+def update_flops(params: int, tokens: int) -> float:
+    """FLOPs of one forward and backward over `tokens` tokens of a `params`-parameter model (6 N T,
+    attention left out: a lower bound)."""
+    return 6.0 * params * tokens
+
+
+def generate_rate(ctx: Ctx, model: Any, ps: list[list[int]], max_tokens: int) -> float:
+    """Tokens per second of transformers' own `generate` on the same prompts as one left-padded batch,
+    greedy, `max_tokens` new tokens each (no stop): the engine's figure beside it reads against this."""
+    pad = pad_id(ctx)
+    width = max(len(p) for p in ps)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in ps], device=ctx.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=ctx.device)
+    kwargs = dict(attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                  pad_token_id=pad)
+    with torch.no_grad():
+        model.generate(ids[:1], **{**kwargs, "attention_mask": mask[:1], "max_new_tokens": 2, "min_new_tokens": 2})
+        if ctx.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kwargs)
+        if ctx.cuda:
+            torch.cuda.synchronize()
+    return (out.shape[1] - width) * len(ps) / (time.perf_counter() - t0)

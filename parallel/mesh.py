@@ -130,6 +130,21 @@ def process_group_backend(cuda: bool) -> str:
     return os.environ.get("SWITCHYARD_PG_BACKEND") or ("cpu:gloo,cuda:nccl" if cuda else "gloo")
 
 
+def local_gpu() -> int:
+    """This rank's GPU on its node: `LOCAL_RANK`, or with `$SWITCHYARD_RANKS_PER_GPU=k` (k ranks on one
+    GPU: the smoke suite's two-rank checks on a one-GPU machine, over gloo, since NCCL refuses two ranks
+    on one device) `LOCAL_RANK // k`. A rank left without a GPU is an error naming the fix."""
+    import torch
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    per = int(os.environ.get("SWITCHYARD_RANKS_PER_GPU", "1") or 1)
+    gpu, count = local // max(1, per), torch.cuda.device_count()
+    if gpu >= count:
+        raise RuntimeError(f"LOCAL_RANK={local} has no GPU of its own: this node has {count}; start torchrun with "
+                           f"--nproc-per-node {count * max(1, per)} or fewer")
+    return gpu
+
+
 def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """The default process group, as every entry point creates it: on GPU nodes this rank's
     device is `LOCAL_RANK` (without it every local rank would use cuda:0)."""
@@ -140,7 +155,7 @@ def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
 
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # CUDA-only call
+        torch.cuda.set_device(local_gpu())  # CUDA-only call
     dist.init_process_group(process_group_backend(cuda), timeout=timedelta(seconds=timeout_s))
 
 

@@ -15,8 +15,14 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKS = ("hf_engine", "sleep_wake", "handle_route", "fsdp_actor", "drift", "grpo_run", "megatron_run", "lora_run",
-          "deepspeed_ref")
-CUDA_ONLY = {"sleep_wake": "needs CUDA"}  # torch.cuda.mem_get_info; the handle route runs its CPU form here
+          "deepspeed_ref", "reward_model", "fsdp2_two_ranks", "ddp_two_ranks", "megatron_tp2", "megatron_pp2", "megatron_zero1",
+          "recipes")
+TWO_RANKS = "two ranks on CPU run in CI as tests/test_distributed.py (DDP, FSDP2) and tests/test_megatron.py"
+CUDA_ONLY = {"sleep_wake": "needs CUDA",  # torch.cuda.mem_get_info; the handle route runs its CPU form here
+             "reward_model": "tests/test_reward_model_engine.py",
+             "fsdp2_two_ranks": TWO_RANKS, "ddp_two_ranks": TWO_RANKS, "megatron_tp2": TWO_RANKS,
+             "megatron_pp2": TWO_RANKS, "megatron_zero1": TWO_RANKS,
+             "recipes": "their plans are checked in CI (tests/test_plan.py)"}
 
 
 def smoke(args: list[str], out: Path, timeout: int) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
@@ -53,6 +59,23 @@ def test_every_check_runs_on_cpu_or_says_why_not(tmp_path: Path) -> None:
     for name in ("megatron_run", "lora_run", "deepspeed_ref"):  # launch/train.py, 2 steps each, engines verified
         assert len(checks[name]["step_s"]) == 2 and checks[name]["drift_mean"][-1] < 1e-4, (name, checks[name])
     assert checks["lora_run"]["sync_fraction"] < 0.05 and result["lora_sync_fraction"] < 0.05, checks["lora_run"]
+    # the figures read against what this device measured in the same run: copy bandwidth, matmul rate
+    limits = report["limits"]
+    assert limits["copy_gb_per_s"] > 0 and limits["matmul_tflops"] > 0 and limits["matmul_dtype"] == "float32", limits
+    assert 0 < checks["handle_route"]["of_copy"] and result["copy_gb_per_s"] == limits["copy_gb_per_s"]
+    assert 0 < result["fsdp_of_peak"] < 1.5 and 0 < result["megatron_of_peak"] < 1.5, result
+    assert checks["fsdp_actor"]["tflops"] > 0 and checks["megatron_run"]["update_tflops"] > 0
+    assert checks["hf_engine"]["bf16_generate_tokens_per_s"] > 0 and result["hf_engine_vs_generate"] > 0, result
+
+
+def test_model_size_builds_the_model_on_the_device(tmp_path: Path) -> None:
+    """--model-size builds a random llama of that shape with the given model's tokenizer and runs the checks
+    on it (1b on a GPU; `test` is the same build at a size the CPU runs in seconds)."""
+    proc, report = smoke(["--device", "cpu", "--model", "tiny-llama", "--quick", "--model-size", "test", "--only",
+                          "hf_engine"], tmp_path / "gpu_smoke.json", 300)
+    assert proc.returncode == 0, failures(report) or proc.stderr[-3000:]
+    assert report["model"].startswith("random test llama") and report["result"]["model"] == report["model"]
+    assert report["checks"]["hf_engine"]["fp32_max_abs_diff"] < 1e-4 and "built a random test llama" in proc.stderr
 
 
 def test_a_failing_check_is_reported_and_the_others_still_run(tmp_path: Path) -> None:

@@ -173,6 +173,7 @@ class Batch:
             "rollout/response_length_mean": float(resp_len[v].mean()) if v.any() else nan,
             "rollout/response_length_max": float(resp_len.max()) if len(self) else nan,
             "rollout/model_tokens_mean": float(self.response_mask[v].sum(1).float().mean()) if v.any() else nan,
+            "rollout/tokens": float(self.attention_mask.sum()),  # prompt and response tokens: what an update reads
             "rollout/num_turns_mean": sum(self.num_turns) / max(1, len(self.num_turns)),
         }
         for t in sorted(set(self.termination)):

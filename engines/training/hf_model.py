@@ -17,7 +17,9 @@ from engines.training.losses import entropy_from_logits, logprobs_from_logits
 def default_device() -> torch.device:
     """This process's device: its local GPU under torchrun, else the CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        from parallel.mesh import local_gpu
+
+        return torch.device("cuda", local_gpu())
     return torch.device("cpu")
 
 
