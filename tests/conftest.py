@@ -26,9 +26,19 @@ def tool_caller(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return train_tool_caller(tmp_path_factory.mktemp("tool-caller") / "model", GSM8K / "train.jsonl")
 
 
+# files whose tests look at every sandboxed process on the box: they run on one worker, one at a time
+SANDBOX_FILES = {"test_sandbox", "test_tools"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `pytest -n N --dist loadgroup` (the README's test command) each file is one group on one
+    worker, so its module fixtures (engine servers, vLLM) start once; `gpu` tests skip without CUDA."""
     import torch
 
+    for item in items:
+        stem = item.path.stem
+        item.add_marker(pytest.mark.xdist_group("sandbox" if stem in SANDBOX_FILES else stem))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (runs on the GPU machine)")
