@@ -50,8 +50,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 INSTALL_HINT = ("the verifiers adapter needs the verifiers package: `pip install verifiers==0.4.0 uv` (it pins "
-                "openai and mcp versions of its own, so install it in a virtual environment made with "
-                "--system-site-packages; see the README's verifiers recipe)")
+                "openai and mcp versions of its own, so install it in a virtual environment over this one: "
+                "`python -m launch.venv .venv-vf`; see the README's verifiers recipe)")
 KEY_VAR_PREFIX = "SWITCHYARD_API_KEY_"  # verifiers reads keys from the environment; its runtimes hide *API_KEY*
 
 _TASKS: dict[str, list[Any]] = {}  # per taskset config: the tasks loaded so far, in load() order

@@ -16,7 +16,7 @@ step ends after the first `--skip` steps (start-up and warm-up);
 steps/hour = 3600 / that. Per-pair ratios come from the two runs of one round. Peak RSS is the
 largest sum over the run's process tree (trainer, engine and worker processes), sampled every 0.5 s.
 
-TRL comes from a venv over this environment (`--system-site-packages`, so the same torch and
+TRL comes from a venv over this environment (`launch/venv.py`, so the same torch and
 transformers), made once in the switchyard cache with `pip install trl==<--trl-version>` against
 the installed torch; `--trl-python` uses another interpreter that has TRL.
 
@@ -101,7 +101,9 @@ def trl_python(version: str) -> str:
     if not done.exists():  # made, or a half-made one finished
         print(f"making {venv} (pip install trl=={version} against torch {torch.__version__}) ...", flush=True)
         if not py.exists():
-            subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+            from launch.venv import overlay_venv
+
+            overlay_venv(venv)
         pins = venv / "constraints.txt"
         pins.write_text(f"torch=={torch.__version__.split('+')[0]}\n")
         subprocess.run([str(py), "-m", "pip", "install", "-q", "-c", str(pins), f"trl=={version}"], check=True)

@@ -1,10 +1,17 @@
-"""Checkpoints that survive `kill -9`: each is written to a temporary directory and renamed into
-place, so `latest()` only ever sees complete ones. A checkpoint holds everything a resumed run
-needs to continue exactly: actor (model, optimizer, schedule), the RL step, the data stream's
-position and the RNG states."""
+"""Checkpoints that survive `kill -9` and a tampered or damaged run directory.
+
+Each is written to a temporary directory and renamed into place, so only complete ones are ever
+seen. A checkpoint holds everything a resumed run needs to continue exactly: actor (model,
+optimizer, schedule), the RL step, the data stream's position and the RNG states. Every file is
+read back with `torch.load(weights_only=True)`: tensors and plain containers only, so a payload
+written into the run directory is refused, never executed. Beside each file its SHA-256
+(`<file>.sha256`, written by the rank that wrote the file) is checked before it is read; a resume
+takes the newest checkpoint whose files all verify on every rank and says which it skipped and why.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import shutil
@@ -14,23 +21,91 @@ from typing import Any, Callable
 _PREFIX = "step_"
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be trusted: a file missing, its checksum wrong, or not tensors and data."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _save(obj: Any, path: Path) -> None:
+    """torch.save, then the file's SHA-256 beside it (the file first: a sidecar is never ahead of it)."""
+    import torch
+
+    torch.save(obj, path)
+    Path(f"{path}.sha256").write_text(_sha256(path) + "\n")
+
+
+def _load(path: Path) -> Any:
+    """A file `_save` wrote, checked against its SHA-256 and unpickled with tensors and plain data only."""
+    import pickle
+
+    import torch
+
+    why = _verify(path)
+    if why:
+        raise CheckpointError(why)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{path} holds more than tensors and plain data, or is damaged "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); it was not loaded") from None
+
+
+def _verify(path: Path) -> str | None:
+    """None when `path` matches its recorded SHA-256; else what is wrong."""
+    side = Path(f"{path}.sha256")
+    if not path.is_file():
+        return f"{path} is missing"
+    if not side.is_file():
+        return f"{path} has no checksum beside it ({side.name}): not written by this version, or damaged"
+    if _sha256(path) != side.read_text().strip():
+        return f"{path} does not match its checksum: truncated or changed after it was written"
+    return None
+
+
 class Checkpointer:
     def __init__(self, output_dir: Path, keep: int = 2) -> None:
         self.dir = output_dir / "checkpoints"
         self.keep = keep
 
-    def latest(self) -> Path | None:
+    def all(self) -> list[Path]:
+        """Complete checkpoints, newest first."""
         if not self.dir.exists():
-            return None
-        done = sorted(p for p in self.dir.iterdir() if p.name.startswith(_PREFIX) and (p / "state.pt").exists())
-        return done[-1] if done else None
+            return []
+        return sorted((p for p in self.dir.iterdir() if p.name.startswith(_PREFIX) and (p / "state.pt").exists()),
+                      reverse=True)
+
+    def latest(self) -> Path | None:
+        done = self.all()
+        return done[0] if done else None
+
+    def verify(self, path: Path, rank: int | None = None) -> str | None:
+        """None when the checkpoint's state (and `rank`'s shard) match their checksums; else why not."""
+        return _verify(path / "state.pt") or (_verify(path / f"shard_rank{rank}.pt") if rank is not None else None)
+
+    def resumable(self, rank: int | None = None, agree: Callable[[bool], bool] = lambda ok: ok,
+                  show: bool = True) -> Path | None:
+        """The newest checkpoint whose files verify (on every rank: `agree` is True only when all
+        ranks pass True); those skipped are named with the reason."""
+        for path in self.all():
+            why = self.verify(path, rank)
+            if agree(why is None):
+                return path
+            if show:
+                print(f"WARNING: skipping checkpoint {path}: {why or 'another rank could not verify its shard'}; "
+                      "trying the one before it", flush=True)
+        return None
 
     def save(self, step: int, state: dict[str, Any] | None, shard: dict[str, Any] | None = None, rank: int = 0,
              barrier: Callable[[], None] = lambda: None) -> Path:
         """Rank 0 passes `state`; with a sharded actor (Megatron) every rank calls this with its own
         `shard` (saved as shard_rank{r}.pt) and `barrier`, and rank 0 renames once all are written."""
-        import torch
-
         final = self.dir / f"{_PREFIX}{step:06d}"
         tmp = self.dir / f".tmp-{final.name}"
         if rank == 0:
@@ -39,46 +114,49 @@ class Checkpointer:
             tmp.mkdir()
         barrier()
         if shard is not None:
-            torch.save(shard, tmp / f"shard_rank{rank}.pt")
+            _save(shard, tmp / f"shard_rank{rank}.pt")
         barrier()
         if rank == 0:
             assert state is not None
-            torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
+            _save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            for old in sorted(p for p in self.dir.iterdir() if p.name.startswith(_PREFIX))[:-self.keep]:
+            for old in self.all()[self.keep:]:
                 shutil.rmtree(old, ignore_errors=True)
         barrier()
         return final
 
     def load(self, path: Path, rank: int | None = None) -> dict[str, Any]:
         """The checkpoint's state; with `rank`, also that rank's shard under "shard"."""
-        import torch
-
-        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+        state = _load(path / "state.pt")
         set_rng_state(state["rng"])
         if rank is not None:
             shard = path / f"shard_rank{rank}.pt"
             if not shard.exists():
                 raise FileNotFoundError(f"{path} has no {shard.name}; it was saved by a run with fewer ranks or an "
                                         "unsharded actor; resume with the same actor.backend, tp, pp and world size")
-            state["shard"] = torch.load(shard, map_location="cpu", weights_only=False)
+            state["shard"] = _load(shard)
         return state
 
 
 def rng_state() -> dict[str, Any]:
+    """The RNG states as tensors and plain data (what a weights_only load reads back)."""
     import numpy as np
     import torch
 
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+            "torch": torch.get_rng_state()}
 
 
 def set_rng_state(s: dict[str, Any]) -> None:
     import numpy as np
     import torch
 
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
+    version, internal, gauss = s["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = s["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(s["torch"])
 
 

@@ -56,10 +56,18 @@ class DataConfig:
     max_operand: int = 50  # arithmetic difficulty
     num_ops: int = 2
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)  # launch/data/curriculum.py
+    # rows whose prompt holds more tokens are left out before the run, each named (None: the model's
+    # context, max_position_embeddings); the engines would refuse them anyway, one failed trajectory each
+    max_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         choice("data", "task", self.task, TASKS, error=ConfigError)
         positive("data", self, "prompts_per_step", "max_operand", "num_ops", error=ConfigError)
+        if self.max_prompt_tokens is not None and (isinstance(self.max_prompt_tokens, bool)
+                                                   or not isinstance(self.max_prompt_tokens, int)
+                                                   or self.max_prompt_tokens < 1):
+            raise ConfigError(f"data.max_prompt_tokens={self.max_prompt_tokens!r} must be a positive integer (or null: "
+                              "the model's context)")
         if self.task == "rows" and not self.train_path:
             raise ConfigError("data.train_path is required when data.task=rows (a jsonl/json/parquet file of rows)")
         if self.val_path == "test" and self.task == "rows":

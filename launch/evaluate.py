@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     except ModelUnavailableError as e:
         print(f"config error: model.path: {e}", file=sys.stderr)
         return 2
+    from launch.validation import table
+
+    print(table(metrics), flush=True)
     keys = ("val/accuracy", "val/reward_mean", "val/rows", "val/samples", "val/tool_calls_per_trajectory",
             "val/time_s")
     shown = {k[len("val/"):]: metrics[k] for k in keys if k in metrics}

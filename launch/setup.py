@@ -83,6 +83,7 @@ def setup(cfg: Config) -> Run:
         resolve_model(cfg.model.path)  # fetch/convert once, before other ranks read it
     barrier()
     model_dir = str(resolve_model(cfg.model.path))
+    rows, val_rows = _fitting(cfg, model_dir, rows, val_rows, show=rank == 0)
     plane = RolloutPlane(r, model_dir, cfg.model.dtype, rank, world, tools_path, inter_path, reward=reward,
                          adapter_rank=cfg.actor.lora.rank if cfg.actor.lora is not None else 0)
     plane.launch_engines(Path(cfg.trainer.output_dir))  # they load while the actor is built
@@ -91,6 +92,40 @@ def setup(cfg: Config) -> Run:
     except BaseException:
         plane.close()
         raise
+
+
+def _fitting(cfg: Config, model_dir: str, rows: list[dict[str, Any]], val_rows: list[dict[str, Any]],
+             show: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows whose prompts fit `data.max_prompt_tokens` (default: the model's context); the others
+    are left out before the run, each named by its row id (a 10 MB prompt would otherwise be one
+    failed trajectory per epoch). Every rank filters alike."""
+    import json
+
+    from engines.models import load_tokenizer
+    from launch.data.rows import row_uid, too_long
+
+    limit = cfg.data.max_prompt_tokens
+    if limit is None:
+        try:
+            limit = int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings") or 0)
+        except (OSError, ValueError):
+            limit = 0
+    if not limit:
+        return rows, val_rows
+    tokenizer = load_tokenizer(model_dir)
+    kept = []
+    for name, given in (("training", rows), ("validation", val_rows)):
+        bad = set(too_long(given, tokenizer, limit))
+        if bad and show:
+            ids = [row_uid(given[i]) for i in sorted(bad)]
+            print(f"WARNING: data: left out {len(bad)} {name} row(s) whose prompt holds more than "
+                  f"data.max_prompt_tokens={limit} tokens (row ids {ids[:10]}{' ...' if len(ids) > 10 else ''}); "
+                  "shorten them or raise data.max_prompt_tokens", flush=True)
+        if bad and len(bad) == len(given) and name == "training":
+            raise ConfigError(f"data: every training row's prompt holds more than data.max_prompt_tokens={limit} "
+                              "tokens; shorten them or raise the limit")
+        kept.append([row for i, row in enumerate(given) if i not in bad])
+    return kept[0], kept[1]
 
 
 def _build(cfg: Config, rank: int, world: int, barrier: Any, rows: list[dict[str, Any]],

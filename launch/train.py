@@ -35,6 +35,7 @@ def train(cfg: Config) -> dict[str, Any]:
     from launch.checkpoint import Checkpointer, load_run, save_run
     from launch.metrics import MetricsLogger, summarize
     from launch.setup import setup
+    from parallel.reduce import on_every_rank
 
     run = setup(cfg)
     actor, plane, stream, rank, barrier = run.actor, run.plane, run.stream, run.rank, run.barrier
@@ -42,7 +43,7 @@ def train(cfg: Config) -> dict[str, Any]:
     out, start, rollout_state = Path(cfg.trainer.output_dir), 0, None
     sharded = cfg.actor.sharding in ACTORS[cfg.actor.backend].per_rank_checkpoint  # a checkpoint file per rank
     ckpt = Checkpointer(out)
-    latest = ckpt.latest() if cfg.trainer.resume else None
+    latest = ckpt.resumable(rank if sharded else None, on_every_rank, show=rank == 0) if cfg.trainer.resume else None
     if latest is not None:
         start, weights.version, rollout_state = load_run(ckpt, latest, actor, stream, rank, sharded, critic=run.critic)
         print(f"resuming from {latest} (step {start}, data position {stream.position})", flush=True)
@@ -72,6 +73,7 @@ def train(cfg: Config) -> dict[str, Any]:
             plane.start_async(stream, cfg.data.prompts_per_step, rollout_state)
         for step in range(start + 1, cfg.trainer.steps + 1):
             t0 = time.perf_counter()
+            revived = fleet.revive_reward_engines()  # a judge that died is started again before this rollout
             if overlap:  # the first finished groups within the staleness bound
                 batch, metrics = plane.take_batch(weights.version)
             else:
@@ -83,7 +85,7 @@ def train(cfg: Config) -> dict[str, Any]:
                     metrics.update(stream.stats(rows))
             t_rollout = time.perf_counter() - t0
             failed = invalids.check(step, batch, metrics)  # no valid trajectory: nothing to learn, nothing to push
-            metrics.update(fleet.engine_metrics(t_rollout))
+            metrics.update({**fleet.engine_metrics(t_rollout), **revived})
             t_update, t_sync = time.time(), 0.0
             if not failed:
                 metrics.update(fleet.sleep())
@@ -185,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     except (DriftError, InvalidError) as e:  # the run did not do what it was asked: said, exit 1
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        from parallel.mesh import close_process_group
+
+        close_process_group()  # in the launcher's own exit path, whatever ended the run
     if summary:
         print("SUMMARY " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
     return 0

@@ -178,3 +178,24 @@ def describe(m: Mapping[str, Any], label: str) -> str:
     parts.append(f"tool_calls={m['val/tool_calls_per_trajectory']:.3g} weights v{int(m['val/weight_version'])} "
                  f"({m['val/time_s']:.1f} s)")
     return " ".join(parts)
+
+
+def table(m: Mapping[str, Any]) -> str:
+    """The metrics as a table: one line per data source and one for all rows, with rows, accuracy,
+    reward, pass@k (when n > 1), mean turns and tool calls per trajectory."""
+    sources = sorted(k[len("val/"):-len("/rows")] for k in m if k.startswith("val/") and k.endswith("/rows")
+                     and k != "val/rows")
+    passes = sorted({k.rsplit("/", 1)[-1] for k in m if k.startswith("val/") and "/pass@" in f"/{k.split('/', 1)[1]}"},
+                    key=lambda k: int(k.split("@")[1]))
+    cols = ["rows", "accuracy", "reward_mean", *passes, "num_turns_mean", "tool_calls_per_trajectory"]
+    heads = ["data source", "rows", "accuracy", "reward", *passes, "turns", "tool calls"]
+    lines = []
+    for name, prefix in [*((s, f"val/{s}/") for s in sources), ("all", "val/")]:
+        cells = [name]
+        for c in cols:
+            v = m.get(prefix + c)
+            cells.append("-" if v is None else str(int(v)) if c == "rows" else f"{v:.3f}")
+        lines.append(cells)
+    widths = [max(len(str(r[i])) for r in [heads, *lines]) for i in range(len(heads))]
+    fmt = lambda r: "  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w) for i, (x, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return "\n".join([fmt(heads), fmt(["-" * w for w in widths]), *map(fmt, lines)])

@@ -159,6 +159,15 @@ def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     dist.init_process_group(process_group_backend(cuda), timeout=timedelta(seconds=timeout_s))
 
 
+def close_process_group() -> None:
+    """Destroy the default process group if this process made one: a rank that exits with it still
+    open can abort at interpreter exit (seen in FSDP runs), turning a finished run into a crash."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     """(rank, world) of this process under torchrun; creates the default process group when there
     is more than one rank (`init_process_group`). On CPU the ranks of a box share its cores

@@ -22,3 +22,9 @@ def over_ranks(sums: Sequence[float], maxima: Sequence[float] = (), group: Any =
     if len(top):
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     return total.tolist(), top.tolist()
+
+
+def on_every_rank(ok: bool) -> bool:
+    """True when every rank passed True (each rank calls it): a decision all ranks take alike."""
+    failed, _ = over_ranks([0.0 if ok else 1.0])
+    return failed[0] == 0

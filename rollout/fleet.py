@@ -17,7 +17,6 @@ import json
 import os
 import socket
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -158,7 +157,7 @@ class EngineFleet:
     def _spawn(self, run_dir: Path, tcp: bool, engine_options: dict[str, Any]) -> list[tuple[Any, ...]]:
         """This node's engine processes (or in-process engine), started; (id, slot, proc, endpoint file, log) each."""
         from parallel.mesh import plan_placement
-        from rollout.bus.launcher import start_server_process
+        from rollout.bus.launcher import socket_dir, start_server_process
 
         cfg = self.cfg
         if torch.cuda.is_available() and self.placement != "cpu":  # written for GPU nodes, not run here
@@ -171,7 +170,7 @@ class EngineFleet:
             slots = list(plan.engines)
         else:
             slots = list(plan_placement("cpu", num_engines=cfg.num_engines, cores=cfg.engine_cores or None).engines)
-        tmp = Path(tempfile.mkdtemp(prefix="switchyard-"))  # mode 0700: the ipc sockets' trust boundary
+        tmp = socket_dir("switchyard-")  # mode 0700: the ipc sockets' trust boundary
         self.tmp_dirs.append(tmp)  # removed by close()
         keys_file = self.keys.write(tmp / "bus_keys.json") if self.keys is not None else None
         on_gpus = torch.cuda.is_available() and self.placement != "cpu"  # each engine sees its own GPUs as cuda:0..
@@ -279,6 +278,14 @@ class EngineFleet:
         self.engine_logs += self.reward_engines.logs
         print(self.reward_engines.describe(judges), flush=True)
         return judges
+
+    def revive_reward_engines(self) -> dict[str, float]:
+        """Rank 0, each step before the rollout: the reward model's engines that died, started again
+        (rollout/reward_engines.py `revive`); the run's count of such restarts as a metric."""
+        if self.reward_engines is None:
+            return {}
+        self.reward_engines.revive()
+        return {"reward_model/restarts": float(self.reward_engines.restarts)}
 
     # ------------------------------------------------------------------ every step
     def engine_metrics(self, seconds: float) -> dict[str, float]:

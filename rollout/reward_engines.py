@@ -10,10 +10,10 @@ On a CPU box they share the node's cores with the rest of the run. On a GPU node
 
 from __future__ import annotations
 
+import functools
 import shutil
-import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from engines.inference import ENGINES
 
@@ -28,10 +28,12 @@ class RewardEngines:
         self.procs: list[Any] = []
         self.logs: list[Path] = []
         self.tmp: Path | None = None
+        self._launch: list[Callable[[], Any]] = []  # per engine: start its server again, same address and options
+        self.restarts = 0
 
     def start(self) -> list[str]:
         from engines.models import resolve_model
-        from rollout.bus.launcher import read_endpoints, start_server_process
+        from rollout.bus.launcher import read_endpoints, socket_dir, start_server_process
 
         m = self.model
         if m.get("addresses"):
@@ -45,7 +47,7 @@ class RewardEngines:
         devices = [int(d) for d in m.get("devices") or []]
         on_gpu = dict(ENGINES[engine].on_gpu) if devices and torch.cuda.is_available() else {}
         options = {**ENGINES[engine].defaults, "dtype": self.dtype, **on_gpu, **dict(m.get("engine_options") or {})}
-        self.tmp = Path(tempfile.mkdtemp(prefix="switchyard-reward-"))  # 0700: the ipc sockets' trust boundary
+        self.tmp = socket_dir("switchyard-reward-")  # 0700: the ipc sockets' trust boundary
         n = int(m.get("num_engines", 1))
         started = []
         for i in range(n):
@@ -59,13 +61,37 @@ class RewardEngines:
             if self.request_log:
                 (self.run_dir / "engines").mkdir(parents=True, exist_ok=True)
                 request_log = self.run_dir / "engines" / f"{eid}.jsonl"
-            proc = start_server_process(engine, model_dir, [f"ipc://{self.tmp}/{eid}.sock"], eid, options,
-                                        log_file=log_file, env=env, endpoint_file=self.tmp / f"{eid}.json",
-                                        request_log=request_log)
+            launch = functools.partial(start_server_process, engine, model_dir, [f"ipc://{self.tmp}/{eid}.sock"], eid,
+                                       options, log_file=log_file, env=env, endpoint_file=self.tmp / f"{eid}.json",
+                                       request_log=request_log)
+            proc = launch()
+            self._launch.append(launch)
             self.procs.append(proc)
             self.logs.append(log_file)
             started.append((proc, self.tmp / f"{eid}.json", log_file))
         return [read_endpoints(f, p, self.startup_timeout_s, log)[0] for p, f, log in started]
+
+    def revive(self) -> list[str]:
+        """Start again, at the same address, every engine this run started that has died (a judge
+        killed or crashed mid-run would otherwise fail every later trajectory's score), and wait until
+        each serves; the agents' clients reconnect on their own. The ids of those restarted."""
+        from rollout.bus.launcher import read_endpoints
+
+        dead = [i for i, p in enumerate(self.procs) if p.poll() is not None]
+        for i in dead:
+            eid = f"reward{i}"
+            code = self.procs[i].returncode
+            print(f"WARNING: reward model engine {eid} died (exit code {code}); restarting it (log: {self.logs[i]})",
+                  flush=True)
+            assert self.tmp is not None
+            for stale in (self.tmp / f"{eid}.json", self.tmp / f"{eid}.sock"):
+                stale.unlink(missing_ok=True)
+            with open(self.logs[i], "a") as f:
+                f.write(f"\n--- restarted after exit code {code}\n")
+            self.procs[i] = self._launch[i]()
+            read_endpoints(self.tmp / f"{eid}.json", self.procs[i], self.startup_timeout_s, self.logs[i])
+            self.restarts += 1
+        return [f"reward{i}" for i in dead]
 
     def describe(self, addresses: list[str]) -> str:
         m = self.model

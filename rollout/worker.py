@@ -120,7 +120,11 @@ class AgentWorker:
             finally:
                 kill_owned(owner)
             t1 = time.time_ns()
-        await self.outcome.score(row, out, self.tokenizer)  # a judge is asked the moment this loop ended
+        try:
+            with owned_by(f"{owner}:reward"):  # what the reward function starts ends with its call
+                await self.outcome.score(row, out, self.tokenizer)  # a judge is asked the moment this loop ended
+        finally:
+            kill_owned(f"{owner}:reward")
         assert self.client is not None
         segments = self.client.take_segments(str(row.get("session_id", "")))
         if not out.version_segments and sum(n for _, n in segments) == len(out.model_token_ids()):

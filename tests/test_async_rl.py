@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,13 +49,17 @@ def test_staleness_1_overlaps_rollout_with_updates_within_the_bound(tmp_path: Pa
 
 
 def test_staleness_0_is_the_synchronous_loop(tmp_path: Path):
-    out, tmp = tmp_path / "run", tmp_path / "tmp"
-    tmp.mkdir()
-    proc = subprocess.run([sys.executable, "launch/train.py", *TINY, "rollout.max_tokens=64", "rollout.staleness=0",
-                           "trainer.steps=2", f"trainer.output_dir={out}"], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env={**_env(), "TMPDIR": str(tmp)})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert not list(tmp.glob("switchyard-*"))  # the engines' socket/key/log directory is removed
+    import tempfile
+
+    out, tmp = tmp_path / "run", Path(tempfile.mkdtemp(prefix="sy-", dir="/tmp"))  # short: ipc paths stay inside it
+    try:
+        proc = subprocess.run([sys.executable, "launch/train.py", *TINY, "rollout.max_tokens=64", "rollout.staleness=0",
+                               "trainer.steps=2", f"trainer.output_dir={out}"], cwd=REPO, capture_output=True,
+                              text=True, timeout=600, env={**_env(), "TMPDIR": str(tmp)})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert not list(tmp.glob("switchyard-*"))  # the engines' socket/key/log directory is removed
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     rows = metrics(out)
     assert not [k for r in rows for k in r if k.startswith("async/")]
     assert [r["data/index"] for r in rows] == [2, 4] and [r["weight_version"] for r in rows] == [2, 3]

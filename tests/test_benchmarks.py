@@ -156,3 +156,13 @@ def test_vs_trl_small_run(tmp_path):
     assert pair["ratio"] == pytest.approx(pair["switchyard"]["steps_per_hour"] / pair["trl"]["steps_per_hour"])
     (extra,) = report["extra"]  # TRL again, with the host allocator setting switchyard's actor applies
     assert extra["system"] == "trl retain" and extra["steps"] == 3
+
+
+def test_soak_small_run(tmp_path):
+    pytest.importorskip("aiohttp")
+    last, report = _run("benchmarks/soak.py", ["--quick", "--steps", "8", "--requests", "96", "--clients", "4",
+                                                "--every-s", "0.5"], tmp_path)
+    assert last.startswith("RESULT train_rss_growth_second_half_mib=")
+    train, gw = report["training"], report["gateway"]
+    assert train["steps"] == 8 and train["samples"] >= 3 and train["rss_mib_end"] > 50, train
+    assert gw["requests"] == 96 and gw["samples"] >= 3, gw

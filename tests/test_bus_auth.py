@@ -127,3 +127,65 @@ def test_tcp_without_keys_is_refused_before_binding(tmp_path):
     with pytest.raises(RuntimeError, match="bus keys"):
         read_endpoints(tmp_path / "ep.json", proc, 60, tmp_path / "log")
     assert proc.wait(30) != 0
+
+
+@pytest.mark.parametrize("which", ["another deployment's keys", "the right server key, a stranger's client key"])
+def test_a_client_with_the_wrong_keys_is_told_within_seconds_to_check_them(tcp_server, which):
+    """A trainer or worker holding keys the server was not started with learns it from the failed
+    CURVE handshake within seconds (not at its start-up deadline, blaming addresses)."""
+    import time
+
+    keys, _, tcp = tcp_server
+    wrong = BusKeys.generate().for_role(TRAINER) if which.startswith("another") else _stranger(keys.server_public)
+
+    async def body() -> float:
+        t0 = time.monotonic()
+        async with GenerateClient([tcp], keys=wrong) as client:
+            with pytest.raises(AuthError, match=r"refused this client in the CURVE handshake: its keys are not the "
+                                                r"ones their servers were started with.*rollout.engine_keys"):
+                await client.wait_ready(timeout_s=60)
+        return time.monotonic() - t0
+
+    assert asyncio.run(body()) < 15
+
+
+def test_the_keys_file_is_private_even_when_it_replaces_a_readable_one(tmp_path):
+    """`python -m rollout.service keys --force` over an existing 0644 file leaves a 0600 one."""
+    import os
+    import stat
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "keys.json"
+    path.write_text("{}")
+    os.chmod(path, 0o644)
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "rollout.service", "keys", str(path), "--force"], cwd=repo,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and BusKeys.read(path).server_public
+    assert [p.name for p in tmp_path.iterdir()] == ["keys.json"]  # no temporary file left beside it
+
+
+def test_a_deep_tmpdir_does_not_break_the_ipc_sockets(tmp_path, monkeypatch):
+    """Unix socket paths end at 107 bytes: with a $TMPDIR that deep, a run's socket directory goes to
+    /tmp instead of failing at bind (seen under pytest-xdist's deeper temp paths)."""
+    import tempfile
+    from pathlib import Path
+
+    from rollout.bus.launcher import IPC_PATH_MAX, socket_dir
+
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    made = socket_dir("switchyard-")
+    try:
+        assert made.parent == Path("/tmp") and len(str(made / "node12-engine15.sock")) <= IPC_PATH_MAX
+        assert oct(made.stat().st_mode & 0o777) == "0o700"
+    finally:
+        made.rmdir()
+    monkeypatch.setattr(tempfile, "tempdir", "/tmp")
+    shallow = socket_dir("switchyard-")
+    assert shallow.parent == Path("/tmp")
+    shallow.rmdir()

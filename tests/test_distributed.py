@@ -155,7 +155,8 @@ def test_gpu_style_process_group_fsdp_bf16_runs_and_resumes(tmp_path: Path):
     proc = torchrun([*args, "trainer.steps=2"], env=env)
     assert "SUMMARY steps=2" in proc.stdout and "sharding fsdp" in proc.stdout, proc.stdout[-3000:]
     assert sorted(p.name for p in (out / "checkpoints" / "step_000002").iterdir()) == [
-        "shard_rank0.pt", "shard_rank1.pt", "state.pt"]  # each rank saves only its shards
+        "shard_rank0.pt", "shard_rank0.pt.sha256", "shard_rank1.pt", "shard_rank1.pt.sha256", "state.pt",
+        "state.pt.sha256"]  # each rank saves only its shards
     proc = torchrun([*args, "trainer.steps=3"], env=env)
     assert "resuming from" in proc.stdout and "SUMMARY steps=3" in proc.stdout, proc.stdout[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

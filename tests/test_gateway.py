@@ -162,8 +162,20 @@ def test_bad_requests_get_openai_style_errors(tok):  # noqa: F811
         try:
             async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="k", max_retries=0) as oa:
                 ok = [{"role": "user", "content": "hi"}]
-                with pytest.raises(openai.BadRequestError, match="model 'gpt-4' is not served"):
-                    await oa.chat.completions.create(model="gpt-4", messages=ok)
+                other = await oa.chat.completions.create(model="gpt-4", messages=ok)  # one model: served, named
+                assert other.model == "switchyard"
+                # every request field is honoured, refused naming it, or accepted and ignored on purpose
+                for extra, match in ((dict(extra_body={"made_up_param": 1}), "made_up_param is not a request field"),
+                                     (dict(reasoning_effort="high"), "reasoning_effort='high' is not supported"),
+                                     (dict(extra_body={"min_p": 0.1}), "min_p is not supported by the engines"),
+                                     (dict(modalities=["text", "audio"]), "modalities="),
+                                     (dict(extra_body={"top_k": 0}), "top_k=0 must be a positive integer")):
+                    with pytest.raises(openai.BadRequestError, match=match) as e:
+                        await oa.chat.completions.create(model="switchyard", messages=ok, **extra)
+                    assert e.value.param == next(iter(extra.get("extra_body", extra))), e.value.param
+                fine = await oa.chat.completions.create(model="switchyard", messages=ok, user="u1", store=False,
+                                                        service_tier="auto", extra_body={"top_k": 5})
+                assert fine.choices[0].message.content == "ok"
                 with pytest.raises(openai.BadRequestError, match=r"messages\[0\]: role 'robot'"):
                     await oa.chat.completions.create(model="switchyard", messages=[{"role": "robot", "content": "x"}])
                 with pytest.raises(openai.BadRequestError, match="tool_choice='required' is not supported"):
@@ -221,7 +233,8 @@ def test_one_grpo_step_of_an_openai_client_agent_through_train_py(tmp_path: Path
 
 def test_standalone_gateway_process_serves_the_openai_client(servers):
     """`python -m agent.gateway` in front of an engine server: an OpenAI client gets a reply; the
-    process refuses to bind beyond loopback without a key and stops cleanly on SIGTERM."""
+    process refuses to bind beyond loopback without a key, stops cleanly on SIGTERM, and stops within
+    seconds once the process that started it is killed."""
     import subprocess
 
     srv = servers(1, backend="echo", model="echo")
@@ -241,6 +254,35 @@ def test_standalone_gateway_process_serves_the_openai_client(servers):
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
+    # started by a script that is then killed with -9: the gateway notices and stops (no --detach)
+    import shlex
+    import time
+
+    import psutil
+
+    script = subprocess.Popen(["bash", "-c", f"{shlex.join([*cmd, '--port', '0'])} & wait"], cwd=repo,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "switchyard gateway: http://127.0.0.1:" in script.stdout.readline()
+        (gateway,) = psutil.Process(script.pid).children()
+        script.kill()
+        script.wait(10)
+        t0 = time.monotonic()
+
+        def running() -> bool:  # an orphan's exit may leave a zombie until init reaps it: that is gone too
+            try:
+                return gateway.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+
+        while running() and time.monotonic() - t0 < 10:  # it looks twice a second; stopping takes a moment
+            time.sleep(0.1)
+        assert not running(), "the gateway outlived the process that started it by 10 s"
+
+    finally:
+        for p in psutil.Process().children(recursive=True):
+            if "agent.gateway" in " ".join(p.cmdline()):
+                p.kill()
 
 
 def test_a_client_opened_session_keeps_only_its_latest_segments(tok):  # noqa: F811

@@ -87,3 +87,69 @@ def test_sessions_clients_open_by_themselves_are_bounded(tok):  # noqa: F811
     sessions, mine = asyncio.run(body())
     assert mine in sessions and len(sessions) == 51
     assert {f"s{i}" for i in range(70, 120)} <= sessions  # the most recent stay
+
+
+def test_refused_requests_leave_the_session_as_it_was(tok):  # noqa: F811
+    """A conversation turned away for its length (413 after tokenizing: it passes the character check)
+    keeps nothing of itself in the session: 1,500 of them leave the session's tokens where they were
+    and the process's memory within 50 MB; the conversation then goes on from its last good turn."""
+    import os
+
+    import psutil
+
+    def held(gw) -> int:
+        return sum(len(seg.traj.response_ids) + len(seg.traj.prompt_ids) + len(seg.held)
+                   for sess in gw.sessions.values() for seg in sess.segments)
+
+    async def body():
+        gw = Gateway(ScriptedClient(tok, ["ok"] * 4), tok)
+        await gw.start()
+        rss = psutil.Process(os.getpid()).memory_info().rss
+        try:
+            async with aiohttp.ClientSession() as s:
+                async def chat(messages):
+                    async with s.post(gw.base_url + "/chat/completions", headers={"X-Session-Id": "abuse"},
+                                      json={"model": "switchyard", "messages": messages}) as r:
+                        return r.status, await r.json()
+
+                first = [{"role": "user", "content": "hi"}]
+                status, reply = await chat(first)
+                assert status == 200, reply
+                so_far = first + [reply["choices"][0]["message"]]
+                before = held(gw)
+                long = " ".join(["hello"] * 2100)  # ~2,100 tokens > the context of 2,048, 12.6k characters < 65k
+                for _ in range(1500):
+                    status, err = await chat(so_far + [{"role": "user", "content": long}])
+                    assert status == 413 and err["error"]["code"] == "context_length_exceeded", err
+                after = held(gw)
+                grown = psutil.Process(os.getpid()).memory_info().rss - rss
+                status, reply = await chat(so_far + [{"role": "user", "content": "and now?"}])
+                return before, after, grown, status, len(gw.sessions["abuse"].segments)
+        finally:
+            await gw.stop()
+
+    before, after, grown, status, segments = asyncio.run(body())
+    assert after == before, (before, after)
+    assert grown < 50 * 2**20, f"RSS grew {grown / 2**20:.0f} MB over 1,500 refused requests"
+    assert status == 200 and segments == 1  # the good turn continued the one segment, none was left behind
+
+
+def test_a_body_nested_100000_deep_gets_400_on_every_route(tok):  # noqa: F811
+    deep = '{"model": "switchyard", "max_tokens": 4, "messages": [{"role": "user", "content": ' + "[" * 100_000 \
+        + "]" * 100_000 + "}], \"input\": " + "[" * 100_000 + "]" * 100_000 + "}"
+
+    async def body():
+        gw = Gateway(ScriptedClient(tok, ["ok"]), tok)
+        await gw.start()
+        try:
+            got = {}
+            async with aiohttp.ClientSession() as s:
+                for route in ("/chat/completions", "/responses", "/messages"):
+                    async with s.post(gw.base_url + route, data=deep, headers={"Content-Type": "application/json"}) as r:
+                        got[route] = (r.status, await r.text())
+            return got
+        finally:
+            await gw.stop()
+
+    for route, (status, text) in asyncio.run(body()).items():
+        assert status == 400 and "nested too deeply" in text, (route, status, text[:300])

@@ -133,8 +133,10 @@ def test_refusals_are_openai_errors(tok):  # noqa: F811
                     await oa.responses.create(model="switchyard", input="hi", text={"format": {
                         "type": "json_schema", "name": "x", "schema": {"type": "object"}}})
                 assert e.value.param == "text.format"
-                with pytest.raises(openai.BadRequestError, match="model 'gpt-4' is not served"):
-                    await oa.responses.create(model="gpt-4", input="hi")
+                assert (await oa.responses.create(model="gpt-4", input="hi")).model == "switchyard"  # served, named
+                with pytest.raises(openai.BadRequestError, match=r"text.verbosity is not supported.*name the served "
+                                                                 r"model, Agent\(model='switchyard'\)"):
+                    await oa.responses.create(model="gpt-5", input="hi", text={"verbosity": "low"})
                 with pytest.raises(openai.BadRequestError, match="tool_choice='required' is not supported without"):
                     await oa.responses.create(model="switchyard", input="hi", tool_choice="required")
                 with pytest.raises(openai.BadRequestError, match="parallel_tool_calls=false"):

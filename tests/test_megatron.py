@@ -189,7 +189,8 @@ def test_trainer_with_megatron_tp2_runs_and_resumes(tmp_path: Path, dtype: str):
     assert all(m.dtype == torch.float32 for m in shard.get("masters", {}).values()) and bool(shard.get("masters")) == (
         dtype == "bfloat16")
     assert sorted(p.name for p in (out / "checkpoints" / "step_000002").iterdir()) == [
-        "shard_rank0.pt", "shard_rank1.pt", "state.pt"]
+        "shard_rank0.pt", "shard_rank0.pt.sha256", "shard_rank1.pt", "shard_rank1.pt.sha256", "state.pt",
+        "state.pt.sha256"]
     second = run(3)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-6000:]
     assert "(step 2, data position (0, 4))" in second.stdout

@@ -98,6 +98,47 @@ def test_every_form_scores_and_every_failure_stays_with_its_trajectory(tmp_path:
     assert garbage.termination == "error" and "without 'score'" in garbage.error
 
 
+EXITS = """
+import sys
+
+def quits(data_source, solution_str, ground_truth, extra_info=None):
+    sys.exit(3)
+
+async def quits_async(data_source, solution_str, ground_truth, extra_info=None):
+    raise KeyboardInterrupt
+
+def quits_batch(data_sources, solution_strs, ground_truths, extra_infos=None):
+    raise SystemExit("bye")
+"""
+
+
+@pytest.mark.parametrize("name, cfg, raised", [("quits", {}, "SystemExit(3)"), ("quits", {"processes": 1}, "SystemExit(3)"),
+                                               ("quits_async", {}, "KeyboardInterrupt"),
+                                               ("quits_batch", {"batch_size": 2}, "SystemExit(bye)")],
+                         ids=["thread", "process", "async", "batch"])
+def test_a_scorer_that_exits_fails_its_trajectory_and_the_loop_goes_on(tmp_path: Path, tok, name, cfg, raised):  # noqa: F811
+    """SystemExit or KeyboardInterrupt from the user's scorer, in every form it can run in: its trajectory
+    fails naming it, at once (not at the step's deadline), and the worker's event loop scores on."""
+    path = tmp_path / "exits.py"
+    path.write_text(EXITS)
+
+    async def body() -> tuple[list[AgentLoopOutput], float, bool]:
+        fn = OutcomeScorer(dict(function=f"{path}:{name}", timeout_s=30.0, **cfg))
+        outs = [_out(tok, "the answer is 42") for _ in range(2)]
+        t0 = time.monotonic()
+        try:
+            await asyncio.gather(*(fn.score(ROW, o, tok) for o in outs))
+        finally:
+            await fn.close()
+        await asyncio.sleep(0.01)  # the loop still runs
+        return outs, time.monotonic() - t0, True
+
+    outs, took, alive = asyncio.run(body())
+    assert alive and took < 20, took
+    for o in outs:
+        assert o.termination == "error" and f"the reward function raised {raised}" in o.error, o.error
+
+
 def test_a_bad_reward_function_is_refused_naming_the_fix(tmp_path: Path):
     with pytest.raises(ValueError, match="is not a file"):
         load_function(f"{tmp_path}/missing.py:f")
@@ -241,10 +282,18 @@ def test_a_bad_batch_config_is_refused_naming_the_fix(tmp_path: Path):
 
 
 def test_one_grpo_step_with_a_reward_function_from_a_file(tmp_path: Path):
+    """verl rows whose rule-style ground truth is text ("tiger", which no built-in rule scorer reads):
+    the user's function scores them, and the step trains."""
     path = tmp_path / "my_reward.py"
     path.write_text(SCORERS)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"data_source": "animals", "agent_name": "tool_agent",
+                                        "prompt": [{"role": "user", "content": f"Name a big cat ({i})."}],
+                                        "reward_model": {"style": "rule", "ground_truth": "tiger"}}) + "\n"
+                            for i in range(3)))
     out = tmp_path / "run"
-    proc = train([*TINY, "data.prompts_per_step=3", "trainer.steps=1", f"trainer.output_dir={out}",
+    proc = train([*TINY, "data.task=rows", f"data.train_path={rows}", "sft.enabled=false",
+                  "data.prompts_per_step=3", "trainer.steps=1", f"trainer.output_dir={out}",
                   f"reward.function={path}:compute_score", "reward.timeout_s=3"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     step = [m for m in metrics(out) if m.get("step") == 1][0]
@@ -252,6 +301,8 @@ def test_one_grpo_step_with_a_reward_function_from_a_file(tmp_path: Path):
     assert step["rollout/trajectories"] == 6.0
     assert step["rollout/reward_extra/function/acc"] == 1.0  # the dict's parts, logged
     assert step["rollout/reward_extra/function_error"] == pytest.approx(2 / 6)
+    assert step["rollout/reward_mean"] == pytest.approx(0.25)  # "tiger" is in no reply: the function's 0.25
+    assert "step/failed" not in step or not step["step/failed"]
     assert json.dumps(step)  # the line is plain JSON
 
 

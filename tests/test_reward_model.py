@@ -70,3 +70,35 @@ def test_one_grpo_step_judged_by_a_model_on_its_own_engine(tmp_path: Path, tool_
     print("judge took", sorted(round(r["started"] % 1000, 2) for r in judge))
     print("policy took", sorted(round(r["started"] % 1000, 2) for r in policy))
     assert min(r["started"] for r in judge) < max(r["started"] for r in policy)
+
+
+def test_a_killed_judge_engine_is_restarted_and_its_clients_score_again(tmp_path: Path):
+    """The reward model's engine killed with -9 mid-run: `revive` (called by train.py before each
+    step's rollout) starts it again at the same address, and the agents' client, never rebuilt,
+    is served again (the echo engine stands in for the judge's model: the test is about the process)."""
+    import asyncio
+    import signal
+
+    from rollout.bus.client import GenerateClient
+    from rollout.reward_engines import RewardEngines
+
+    engines = RewardEngines({"path": "tiny-llama", "engine": "echo", "kind": "judge", "num_engines": 1}, "float32",
+                            tmp_path, request_log=False, startup_timeout_s=120)
+    (address,) = engines.start()
+    try:
+        async def body() -> tuple[list[str], int]:
+            async with GenerateClient([address]) as client:
+                await client.wait_ready(timeout_s=60)
+                before = await client.generate([1, 2, 3], {"max_tokens": 2}, session_id="a")
+                assert engines.revive() == []  # nothing died: nothing restarted
+                engines.procs[0].send_signal(signal.SIGKILL)
+                engines.procs[0].wait(10)
+                restarted = engines.revive()
+                after = await asyncio.wait_for(client.generate([1, 2, 3], {"max_tokens": 2}, session_id="b"), 30)
+                return restarted, len(before.token_ids) + len(after.token_ids)
+
+        restarted, tokens = asyncio.run(body())
+        assert restarted == ["reward0"] and engines.restarts == 1 and tokens == 4
+        assert "restarted after exit code -9" in engines.logs[0].read_text()
+    finally:
+        engines.close()

@@ -3,9 +3,10 @@ the logits adjustment on hand-made logits, the bus carrying them both ways, and 
 against the gateway on a real hf engine (tiny-llama: random weights, so greedy decoding repeats one token,
 which is what makes the penalties visible). Bad values are 400s naming the field.
 
-Semantics checked here: the adjustments change what is drawn, never what the returned logprobs are of
-(the policy's log_softmax(logits / T), what the trainer recomputes); top_logprobs are of that same
-distribution, so a banned token still shows as the policy's favourite alternative."""
+Semantics checked here: the returned logprobs are of the distribution the token was drawn from (the
+adjusted logits' log_softmax(. / T), as vLLM reports them): the behaviour probabilities the trainer's
+off-policy correction needs; top_logprobs are of that same distribution, so a banned token is not
+among the alternatives and a forced one has probability ~1."""
 
 from __future__ import annotations
 
@@ -45,18 +46,20 @@ def test_adjust_adds_the_bias_and_penalises_generated_tokens_per_row() -> None:
     assert adjust(two, nothing, [[], []]) is two  # no copy when no row adjusts anything
 
 
-def test_sample_draws_from_the_adjusted_logits_but_reports_the_policy_logprobs() -> None:
+def test_sample_draws_from_the_adjusted_logits_and_reports_their_logprobs() -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]])
     params = [SamplingParams(temperature=0, logit_bias={3: -100}, top_logprobs=2),  # greedy, argmax banned
               SamplingParams(temperature=0.5, logit_bias={2: 100}, top_logprobs=3)]  # forced token 2
     gens = [torch.Generator().manual_seed(0) for _ in params]
     tokens, logprobs, tops = sample(logits, params, gens, [[], []])
     assert tokens.tolist() == [2, 2]
-    policy = torch.log_softmax(logits / torch.tensor([[1.0], [0.5]]), -1)  # greedy rows: T = 1
-    assert torch.allclose(logprobs, policy[[0, 1], [2, 2]])  # unaffected by the bias
-    assert tops[0][0] == [3, 2] and tops[1][0] == [0, 1, 2]  # the policy's favourites, banned one first
-    assert tops[0][1] == pytest.approx(policy[0, [3, 2]].tolist())
-    assert tops[1][1] == pytest.approx(policy[1, [0, 1, 2]].tolist())
+    steered = logits + torch.tensor([[0.0, 0.0, 0.0, -100.0], [0.0, 0.0, 100.0, 0.0]])
+    drawn = torch.log_softmax(steered / torch.tensor([[1.0], [0.5]]), -1)  # greedy rows: T = 1
+    assert torch.allclose(logprobs, drawn[[0, 1], [2, 2]])  # what the token was drawn from
+    assert logprobs[1] > -1e-6 and not torch.allclose(logprobs, torch.log_softmax(logits, -1)[[0, 1], [2, 2]])
+    assert tops[0][0] == [2, 1] and tops[1][0] == [2, 0, 1]  # the banned token gone, the forced one first
+    assert tops[0][1] == pytest.approx(drawn[0, [2, 1]].tolist())
+    assert tops[1][1] == pytest.approx(drawn[1, [2, 0, 1]].tolist(), abs=1e-5)
     _, _, none = sample(logits, [SamplingParams(), SamplingParams()], gens)
     assert none == [None, None]
 
@@ -168,8 +171,8 @@ def test_openai_logit_bias_bans_and_forces_tokens(engine) -> None:
         r = await oa.chat.completions.create(**{**ask, "temperature": 1.0}, logit_bias={str(forced_id): 100},
                                              logprobs=True)
         assert last_ids(engine) == [forced_id] * 12
-        # the returned logprobs are the policy's, not the biased sampler's (which would be ~0)
-        assert all(c.logprob < -1.0 for c in r.choices[0].logprobs.content)
+        # the returned logprobs are the biased sampler's, what the tokens were drawn from: ~0 for a forced token
+        assert all(c.logprob > -1e-3 for c in r.choices[0].logprobs.content)
 
     with_gateway(engine, body)
 
@@ -194,13 +197,15 @@ def test_openai_top_logprobs(engine) -> None:
         ask = dict(model="switchyard", messages=QUESTION, max_tokens=10, temperature=0.0, logprobs=True)
         await oa.chat.completions.create(**ask)
         first = last_ids(engine)[0]
-        # greedy with the policy's favourite banned: the sampled token is the second best, and the banned
-        # one still leads the alternatives (they are the policy's distribution, as the logprobs are)
+        # greedy with the policy's favourite banned: the sampled token is the second best and leads the
+        # alternatives, and the banned one is not among them (the distribution drawn from, as the logprobs are)
         r = await oa.chat.completions.create(**ask, top_logprobs=3, logit_bias={str(first): -100})
         content = r.choices[0].logprobs.content
         assert len(content) == len(last_ids(engine)) == 10
         from engines.models import load_tokenizer
-        assert content[0].top_logprobs[0].token == load_tokenizer("tiny-llama").decode([first])
+        banned = load_tokenizer("tiny-llama").decode([first])
+        assert content[0].top_logprobs[0].token == content[0].token != banned
+        assert all(a.token != banned or a.logprob < -50 for c in content for a in c.top_logprobs)
         for c in content:
             alts = c.top_logprobs
             assert len(alts) == 3

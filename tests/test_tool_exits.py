@@ -29,7 +29,8 @@ NOOP_SCHEMA = {"type": "function", "function": {"name": "noop", "description": "
 def test_system_exit_in_a_tool_fails_the_trajectory_not_the_worker(tool_caller: Path, tmp_path: Path,
                                                                     isolation: str):
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps(r) + "\n" for r in gsm8k_rows(GSM8K / "train.jsonl", 8)))
+    huge = {**gsm8k_rows(GSM8K / "train.jsonl", 1)[0], "prompt": [{"role": "user", "content": "x" * 10_000_000}]}
+    rows.write_text("".join(json.dumps(r) + "\n" for r in [*gsm8k_rows(GSM8K / "train.jsonl", 8), huge]))
     tools = tmp_path / "tools.yaml"
     tools.write_text(yaml.safe_dump({"tools": [
         {"class_name": "exiting_tools.ExitingCalculator", "config": {"isolation": isolation},
@@ -49,3 +50,8 @@ def test_system_exit_in_a_tool_fails_the_trajectory_not_the_worker(tool_caller: 
     assert m["rollout/invalid"] == 4, m  # every other create() raised SystemExit(2): those trajectories failed
     assert m["rollout/tool_calls"] >= 1 and m["rollout/tool_failed"] == m["rollout/tool_calls"], m
     assert "SystemExit" in proc.stderr
+    # a 10 MB prompt is left out before the run, named by its row id; the other rows train
+    from launch.data.rows import row_uid
+
+    assert "left out 1 training row(s) whose prompt holds more than data.max_prompt_tokens=" in proc.stdout
+    assert row_uid(huge) in proc.stdout

@@ -173,6 +173,8 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def test_kill_9_mid_step_resumes_exactly(tmp_path: Path):
+    """Killed during step 3 with step 2's checkpoint then damaged: the resume skips it, naming why, and
+    continues exactly from step 1's."""
     out = tmp_path / "run"
     args = [*TINY, "trainer.steps=4", f"trainer.output_dir={out}"]
     log = (tmp_path / "first.log").open("w")
@@ -195,10 +197,13 @@ def test_kill_9_mid_step_resumes_exactly(tmp_path: Path):
     from rollout.weights.shm import shm_dir
 
     assert list(shm_dir().glob(f"switchyard-wb-{proc.pid}-*"))  # the killed trainer's weight slots are left over
+    newest = out / "checkpoints" / "step_000002" / "state.pt"  # damaged: the resume falls back to step 1's
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
     proc2 = train(args)
     assert proc2.returncode == 0, proc2.stderr[-4000:]
     assert not list(shm_dir().glob(f"switchyard-wb-{proc.pid}-*"))  # and the next run removed them
-    assert "resuming from" in proc2.stdout and "(step 2, data position (0, 4))" in proc2.stdout, proc2.stdout[-3000:]
+    assert f"skipping checkpoint {newest.parent}: {newest} does not match its checksum" in proc2.stdout, proc2.stdout
+    assert "resuming from" in proc2.stdout and "(step 1, data position (0, 2))" in proc2.stdout, proc2.stdout[-3000:]
     rows = metrics(out)
     assert [m["step"] for m in rows] == [1, 2, 3, 4]  # one line per step, none repeated or missing
     assert [m["data/index"] for m in rows] == [2, 4, 6, 8]  # 2 rows per step, continuing from the checkpoint

@@ -139,6 +139,12 @@ def test_validation_runs_at_step_0_and_every_val_every_steps_and_the_evaluator_r
         for key in ("val/accuracy", "val/reward_mean", "val/tool_calls_per_trajectory", "val/response_length_mean"):
             assert got[key] == val[-1][key], (how, key)
         assert "EVAL accuracy=" in proc.stdout
+        # and a table: a line per data source and one for all, the numbers of the metrics file
+        head = next(i for i, line in enumerate(proc.stdout.splitlines()) if line.startswith("data source"))
+        lines = proc.stdout.splitlines()[head:head + 8]
+        assert lines[0].split()[2:] == ["rows", "accuracy", "reward", "turns", "tool", "calls"], lines
+        everything = next(line for line in lines if line.startswith("all "))
+        assert everything.split()[1:3] == [str(int(got["val/rows"])), f"{got['val/accuracy']:.3f}"], lines
 
 
 def test_sampled_validation_beside_asynchronous_rollout(task: dict[str, Path], tmp_path: Path):

@@ -1,7 +1,7 @@
 """A verifiers environment trained through launch/train.py (agent/verifiers_env.py).
 
 verifiers pins openai and mcp versions that differ from switchyard's, so it runs in a virtual
-environment of its own: made with --system-site-packages (torch, transformers and switchyard come
+environment of its own: made with `python -m launch.venv` (torch, transformers and switchyard come
 from the main environment), with verifiers and uv (its built-in harnesses run as uv scripts)
 installed, built once per verifiers and Python version under the switchyard cache and reused. The
 test skips only when that environment cannot be built because the package index is unreachable.
@@ -168,14 +168,14 @@ def verifiers_python() -> Path:
 
     root = cache_root() / "test-venvs"
     root.mkdir(parents=True, exist_ok=True)
-    venv = root / f"verifiers-{VERIFIERS}-py{sys.version_info[0]}{sys.version_info[1]}"
+    venv = root / f"verifiers-{VERIFIERS}-py{sys.version_info[0]}{sys.version_info[1]}-overlay"
     python, ready = venv / "bin" / "python", venv / ".switchyard-ready"
     with open(root / f"{venv.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if ready.exists() and python.exists():
             return python
         shutil.rmtree(venv, ignore_errors=True)
-        made = _run([sys.executable, "-m", "venv", "--system-site-packages", venv])
+        made = _run([sys.executable, "-m", "launch.venv", venv])  # the README's recipe, as a user runs it
         assert made.returncode == 0, made.stderr[-2000:]
         pins = venv / "constraints.txt"
         pins.write_text(f"torch=={torch.__version__.split('+')[0]}\n")  # never replace the main torch

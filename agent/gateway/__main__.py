@@ -2,6 +2,8 @@
 
 For agents that run outside the training job (another machine, another language): they point their
 OpenAI client at the printed URL. Beyond loopback, give `--api-key` (requests without one get 401).
+It stops when the process that started it is gone (a script killed with -9 leaves no gateway behind);
+`--detach` keeps it running on its own (under nohup or a service manager).
 """
 
 from __future__ import annotations
@@ -38,6 +40,15 @@ async def serve(args: argparse.Namespace) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        if args.parent:
+            from parallel.lifetime import watch_parent
+
+            def gone() -> None:
+                print(f"switchyard gateway: the process that started it ({args.parent}) is gone; stopping",
+                      file=sys.stderr, flush=True)
+                loop.call_soon_threadsafe(stop.set)
+
+            watch_parent(gone, parent=args.parent, every_s=0.5)
         await stop.wait()
         await gw.stop()
 
@@ -59,7 +70,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="sessions clients open by themselves (key or X-Session-Id); the least recently used go first")
     ap.add_argument("--max-inflight", type=int, default=256, help="running requests before 429")
     ap.add_argument("--ready-timeout-s", type=float, default=300.0)
+    ap.add_argument("--detach", action="store_true",
+                    help="keep serving after the process that started it is gone (default: stop with it)")
     args = ap.parse_args(argv)
+    import os
+
+    args.parent = None if args.detach else os.getppid()
     try:
         asyncio.run(serve(args))
     except KeyboardInterrupt:

@@ -70,10 +70,10 @@ class RawPrompts:
                         sampling: dict[str, Any]) -> tuple[Any, int]:
         """Continue (or open) the session's raw trajectory with `prompt`, generate, record."""
         gw = self.gw
-        model = body.get("model")
-        if model is not None and model != gw.model_name:
-            raise RequestError(400, f"model {model!r} is not served here; use {gw.model_name!r} (GET /v1/models)",
-                               code="model_not_found", param="model")
+        model = body.get("model")  # any name is served by the one model here; the reply names it
+        if model is not None and not isinstance(model, str):
+            raise RequestError(400, f"model={model!r:.80} must be a string ({gw.model_name!r} is served here)",
+                               param="model")
         vocab = len(gw.tokenizer)
         if any(t >= vocab for t in prompt):
             raise RequestError(400, f"the prompt holds token ids outside the vocabulary (size {vocab})", param="prompt")

@@ -48,7 +48,7 @@ def _hex() -> str:
     return uuid.uuid4().hex
 
 
-def check_options(body: dict[str, Any]) -> None:
+def check_options(body: dict[str, Any], served: str = "") -> None:
     """A 400 naming the first option that would change the output in a way the gateway cannot honour."""
     for key, value in body.items():
         if key not in ACCEPTED and value not in (None, False, [], {}):
@@ -60,14 +60,18 @@ def check_options(body: dict[str, Any]) -> None:
     if fmt.get("type", "text") != "text":
         raise RequestError(400, f"text.format {fmt.get('type')!r} is not supported: the engine samples freely and "
                                 "cannot constrain the output; use {type: text}", param="text.format")
+    # the Agents SDK sets these by itself for its default (OpenAI) model when the agent names none
+    hint = (f"; the Agents SDK sets it for its own default model when an agent names none: name the served "
+            f"model, Agent(model={served!r}) or OpenAIResponsesModel(model={served!r}, ...)"
+            if served and body.get("model") != served else "")
     if text.get("verbosity") not in (None, "medium"):
-        raise RequestError(400, "text.verbosity is not supported: the served model's verbosity is not configurable",
-                           param="text.verbosity")
+        raise RequestError(400, "text.verbosity is not supported: the served model's verbosity is not configurable"
+                           + hint, param="text.verbosity")
     reasoning = body.get("reasoning") or {}
     set_keys = [k for k, v in reasoning.items() if v is not None] if isinstance(reasoning, dict) else ["reasoning"]
     if set_keys:
         raise RequestError(400, f"reasoning.{set_keys[0]} is not supported: the served model's reasoning is not "
-                                "configurable here", param=f"reasoning.{set_keys[0]}")
+                                "configurable here" + hint, param=f"reasoning.{set_keys[0]}")
     if body.get("parallel_tool_calls") is False:
         raise RequestError(400, "parallel_tool_calls=false is not supported: the model may write several calls in "
                                 "one reply and all are returned", param="parallel_tool_calls")
@@ -205,7 +209,7 @@ class Responses:
             gw._prune()
             conv = gw._session_for(request)
             body = await gw._body(request)
-            check_options(body)
+            check_options(body, gw.model_name)
             history = chat_messages(body.get("input"), self._history(body.get("previous_response_id"),
                                                                      conv.session_id))
             instructions = body.get("instructions")

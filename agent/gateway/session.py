@@ -162,6 +162,26 @@ class Reply:
     top_logprobs: list[list[float]] | None = None  # and their logprobs
 
 
+class _Undo:
+    """Puts a session back as `Session._mark` found it: segments it held cut back to their lengths
+    then, any segment added since removed."""
+
+    def __init__(self, session: Any, marks: list[tuple[Any, ...]]) -> None:
+        self.session, self.marks, self.seg = session, marks, None
+
+    def __call__(self) -> None:
+        before = {id(m[0]) for m in self.marks}
+        self.session.segments = [x for x in self.session.segments if id(x) in before]
+        for seg, n, images, held, unclosed, turns in self.marks:
+            t = seg.traj
+            del t.response_ids[n:], t.response_mask[n:], t.response_logprobs[n:]
+            if len(t.pixel_values) != images:
+                del t.pixel_values[images:]
+                t._joined = None
+            seg.held, seg.unclosed = held, unclosed
+            del seg.turns[turns:]
+
+
 @dataclass(eq=False)
 class Segment:
     """One token trajectory and the messages it holds."""
@@ -216,6 +236,11 @@ class Conversation:
         self.segments: list[Segment] = []
         self.group_id = uuid.uuid4().hex
         self._lock = asyncio.Lock()
+
+    def _mark(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> "_Undo":
+        """What `_continue` and a request would change, to be put back if the request fails."""
+        return _Undo(self, [(seg, len(seg.traj.response_ids), len(seg.traj.pixel_values), seg.held, seg.unclosed,
+                             len(seg.turns)) for seg in self.segments])
 
     def _continue(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Segment:
         """The segment to generate on, brought up to `messages` (a new one when none extends)."""
@@ -296,32 +321,38 @@ class Conversation:
         prefix = self._opening(parser, force)
         async with self._lock:  # one session's calls are sequential, as an agent's are
             self.last_used = time.monotonic()
-            seg = self._continue(messages, tools)
-            if prefix:  # template tokens: the engine continues after them, the trainer never trains on them
-                seg.traj.add_context(self.tokenizer.encode(prefix, add_special_tokens=False))
-            prompt = seg.traj.all_ids()
-            params = {**sampling, **self.sampling}
-            if "max_tokens" in sampling and "max_tokens" in self.sampling:
-                params["max_tokens"] = min(int(sampling["max_tokens"]), int(self.sampling["max_tokens"]))
-            if self.max_context is not None:
-                room = self.max_context - len(prompt)
-                if room < 1:
-                    raise RequestError(413, f"the prompt holds {len(prompt)} tokens; the model's context is "
-                                            f"{self.max_context}: shorten the conversation", code="context_length_exceeded",
-                                       param="messages")
-                params["max_tokens"] = min(room, int(params.get("max_tokens", room)))
-            params.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
-            bases = [seg] + [seg.clone() for _ in range(n - 1)]
+            undo = self._mark(messages, tools)
+            try:  # a refused or failed request leaves the session as it was: nothing of it is kept
+                seg = self._continue(messages, tools)
+                undo.seg = seg
+                if prefix:  # template tokens: the engine continues after them, the trainer never trains on them
+                    seg.traj.add_context(self.tokenizer.encode(prefix, add_special_tokens=False))
+                prompt = seg.traj.all_ids()
+                params = {**sampling, **self.sampling}
+                if "max_tokens" in sampling and "max_tokens" in self.sampling:
+                    params["max_tokens"] = min(int(sampling["max_tokens"]), int(self.sampling["max_tokens"]))
+                if self.max_context is not None:
+                    room = self.max_context - len(prompt)
+                    if room < 1:
+                        raise RequestError(413, f"the prompt holds {len(prompt)} tokens; the model's context is "
+                                                f"{self.max_context}: shorten the conversation",
+                                           code="context_length_exceeded", param="messages")
+                    params["max_tokens"] = min(room, int(params.get("max_tokens", room)))
+                params.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+                bases = [seg] + [seg.clone() for _ in range(n - 1)]
+                t0 = time.perf_counter()
+                pv = seg.traj.all_pixel_values()
+                images = {} if pv is None else {"pixel_values": pv}
+                results = await asyncio.gather(*(client.generate(prompt, params, session_id=self.session_id,
+                                                                 group_id=self.group_id, **images) for _ in bases))
+            except BaseException:
+                undo()
+                raise
             self.segments += bases[1:]
             if self.max_segments is not None and len(self.segments) > self.max_segments:
                 fresh = {id(b) for b in bases}  # this call's segments stay; then the most recently used
                 keep = {id(x) for x in sorted(self.segments, key=lambda x: (id(x) in fresh, x.updated))[-self.max_segments:]}
                 self.segments = [x for x in self.segments if id(x) in keep]
-            t0 = time.perf_counter()
-            pv = seg.traj.all_pixel_values()
-            images = {} if pv is None else {"pixel_values": pv}
-            results = await asyncio.gather(*(client.generate(prompt, params, session_id=self.session_id,
-                                                             group_id=self.group_id, **images) for _ in bases))
             declared = {t["function"]["name"] for t in tools or []}
             replies = []
             for target, result in zip(bases, results):

@@ -159,6 +159,20 @@ def _in_thread(fn: Callable[..., Any], args: tuple[Any, ...]) -> "asyncio.Future
     return fut
 
 
+async def contained(awaitable: Any, who: str) -> Any:
+    """Await user code with its BaseExceptions turned into a RuntimeError that names them: a SystemExit
+    or KeyboardInterrupt that reached an asyncio task would be re-raised out of the event loop and
+    stop the agent worker (every trajectory of the step then waits for its deadline). Cancellation
+    passes through."""
+    try:
+        return await awaitable
+    except (asyncio.CancelledError, Exception):
+        raise
+    except BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt, GeneratorExit from user code
+        raise RuntimeError(f"{who} raised {type(e).__name__}({e!s:.200}); return a value or raise an Exception "
+                           "instead") from None
+
+
 def as_score(value: Any) -> tuple[float, dict[str, float]]:
     """(reward, parts) from what a scorer returned; a ValueError when it is not a finite number."""
     parts: dict[str, float] = {}
@@ -240,12 +254,14 @@ class RewardFunction:
         return (row.get("data_source"), text, rm.get("ground_truth"), dict(row.get("extra_info") or {}))
 
     def _invoke(self, args: tuple[Any, ...]) -> Any:
-        """An awaitable of `fn(*args)`: the coroutine, or the call in the pool or a thread."""
+        """An awaitable of `fn(*args)`: the coroutine, or the call in the pool or a thread; whatever
+        it raises reaches the caller as an Exception (`contained`)."""
         if self.is_async:
-            return self.fn(*args)
+            return contained(self.fn(*args), "the reward function")
         if self.pool is not None:
-            return asyncio.get_running_loop().run_in_executor(self.pool, _call, self.spec, args)
-        return _in_thread(self.fn, args)
+            return contained(asyncio.get_running_loop().run_in_executor(self.pool, _call, self.spec, args),
+                             "the reward function")
+        return contained(_in_thread(self.fn, args), "the reward function")
 
     def _submit(self, args: tuple[Any, ...]) -> "asyncio.Future[Any]":
         """A future of this trajectory's element of the batch it joins."""

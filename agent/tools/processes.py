@@ -1,20 +1,25 @@
-"""Processes a trajectory's tools start belong to that trajectory: they end with it.
+"""Processes a trajectory's tools (and its reward function) start belong to that trajectory: they end with it.
 
-A tool that starts a process (`subprocess.Popen`, `asyncio.create_subprocess_exec`, a helper
-server) and never stops it would leave it running after the trajectory, its release and even the
-worker. Inside an agent worker, every such process started while a trajectory runs (on the worker's
-loop, in a task of the trajectory, or in the thread a tool call runs in) is put in a process group
-of its own and recorded under the trajectory; when the trajectory has ended (after its tools'
-release) the recorded groups are killed, and whatever is left when the worker closes is killed too.
+A tool that starts a process (`subprocess.Popen`, `asyncio.create_subprocess_exec`, `os.fork`, a
+helper server) and never stops it would leave it running after the trajectory, its release and
+even the worker. Inside an agent worker, every such process started while a trajectory runs (on the
+worker's loop, in a task of the trajectory, in the thread a tool call runs in, in a thread that
+code starts, or in an executor it submits to) is put in a process group of its own and recorded
+under the trajectory; when the trajectory has ended (after its tools' release) the recorded groups
+are killed, and whatever is left when the worker closes is killed too. Threads and executor work
+items carry the trajectory with them: a thread started, or a call submitted to a thread pool, inside
+a trajectory runs in a copy of the starter's context.
 
 Processes meant to outlive a trajectory are started outside any: at tool construction, or in a
 task created with an empty context (`McpSession` does this for its shared server). Not covered: a
-process started with a raw `os.fork`/`os.posix_spawn`, or one that leaves its process group.
+process started with `os.posix_spawn` or a C extension's own fork, or one that leaves its process
+group.
 """
 
 from __future__ import annotations
 
 import contextlib
+import concurrent.futures
 import contextvars
 import logging
 import os
@@ -25,9 +30,12 @@ from typing import Any, Iterator
 
 log = logging.getLogger("switchyard.tools")
 _owner: contextvars.ContextVar[str | None] = contextvars.ContextVar("switchyard_trajectory", default=None)
-_owned: dict[str, list[subprocess.Popen]] = {}
+_owned: dict[str, list[subprocess.Popen | int]] = {}  # Popen, or a forked pid
 _lock = threading.Lock()
 _real_init = subprocess.Popen.__init__
+_real_fork = os.fork
+_real_thread_start = threading.Thread.start
+_real_submit = concurrent.futures.ThreadPoolExecutor.submit
 
 
 def _init(self: subprocess.Popen, *args: Any, **kwargs: Any) -> None:
@@ -40,9 +48,42 @@ def _init(self: subprocess.Popen, *args: Any, **kwargs: Any) -> None:
             _owned.setdefault(owner, []).append(self)
 
 
+def _fork() -> int:
+    """os.fork: inside a trajectory the child leads a session of its own and its pid is recorded."""
+    owner = _owner.get()
+    pid = _real_fork()
+    if pid == 0:
+        if owner is not None:
+            with contextlib.suppress(OSError):
+                os.setsid()
+        return 0
+    if owner is not None:
+        with _lock:
+            _owned.setdefault(owner, []).append(pid)
+    return pid
+
+
+def _thread_start(self: threading.Thread) -> None:
+    """Thread.start: a thread started inside a trajectory runs in a copy of the starter's context."""
+    if _owner.get() is not None and not getattr(self, "_switchyard_context", False):
+        run, ctx = self.run, contextvars.copy_context()
+        self.run = lambda: ctx.run(run)  # type: ignore[method-assign]
+        self._switchyard_context = True
+    _real_thread_start(self)
+
+
+def _submit(self: concurrent.futures.ThreadPoolExecutor, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """ThreadPoolExecutor.submit: the call runs in the submitter's context, whichever thread runs it
+    (a pool's threads outlive the trajectory that happened to start them)."""
+    return _real_submit(self, contextvars.copy_context().run, fn, *args, **kwargs)
+
+
 def install() -> None:
     """Record the processes trajectories start (in this process, from now on; idempotent)."""
     subprocess.Popen.__init__ = _init  # type: ignore[method-assign]
+    os.fork = _fork
+    threading.Thread.start = _thread_start  # type: ignore[method-assign]
+    concurrent.futures.ThreadPoolExecutor.submit = _submit  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -62,6 +103,13 @@ def kill_owned(trajectory: str) -> int:
     killed = 0
     for p in procs:
         try:
+            if isinstance(p, int):  # a forked child: running unless it has been reaped
+                if os.waitpid(p, os.WNOHANG)[0] != 0:
+                    continue  # ended, reaped now
+                os.killpg(p, signal.SIGKILL) if os.getpgid(p) == p else os.kill(p, signal.SIGKILL)
+                os.waitpid(p, 0)
+                killed += 1
+                continue
             if p.poll() is not None:  # ended (and reaped now: its pid cannot be another process's)
                 continue
             if os.getpgid(p.pid) == p.pid:
@@ -69,7 +117,7 @@ def kill_owned(trajectory: str) -> int:
             else:  # it chose a group of its own making: only the process itself is known to be ours
                 p.kill()
             killed += 1
-        except (ProcessLookupError, PermissionError, ChildProcessError):
+        except (ProcessLookupError, PermissionError, ChildProcessError):  # gone, or reaped by the code that made it
             pass
     if killed:
         log.info("trajectory %s left %d tool process(es) running; killed them", trajectory, killed)

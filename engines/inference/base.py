@@ -78,10 +78,10 @@ class SamplingParams:
     [-100, 100]}) is added to those tokens' logits; `presence_penalty` and `frequency_penalty` (each
     in [-2, 2]) subtract `presence * (count > 0) + frequency * count` from the logit of every token
     this request has generated so far (`count` times; prompt tokens do not count). They change
-    what is sampled, not what the logprobs are of on the hf engine (the policy's distribution, so
-    the rollout is off-policy and `algorithm.loss.off_policy` corrects for it); vLLM reports them
-    after the adjustments (engines/inference/vllm.py). `top_logprobs` (0..20) also returns, per
-    generated token, the k most likely tokens and their logprobs under that same distribution.
+    what is sampled, and the logprobs are then of that adjusted distribution on every engine (the
+    behaviour probabilities of an off-policy rollout, which `algorithm.loss.off_policy` weighs
+    against the policy the trainer recomputes). `top_logprobs` (0..20) also returns, per generated
+    token, the k most likely tokens and their logprobs under that same distribution.
     """
 
     max_tokens: int = 256

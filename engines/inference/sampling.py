@@ -3,11 +3,12 @@ chosen token under log_softmax(logits / T), before top-k and top-p (what the act
 
 OpenAI's logits adjustments (`logit_bias`, `presence_penalty`, `frequency_penalty`; `adjust`)
 change which token is drawn, and are applied before temperature, top-k and top-p, as vLLM does.
-They do not change what the returned logprobs are of: the raw model's log_softmax(logits / T),
-the policy the trainer recomputes. A penalised or biased rollout is therefore off-policy (its
-tokens were drawn from another distribution than the logprobs describe), which the trainer's
-off-policy corrections (`algorithm.loss.off_policy`) are for. `top_logprobs` alternatives are of
-that same distribution, so the sampled token's logprob equals its entry when it is among them.
+The returned logprobs are then of the distribution the token was actually drawn from,
+log_softmax(adjusted logits / T), on every engine (vLLM reports its logprobs after the adjustments
+too): they are the behaviour probabilities of a steered rollout, which the trainer's off-policy
+corrections (`algorithm.loss.off_policy`) weigh against the policy it recomputes. Without
+adjustments that is the policy itself. `top_logprobs` alternatives are of that same distribution,
+so the sampled token's logprob equals its entry when it is among them.
 """
 
 from __future__ import annotations
@@ -61,10 +62,10 @@ def adjust(logits: torch.Tensor, params: list[SamplingParams], generated: Sequen
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
            generated: Sequence[Sequence[int]] | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], list[float]] | None]]:
-    """Per-row tokens, their logprobs under log_softmax(logits / T) before top-k/top-p and before the
-    logits adjustments, and per row its `top_logprobs` most likely (ids, logprobs) under that same
-    distribution, most likely first (None for a row that asks for none). `generated` is each row's
-    output so far (for the penalties)."""
+    """Per-row tokens, their logprobs under the distribution they were drawn from (log_softmax of the
+    adjusted logits / T, before top-k/top-p), and per row its `top_logprobs` most likely (ids,
+    logprobs) under that same distribution, most likely first (None for a row that asks for none).
+    `generated` is each row's output so far (for the penalties)."""
     temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
     steered = adjust(logits, params, generated if generated is not None else [[] for _ in params])
@@ -76,10 +77,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tops: list[tuple[list[int], list[float]] | None] = [None] * len(params)
     k = max(p.top_logprobs for p in params)
     if k:  # one topk for the batch; each row keeps its own first k
-        vals, idx = (x.tolist() for x in logp.topk(min(k, logp.shape[-1]), dim=-1))
+        vals, idx = (x.tolist() for x in draw_logp.topk(min(k, draw_logp.shape[-1]), dim=-1))
         tops = [(idx[i][:p.top_logprobs], vals[i][:p.top_logprobs]) if p.top_logprobs else None
                 for i, p in enumerate(params)]
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1), tops
+    return tokens, draw_logp.gather(1, tokens[:, None]).squeeze(1), tops
 
 
 def draw(logp: torch.Tensor, top_k: int, top_p: float, gen: torch.Generator) -> torch.Tensor:

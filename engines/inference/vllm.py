@@ -22,7 +22,7 @@ vocabulary's logprobs shipped per token (`logprobs=-1`), far too costly to do on
 The same holds for OpenAI's logits adjustments, which map one to one onto vLLM's
 (`frequency_penalty`, `presence_penalty`: on this request's generated tokens only; `logit_bias`),
 applied before temperature: `processed_logprobs` are after them, i.e. of the distribution the
-token was drawn from, where hf reports the unadjusted policy's. `top_logprobs` = k asks vLLM for
+token was drawn from, as the hf engine reports them too. `top_logprobs` = k asks vLLM for
 `logprobs=k`: the k most likely tokens of that same processed distribution per position.
 
 Weight updates: on vLLM 0.32 the only supported in-place path is the worker's

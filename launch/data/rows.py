@@ -252,6 +252,44 @@ def row_uid(row: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _text_chars(messages: Any) -> int:
+    if not isinstance(messages, list):
+        return len(str(messages or ""))
+    n = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, Mapping) else m
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(str(part.get("text", ""))) if isinstance(part, Mapping) else len(str(part)) for part in content)
+        else:
+            n += len(str(content or ""))
+    return n
+
+
+def too_long(rows: Sequence[Mapping[str, Any]], tokenizer: Any, limit: int) -> list[int]:
+    """The indices of rows whose prompt (chat template applied) holds more than `limit` tokens. Short
+    prompts pass without tokenizing (3 tokens a character at most, plus the template), prompts of more
+    than 32 characters a token for every allowed token fail without it; only the rest are tokenized."""
+    out = []
+    for i, row in enumerate(rows):
+        messages = row.get("prompt")
+        chars = _text_chars(messages)
+        if 3 * chars + 256 <= limit:
+            continue
+        if chars > 32 * limit:
+            out.append(i)
+            continue
+        try:
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+            n = len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+        except Exception:  # noqa: BLE001 - a template that cannot render it: count its text instead
+            n = len(tokenizer(str(messages), add_special_tokens=False)["input_ids"])
+        if n > limit:
+            out.append(i)
+    return out
+
+
 class RowStream:
     """Rows in a seeded, shuffled order, epoch after epoch, with a position that a checkpoint
     saves so a resumed run continues with exactly the next row: nothing repeated, nothing skipped.

@@ -69,10 +69,20 @@ class BusKeys:
         return {self.trainer_public.encode(): TRAINER, self.worker_public.encode(): WORKER}
 
     def write(self, path: Path) -> Path:
-        """Save for an engine process, readable by this user only."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(self), f)
+        """Save for an engine process, readable by this user only: written to a new file of mode 0600
+        beside `path` and renamed over it, so a file that was there (of any mode) is replaced whole
+        and no reader ever sees the secrets world-readable or half written."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(asdict(self), f)
+            os.chmod(tmp, 0o600)  # whatever the umask
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return path
 
     @staticmethod
@@ -133,6 +143,25 @@ async def zap_handler(ctx: zmq.asyncio.Context, keys: BusKeys, ready: asyncio.Ev
                 await sock.send_multipart([version, request_id, b"200", b"OK", role.encode(), b""])
     finally:
         sock.close(0)
+
+
+async def watch_handshakes(sock: zmq.asyncio.Socket, address: str, engine_id: str) -> None:
+    """Log the clients that fail the CURVE handshake on `sock` (the first, then every 100th): they hold
+    other keys than this server's. Runs until cancelled."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+    failed = 0
+    try:
+        while True:
+            parse_monitor_message(await mon.recv_multipart())
+            if failed % 100 == 0:
+                log.warning("engine %s: a client failed the CURVE handshake on %s (%d so far): it holds other keys "
+                            "than this server's; give it the keys file this server was started with", engine_id,
+                            address, failed + 1)
+            failed += 1
+    finally:
+        mon.close(0)
 
 
 def role_of(frame: zmq.Frame) -> str | None:

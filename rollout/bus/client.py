@@ -30,6 +30,12 @@ from rollout.bus.auth import AuthError, ClientKeys, needs_auth
 from rollout.bus.reader import Wire
 from rollout.bus.router import NoEngineAvailable, Router
 
+# a CURVE handshake that fails: the server's key is not the one this client holds (NO_DETAIL,
+# PROTOCOL), or the server's ZAP handler refused this client's key (AUTH)
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+REFUSED_AFTER = 3  # failed handshakes in a row (ZMQ retries every 0.1 s) before wait_ready names the keys
+
 log = logging.getLogger("switchyard.client")
 
 
@@ -101,6 +107,7 @@ class GenerateClient:
         self._pending: list[dict[str, asyncio.Future]] = [{} for _ in addresses]
         self._last_seen = [0.0] * len(addresses)
         self._ever_seen = [False] * len(addresses)
+        self._refused = [0] * len(addresses)  # CURVE handshakes failed in a row: the keys do not match
         self._live_changed = asyncio.Event()
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
@@ -116,7 +123,7 @@ class GenerateClient:
             if needs_auth(addr):
                 assert self.keys is not None
                 self.keys.apply(s)
-            mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             s.connect(addr)
             self._socks.append(s)
             self._monitors.append(mon)
@@ -131,6 +138,12 @@ class GenerateClient:
         deadline = time.monotonic() + timeout_s
         while sum(self.router.alive) < need:
             left = deadline - time.monotonic()
+            refused = [a for a, up, n in zip(self.addresses, self.router.alive, self._refused)
+                       if not up and n >= REFUSED_AFTER]
+            if refused:
+                raise AuthError(f"engines {refused} refused this client in the CURVE handshake: its keys are not the "
+                                "ones their servers were started with; give the keys file those servers use "
+                                "(rollout.engine_keys; python -m rollout.service keys PATH makes one)")
             if left <= 0:
                 down = [a for a, up in zip(self.addresses, self.router.alive) if not up]
                 raise TimeoutError(f"engines {down} did not answer within {timeout_s:.0f}s; "
@@ -362,7 +375,12 @@ class GenerateClient:
     async def _monitor_loop(self, engine: int, mon: zmq.asyncio.Socket) -> None:
         while True:
             event = parse_monitor_message(await mon.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED and self._ever_seen[engine]:
+            if event["event"] & HANDSHAKE_FAILED:  # a ZAP refusal is final (libzmq stops reconnecting)
+                self._refused[engine] += REFUSED_AFTER if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH else 1
+                self._live_changed.set()  # wait_ready says so now, not at its deadline
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._refused[engine] = 0
+            elif event["event"] == zmq.EVENT_DISCONNECTED and self._ever_seen[engine]:
                 self._down(engine, "connection lost")
 
     async def _heartbeat_loop(self) -> None:

@@ -12,6 +12,21 @@ from pathlib import Path
 from typing import Any, Sequence
 
 
+IPC_PATH_MAX = 107  # bytes of a unix socket path (sizeof(sockaddr_un.sun_path) - 1 on Linux)
+SOCKET_NAME_ROOM = 48  # what a socket name inside the directory takes at most (node3-engine12.sock, ...)
+
+
+def socket_dir(prefix: str) -> Path:
+    """A new directory of mode 0700 for a run's ipc sockets (their trust boundary), in the temp
+    directory; in /tmp when $TMPDIR is so deep that a socket path in it would pass the unix limit."""
+    import tempfile
+
+    base = tempfile.gettempdir()
+    if len(os.fsencode(base)) + len(prefix) + 10 + SOCKET_NAME_ROOM > IPC_PATH_MAX:
+        base = "/tmp"
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
 def start_server_process(backend: str, model: str, address: str | Sequence[str], engine_id: str,
                          options: dict[str, Any] | None = None, request_log: str | Path | None = None,
                          env: dict[str, str] | None = None, log_file: str | Path | None = None,

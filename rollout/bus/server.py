@@ -34,7 +34,8 @@ from parallel.lifetime import watch_parent
 from rollout.bus import protocol as P
 from rollout.bus.eager import start_eagerly
 from rollout.bus.reader import Wire
-from rollout.bus.auth import CONTROL_ROLES, AuthError, BusKeys, needs_auth, role_of, secure_server, zap_handler
+from rollout.bus.auth import (CONTROL_ROLES, AuthError, BusKeys, needs_auth, role_of, secure_server,
+                               watch_handshakes, zap_handler)
 from rollout.weights.inproc import LocalLoad
 from rollout.weights.receive import WeightReceiver
 from rollout.bus.launcher import parse_options
@@ -122,6 +123,8 @@ class EngineServer:
                 assert self.keys is not None
                 secure_server(sock, self.keys)
             sock.bind(address)
+            if needs_auth(address):  # a client holding other keys fails the handshake: say so here too
+                tasks.append(asyncio.create_task(watch_handshakes(sock, address, self.engine_id)))
             self._socks.append(sock)
             self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
             self._wires.append(Wire(sock, functools.partial(self._on_message, i), secured=needs_auth(address)))
