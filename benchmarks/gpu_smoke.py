@@ -26,6 +26,7 @@
                and tests/test_megatron.py run them in CI)
   recipes      each recipe of launch/configs/recipes shrunk to one GPU and the suite's model, 2 steps
                (vLLM/SGLang, absent from the image, replaced by hf and said so)
+  weight_sync_bench  benchmarks/weight_sync.py --quick on the GPU (every weight path beside a memcpy)
 
 Figures beside what the device measured in the same run (`limits`): the handle route's GB/s against the
 device-to-device copy bandwidth, the FSDP2 and Megatron updates' FLOP/s (6 N T, a floor) against the
@@ -308,7 +309,8 @@ def check_drift(ctx: Ctx) -> dict[str, Any]:
 
 from gpu_smoke_runs import (check_ddp_two_ranks, check_deepspeed_ref, check_fsdp2_two_ranks,  # noqa: E402
                             check_grpo_run, check_lora_run, check_megatron_pp2, check_megatron_run,
-                            check_megatron_tp2, check_megatron_zero1, check_recipes, check_reward_model)
+                            check_megatron_tp2, check_megatron_zero1, check_recipes, check_reward_model,
+                            check_weight_sync_bench)
 
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {  # by value: a run cut off still reports the most
     "hf_engine": check_hf_engine, "sleep_wake": check_sleep_wake, "handle_route": check_handle_route,
@@ -316,7 +318,7 @@ CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {  # by value: a run cut of
     "megatron_run": check_megatron_run, "lora_run": check_lora_run, "deepspeed_ref": check_deepspeed_ref,
     "reward_model": check_reward_model, "fsdp2_two_ranks": check_fsdp2_two_ranks, "ddp_two_ranks": check_ddp_two_ranks,
     "megatron_tp2": check_megatron_tp2, "megatron_pp2": check_megatron_pp2, "megatron_zero1": check_megatron_zero1,
-    "recipes": check_recipes}
+    "recipes": check_recipes, "weight_sync_bench": check_weight_sync_bench}
 
 
 def run_check(name: str, fn: Callable[[Ctx], dict[str, Any]], ctx: Ctx) -> dict[str, Any]:
@@ -404,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         checks = {name: run_check(name, CHECKS[name], ctx) for name in names}
         for name in ("handle_route", "grpo_run", "megatron_run", "lora_run", "deepspeed_ref", "reward_model",
                      "fsdp2_two_ranks",
-                     "ddp_two_ranks", "megatron_tp2", "megatron_pp2", "megatron_zero1", "recipe_"):  # logs beside it
+                     "ddp_two_ranks", "megatron_tp2", "megatron_pp2", "megatron_zero1", "recipe_",
+                     "weight_sync_bench"):  # logs beside it
             for f in Path(work).glob(f"{name}*.log"):
                 (out.parent / f.name).write_text(f.read_text())
     report = {"device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,

@@ -1,6 +1,7 @@
-"""The GPU smoke suite's checks that run `launch/train.py` (benchmarks/gpu_smoke.py lists them all): a few
-GRPO steps per backend and placement, as one process or two ranks on the one GPU, and each recipe
-shrunk to one GPU; each reads the run's metrics.jsonl."""
+"""The GPU smoke suite's checks that run the project's own scripts (benchmarks/gpu_smoke.py lists them
+all): `launch/train.py` for a few GRPO steps per backend and placement, as one process or two ranks
+on the one GPU, each recipe shrunk to one GPU (each reads the run's metrics.jsonl), and the
+weight-sync benchmark's CUDA form."""
 
 from __future__ import annotations
 
@@ -266,3 +267,22 @@ def check_recipes(ctx: Ctx) -> dict[str, Any]:
     if failed:
         raise AssertionError(f"recipes failed on one GPU: {failed}: {json.dumps(out, default=str)[:3000]}")
     return out
+
+
+def check_weight_sync_bench(ctx: Ctx) -> dict[str, Any]:
+    """benchmarks/weight_sync.py --quick on the GPU: every weight path's GB/s beside a device memcpy of
+    the same bytes, in one run (its CUDA buffers and timing)."""
+    if not ctx.cuda:
+        raise Skip("its CPU form runs in CI (tests/test_benchmarks.py::test_weight_sync_small_run); this check is "
+                   "its CUDA branch")
+    out = ctx.work / "weight_sync.json"
+    log = ctx.work / "weight_sync_bench.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "")
+                                                                       .split(os.pathsep) if p])}
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "benchmarks/weight_sync.py", "--quick", "--out", str(out)], cwd=REPO,
+                              env=env, stdout=f, stderr=subprocess.STDOUT, timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"benchmarks/weight_sync.py exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+    report = json.loads(out.read_text())
+    return {"report": {k: v for k, v in report.items() if k not in ("machine",)}}

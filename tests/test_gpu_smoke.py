@@ -16,13 +16,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 CHECKS = ("hf_engine", "sleep_wake", "handle_route", "fsdp_actor", "drift", "grpo_run", "megatron_run", "lora_run",
           "deepspeed_ref", "reward_model", "fsdp2_two_ranks", "ddp_two_ranks", "megatron_tp2", "megatron_pp2", "megatron_zero1",
-          "recipes")
+          "recipes", "weight_sync_bench")
 TWO_RANKS = "two ranks on CPU run in CI as tests/test_distributed.py (DDP, FSDP2) and tests/test_megatron.py"
 CUDA_ONLY = {"sleep_wake": "needs CUDA",  # torch.cuda.mem_get_info; the handle route runs its CPU form here
              "reward_model": "tests/test_reward_model_engine.py",
              "fsdp2_two_ranks": TWO_RANKS, "ddp_two_ranks": TWO_RANKS, "megatron_tp2": TWO_RANKS,
              "megatron_pp2": TWO_RANKS, "megatron_zero1": TWO_RANKS,
-             "recipes": "their plans are checked in CI (tests/test_plan.py)"}
+             "recipes": "their plans are checked in CI (tests/test_plan.py)",
+             "weight_sync_bench": "tests/test_benchmarks.py::test_weight_sync_small_run"}
 
 
 def smoke(args: list[str], out: Path, timeout: int) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
