@@ -69,6 +69,18 @@ def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> Pat
     return _snapshot_from_hub(name_or_path)
 
 
+def model_positions(model_dir: str | Path) -> int | None:
+    """The longest sequence a model's config allows (its text model's `max_position_embeddings`), or
+    None when the config does not say or cannot be read."""
+    try:
+        from transformers import AutoConfig
+
+        n = getattr(AutoConfig.from_pretrained(str(model_dir)).get_text_config(), "max_position_embeddings", None)
+    except (OSError, ValueError):
+        return None
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
 def load_tokenizer(name_or_path: str, cache_dir: str | Path | None = None) -> "PreTrainedTokenizerBase":
     """The tokenizer of a model, by any name `resolve_model` accepts (agents need only this)."""
     from transformers import AutoTokenizer

@@ -99,17 +99,10 @@ def _fitting(cfg: Config, model_dir: str, rows: list[dict[str, Any]], val_rows: 
     """The rows whose prompts fit `data.max_prompt_tokens` (default: the model's context); the others
     are left out before the run, each named by its row id (a 10 MB prompt would otherwise be one
     failed trajectory per epoch). Every rank filters alike."""
-    import json
-
-    from engines.models import load_tokenizer
+    from engines.models import load_tokenizer, model_positions
     from launch.data.rows import row_uid, too_long
 
-    limit = cfg.data.max_prompt_tokens
-    if limit is None:
-        try:
-            limit = int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings") or 0)
-        except (OSError, ValueError):
-            limit = 0
+    limit = cfg.data.max_prompt_tokens or model_positions(model_dir)
     if not limit:
         return rows, val_rows
     tokenizer = load_tokenizer(model_dir)

@@ -70,10 +70,7 @@ class RawPrompts:
                         sampling: dict[str, Any]) -> tuple[Any, int]:
         """Continue (or open) the session's raw trajectory with `prompt`, generate, record."""
         gw = self.gw
-        model = body.get("model")  # any name is served by the one model here; the reply names it
-        if model is not None and not isinstance(model, str):
-            raise RequestError(400, f"model={model!r:.80} must be a string ({gw.model_name!r} is served here)",
-                               param="model")
+        gw.check_model(body)
         vocab = len(gw.tokenizer)
         if any(t >= vocab for t in prompt):
             raise RequestError(400, f"the prompt holds token ids outside the vocabulary (size {vocab})", param="prompt")

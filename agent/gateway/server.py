@@ -74,14 +74,11 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
 def default_context(tokenizer: Any) -> int:
     """The served model's context: its config's `max_position_embeddings`, else the tokenizer's
     `model_max_length` when it is a real one, else DEFAULT_CONTEXT."""
-    try:
-        from transformers import AutoConfig
+    from engines.models import model_positions
 
-        n = getattr(AutoConfig.from_pretrained(tokenizer.name_or_path), "max_position_embeddings", None)
-        if isinstance(n, int) and n > 0:
-            return n
-    except Exception:  # noqa: BLE001 - no config beside the tokenizer: fall through
-        pass
+    n = model_positions(tokenizer.name_or_path)
+    if n:
+        return n
     n = getattr(tokenizer, "model_max_length", None)
     return n if isinstance(n, int) and 0 < n < 10**8 else DEFAULT_CONTEXT
 
@@ -267,10 +264,7 @@ class Gateway:
 
     def _parse(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None,
                                                     dict[str, Any], int, bool]:
-        model = body.get("model")  # any name (or none) is served by the one model here; replies name it
-        if model is not None and not isinstance(model, str):
-            raise RequestError(400, f"model={model!r:.80} must be a string ({self.model_name!r} is served here)",
-                               param="model")
+        self.check_model(body)
         self._check_fields(body)
         messages = normalize(body.get("messages"))
         tools = body.get("tools") or None
@@ -305,6 +299,14 @@ class Gateway:
             raise RequestError(400, "parallel_tool_calls=false is not supported: the model may write several calls in "
                                     "one reply and all are returned", param="parallel_tool_calls")
         return messages, tools, sampling, n, choice != "none"
+
+    def check_model(self, body: dict[str, Any]) -> None:
+        """Any `model` name (or none) is served by the one model here, and replies name it; a name
+        that is not a string is a 400."""
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestError(400, f"model={model!r:.80} must be a string ({self.model_name!r} is served here)",
+                               param="model")
 
     def _check_fields(self, body: dict[str, Any]) -> None:
         """A 400 naming the first field the gateway would otherwise drop silently (see CHAT_FIELDS)."""

@@ -146,15 +146,6 @@ def _checkpoint_tensor_names(model_dir: Path) -> set[str]:
     return names
 
 
-def _model_positions(model_dir: Path) -> int | None:
-    """The longest sequence the model's config allows (its text model's max_position_embeddings)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(model_dir))
-    n = getattr(config.get_text_config(), "max_position_embeddings", None)
-    return int(n) if n else None
-
-
 class VLLMEngine:
     """One vLLM `AsyncLLM` serving token-id requests for an EngineServer.
 
@@ -214,7 +205,7 @@ class VLLMEngine:
 
     def _engine_args(self) -> dict[str, Any]:
         """vLLM engine arguments for this engine (read by `start`); notes the checkpoint's tensor names."""
-        from engines.models import resolve_model
+        from engines.models import model_positions, resolve_model
 
         path = resolve_model(self.model)
         self._expected_names = _checkpoint_tensor_names(path)
@@ -225,7 +216,7 @@ class VLLMEngine:
             self._expected_names = self._images.checked_names(self._expected_names)
         model_dir = self._images.model_dir if self._images is not None else path
         if self.max_model_len is None:  # the default, or the model's own limit when that is smaller
-            self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, _model_positions(path) or DEFAULT_MAX_MODEL_LEN)
+            self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, model_positions(path) or DEFAULT_MAX_MODEL_LEN)
         util = self.gpu_memory_utilization or (None if self._cuda else 0.25)
         kwargs: dict[str, Any] = dict(
             model=str(model_dir), dtype=self.dtype, enforce_eager=self.enforce_eager,
