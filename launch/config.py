@@ -312,9 +312,6 @@ def validate(cfg: Config) -> None:
             load_env(GymAgentConfig.from_mapping(cfg.rollout.agent.get("gym_agent") or {}).env)
         except ValueError as e:
             raise ConfigError(f"rollout.agent.gym_agent: {e}") from None
-    if cfg.data.curriculum.mode == "adaptive" and cfg.rollout.staleness > 0:
-        raise ConfigError("data.curriculum.mode=adaptive needs rollout.staleness=0: its pass rates come from each "
-                          "synchronous step's groups; use mode=stages or linear with asynchronous RL")
     if "openai_agent" in cfg.rollout.agent or cfg.data.agent_name == "openai_agent":
         from agent.openai_agent import OpenAIAgentConfig
 

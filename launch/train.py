@@ -4,7 +4,8 @@
     python launch/train.py                      # N = 1, launch/configs/cpu_demo.yaml
     python launch/train.py CONFIG --plan [--nodes N --gpus-per-node G]   # check a GPU plan here
 
-One RL step: rollout (agent loops on the engines, over the bus; `rollout/plane.py`) -> learn
+One RL step: rollout (agent loops on the engines, over the bus; `rollout/plane.py`, whose feeder
+runs synchronously at rollout.staleness=0 and ahead of the trainer above it) -> learn
 (rewards, reference and old logprobs, advantages, update; `launch/algorithm.py`) -> weight sync
 into the engines -> metrics -> checkpoint. Kill it at any point and run the same command again:
 it continues from the last complete checkpoint in `trainer.output_dir`.
@@ -69,20 +70,13 @@ def train(cfg: Config) -> dict[str, Any]:
         if validator is not None and logger is not None and cfg.trainer.val_before_train and start == 0 \
                 and not logger.logged(0, VAL_KEY):  # once: not again after a kill during step 1
             logger.log(0, _validate(validator, plane, 0, weights.version), console=(VAL_KEY,))
-        if overlap:
-            plane.start_async(stream, cfg.data.prompts_per_step, rollout_state)
+        if start < cfg.trainer.steps:
+            plane.start_rollout(stream, cfg.data.prompts_per_step, weights.version, rollout_state)
         for step in range(start + 1, cfg.trainer.steps + 1):
             t0 = time.perf_counter()
             revived = fleet.revive_reward_engines()  # a judge that died is started again before this rollout
-            if overlap:  # the first finished groups within the staleness bound
-                batch, metrics = plane.take_batch(weights.version)
-            else:
-                weights.catch_up(actor)  # attached engines that restarted: back to the current weights
-                rows = stream.next_batch(cfg.data.prompts_per_step)
-                batch, metrics = plane.generate(rows, weights.version, more_rows=stream.next_batch,
-                                                record=getattr(stream, "record", None))
-                if rank == 0 and hasattr(stream, "stats"):  # the curriculum's difficulty, pool and retired rows
-                    metrics.update(stream.stats(rows))
+            weights.catch_up(actor)  # attached engines that restarted: back to the current weights
+            batch, metrics = plane.take_batch(weights.version)  # finished groups within the staleness bound
             t_rollout = time.perf_counter() - t0
             failed = invalids.check(step, batch, metrics)  # no valid trajectory: nothing to learn, nothing to push
             metrics.update({**fleet.engine_metrics(t_rollout), **revived})
@@ -103,7 +97,7 @@ def train(cfg: Config) -> dict[str, Any]:
             metrics.update({"weight_version": weights.version, "time/rollout_s": t_rollout, "time/sync_s": t_sync,
                             "time/step_s": time.perf_counter() - t0, "data/epoch": stream.position[0],
                             "data/index": stream.position[1], **weights.last_sync})
-            if overlap:
+            if overlap:  # the benchmark's overlap figures
                 metrics.update({"time/update_start_t": t_update, "time/update_end_t": time.time()})
             if validator is not None and validator.due(step, cfg.trainer.steps, cfg.trainer.val_every):
                 metrics.update(_validate(validator, plane, step, weights.version))  # logged with the step: once per step
@@ -112,6 +106,8 @@ def train(cfg: Config) -> dict[str, Any]:
             if step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
                 save_run(ckpt, step, actor, stream, weights.version, rank, sharded, barrier,
                          rollout=plane.rollout_state() if rank == 0 else None, critic=run.critic)
+            if step < cfg.trainer.steps:  # the next rows may start (staleness 0: on the weights just pushed)
+                plane.trained(weights.version)
             barrier()
         invalids.finish()  # every step failed: the run trained nothing, and exits non-zero
         summary = summarize(logger, REWARD_KEY, VAL_KEY) if logger is not None else {}

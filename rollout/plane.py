@@ -2,15 +2,14 @@
 the engine fleet (`rollout/fleet.py`), whose weights `rollout/weights/sync.py` keeps current.
 
 Agent workers run on global rank 0 and route over every node's engines (sticky GRPO groups,
-least-loaded placement, failover across nodes: `rollout.bus.router`). Each step's rows go out
-synchronously (`generate`) or from a rollout that runs on through the updates (`start_async`,
-`take_batch`); either way the finished trajectories are padded into a `Batch` and every rank gets
-its data-parallel replica's rows (`rollout/handoff.py`).
+least-loaded placement, failover across nodes: `rollout.bus.router`). Rows go out through one
+path, the feeder (`start_rollout`, `take_batch`, `trained`; `rollout/feeder.py`), synchronous at
+`rollout.staleness=0` and running on through the updates above it; the finished trajectories are
+padded into a `Batch` and every rank gets its data-parallel replica's rows (`rollout/handoff.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,6 @@ from engines.training.batch import Batch
 from rollout.config import RolloutConfig
 from rollout.fleet import EngineFleet
 from rollout.weights.sync import WeightSync
-
-MAX_SAMPLING_ROUNDS = 10  # dynamic sampling: rollout rounds a synchronous step may take to fill its batch
 
 
 class RolloutPlane:
@@ -39,7 +36,7 @@ class RolloutPlane:
         self.fleet = EngineFleet(cfg, model_dir, dtype, rank, world, dp_rank, adapter_rank)
         self.weights = WeightSync(cfg, self.fleet, dtype, model_dir)  # the adapter's rank: the fleet's
         self.manager: Any = None
-        self.feeder: Any = None  # rank 0 under rollout.staleness >= 1: the AsyncRollout
+        self.feeder: Any = None  # rank 0: the RolloutFeeder (start_rollout)
         self.run_dir = Path(".")  # the run's output directory (start_engines)
 
     # ------------------------------------------------------------------ start-up
@@ -94,82 +91,53 @@ class RolloutPlane:
         return t
 
     # ------------------------------------------------------------------ every step
-    def generate(self, rows: list[dict[str, Any]], weight_version: int,
-                 more_rows: Callable[[int], list[dict[str, Any]]] | None = None,
-                 record: Callable[[dict[str, Any], list[float]], None] | None = None) -> tuple[Batch, dict[str, float]]:
-        """Roll out `rows` with weights no older than `weight_version`. Every rank gets its data-
-        parallel replica's rows (`rollout.handoff`); the metrics of the whole batch and of the
-        handoff come back on rank 0 ({} elsewhere). With `rollout.dynamic_sampling`, groups with
-        equal rewards are dropped and rank 0 asks `more_rows(k)` for rows to fill their places. `record(row,
-        rewards)` hears every group's rewards on rank 0, dropped ones included (an adaptive curriculum)."""
-        batch, metrics = None, {}
-        if self.rank == 0:
-            from engines.training.batch import equal_rewards
-
-            n, want, kept, kept_rows, dropped = self.cfg.n, len(rows), [], [], 0
-            for attempt in range(MAX_SAMPLING_ROUNDS):
-                outs = self.manager.generate_outputs(rows, weight_version, timeout_s=self.cfg.step_timeout_s)
-                for i in range(len(rows)):
-                    group = outs[i * n:(i + 1) * n]
-                    if record is not None:
-                        record(rows[i], [float(o.reward) for o in group])
-                    if self.cfg.dynamic_sampling and equal_rewards(group):
-                        dropped += 1
-                    else:
-                        kept.append(group)
-                        kept_rows.append(rows[i])
-                if len(kept) >= want or more_rows is None or not self.cfg.dynamic_sampling:
-                    break
-                rows = more_rows(want - len(kept))
-            if not kept:
-                raise RuntimeError(f"every GRPO group of {MAX_SAMPLING_ROUNDS} rounds had equal rewards, so "
-                                   "rollout.dynamic_sampling left nothing to train on; the task is too easy or too hard "
-                                   "for the model, or the reward is constant: check it, or turn dynamic_sampling off")
-            metrics = {"data/row_uids": [r.get("uid") for r in kept_rows]}
-            if self.cfg.dynamic_sampling:
-                metrics.update({"rollout/filtered_groups": float(dropped), "rollout/sampling_rounds": attempt + 1.0})
-            batch, metrics = self._padded([o for g in kept for o in g], [i for i, g in enumerate(kept) for _ in g],
-                                          metrics)
-        return self._hand_out(batch, metrics)
-
     def validate(self, rows: list[dict[str, Any]], sampling: dict[str, Any], n: int, weight_version: int,
                  timeout_s: float) -> list[Any]:
         """Rank 0: `n` samples of every held-out row on the training engines and workers, returned
-        to the caller only (beside a running asynchronous rollout too: `AsyncRollout.run_aside`)."""
+        to the caller only (beside the running rollout: `RolloutFeeder.run_aside`)."""
         if self.feeder is not None:
             return self.feeder.run_aside(rows, sampling, n, weight_version, timeout_s)
         return self.manager.generate_outputs(rows, weight_version, sampling, n, timeout_s, desc="validation")
 
-    # ------------------------------------------------------------------ asynchronous RL
-    def start_async(self, stream: Any, prompts_per_step: int, state: dict[str, Any] | None = None) -> None:
-        """Rank 0: keep rollout running from `stream` (`rollout.async_rollout`), continuing from a
-        checkpoint's `state`; other ranks have nothing to start."""
-        if self.fleet.sleeps:
+    # ------------------------------------------------------------------ the rollout
+    def start_rollout(self, stream: Any, prompts_per_step: int, version: int,
+                      state: dict[str, Any] | None = None) -> None:
+        """Rank 0: rollout from `stream` (`rollout.feeder`) on engines serving `version`, continuing
+        from a checkpoint's `state`; other ranks have nothing to start."""
+        if self.cfg.staleness > 0 and self.fleet.sleeps:
             raise ValueError(f"rollout.staleness={self.cfg.staleness} with placement {self.fleet.placement}: colocated engines "
                              "sleep through the update, so rollout cannot run on; set rollout.placement=split or cpu")
         if self.rank != 0:
             return
-        from rollout.async_rollout import AsyncRollout
+        from rollout.feeder import RolloutFeeder
 
-        self.feeder = AsyncRollout(self.manager, stream, prompts_per_step, self.cfg.n, self.cfg.staleness,
-                                   dynamic_sampling=self.cfg.dynamic_sampling)
+        self.feeder = RolloutFeeder(self.manager, stream, prompts_per_step, self.cfg.n, self.cfg.staleness,
+                                    dynamic_sampling=self.cfg.dynamic_sampling, version=version)
         if state is not None:
             self.feeder.load_state_dict(state)
-        self.weights.pushed.append(self.feeder.weights_pushed)
         self.feeder.start()
 
     def take_batch(self, weight_version: int) -> tuple[Batch, dict[str, Any]]:
-        """Asynchronous RL: the next batch from the running rollout, within the staleness bound
-        of `weight_version`, handed out like `generate`'s."""
+        """The next batch from the rollout, within the staleness bound of `weight_version`; every
+        rank gets its replica's rows, rank 0 the metrics (a curriculum's too)."""
         batch, metrics = None, {}
         if self.rank == 0:
             taken = self.feeder.take(weight_version, timeout_s=self.cfg.step_timeout_s)
+            stream = self.feeder.stream
+            if hasattr(stream, "stats"):  # the curriculum's difficulty, pool and retired rows
+                taken.metrics.update(stream.stats(taken.rows))
             batch, metrics = self._padded(taken.outputs, taken.group_index, taken.metrics)
         return self._hand_out(batch, metrics)
 
+    def trained(self, version: int) -> None:
+        """The trainer is done with the batch it took; the engines serve `version` (the next rows
+        may start: at staleness 0, they waited for these weights)."""
+        if self.feeder is not None:
+            self.feeder.trained(version)
+
     def _padded(self, outputs: list[Any], group_index: list[int], metrics: dict[str, Any]
                 ) -> tuple[Batch, dict[str, Any]]:
-        """Rank 0: finished trajectories padded into the step's batch (synchronous or not), with its
+        """Rank 0: finished trajectories padded into the step's batch, with its
         rollout metrics and, with `rollout.overlong_filter`, truncated rows masked out."""
         from engines.training.batch import filter_overlong, pad_outputs
 
@@ -185,7 +153,7 @@ class RolloutPlane:
             self.feeder.training = on
 
     def rollout_state(self) -> dict[str, Any] | None:
-        """Rank 0 under asynchronous RL: what a checkpoint must keep of the running rollout."""
+        """Rank 0: what a checkpoint must keep of the running rollout."""
         return self.feeder.state_dict() if self.feeder is not None else None
 
     def _hand_out(self, batch: Batch | None, metrics: dict[str, Any]) -> tuple[Batch, dict[str, Any]]:

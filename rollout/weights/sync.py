@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -40,7 +40,6 @@ class WeightSync:
         self.mismatched: dict[int, list[tuple[str, float]]] = {}  # the last push's differing tensors per engine
         self.group: Any = None  # the node leaders' process group, for the collective route (connect)
         self.local_control: Any = None  # another node's leader: its client to its own engines (connect_clients)
-        self.pushed: list[Callable[[], None]] = []  # told after every push (the asynchronous rollout)
         self._no_room = False  # shared memory too small for two buckets on this one-node run: the bus instead
 
     def takes_adapters(self) -> bool:
@@ -130,8 +129,6 @@ class WeightSync:
                 self.last_sync["sync/engines_shm"] = float(here)
             if tap is not None:
                 self._verify(tap, version, engines)
-        for told in self.pushed:
-            told()
         return seconds
 
     def connect(self) -> None:

@@ -1,7 +1,8 @@
-"""The asynchronous rollout buffer's rules, driven by a scripted stand-in for the agent-worker
-manager (the buffer is under test, not the workers; those run for real in test_async_rl.py):
-the outstanding-work bound, stale groups generated again, groups without signal filtered,
-and a state that round-trips through a checkpoint. Also the over-long filter on a real batch."""
+"""The rollout feeder's rules, driven by a scripted stand-in for the agent-worker manager (the
+feeder is under test, not the workers; those run for real in test_async_rl.py): the outstanding-
+work bound (staleness 0: one batch, nothing while the trainer updates), stale groups generated
+again, groups without signal filtered, a curriculum hearing every group, and a state that round-
+trips through a checkpoint. Also the over-long filter on a real batch."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
 from agent.loop import AgentLoopOutput
 from engines.training.batch import equal_rewards, filter_overlong, pad_outputs
 from launch.data.rows import RowStream
-from rollout.async_rollout import AsyncRollout
+from rollout.feeder import RolloutFeeder
 
 
 def _out(version: int, reward: float, termination: str = "stop") -> AgentLoopOutput:
@@ -32,11 +35,13 @@ class ScriptedManager:
         self.rewards = rewards
         self.release: set[str] = set()  # row texts allowed to finish; "*" = all
         self.lock = threading.Lock()
+        self.weights: list[Any] = []  # the weight version each submit asked the engines for
 
     def submit(self, rows: list[dict[str, Any]], weight_version: Any = None, n: int = 2) -> int:
         with self.lock:
             call = len(self.calls)
             self.calls[call] = {"row": rows[0], "n": n, "version": self.version}
+            self.weights.append(weight_version)
             return call
 
     def poll(self, timeout_s: float = 1.0) -> list[tuple[int, int, AgentLoopOutput]]:
@@ -64,7 +69,7 @@ def _wait(pred: Any, timeout: float = 5.0) -> None:
 
 def test_outstanding_groups_are_bounded_by_staleness_and_pushes():
     mgr = ScriptedManager()
-    buf = AsyncRollout(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1)
+    buf = RolloutFeeder(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1)
     buf.start()
     try:
         _wait(lambda: len(mgr.calls) == 4)  # (k + 1) batches of 2 groups, nothing finished yet
@@ -72,35 +77,92 @@ def test_outstanding_groups_are_bounded_by_staleness_and_pushes():
         assert len(mgr.calls) == 4
         mgr.release.add("*")
         taken = buf.take(version=0)
-        assert taken.row_ids == ["0:0", "0:1"] and taken.group_index == [0, 0, 1, 1]
+        assert taken.row_ids == ["0", "1"] and taken.group_index == [0, 0, 1, 1]
         time.sleep(0.1)  # a taken batch not yet pushed: one batch of room fewer
         assert len(mgr.calls) == 4 + 0 and len(buf.ready) == 2
-        buf.weights_pushed()
+        buf.trained(0)
         _wait(lambda: len(mgr.calls) == 6)
+    finally:
+        buf.close()
+
+
+def test_staleness_0_is_synchronous_one_batch_on_the_current_weights_in_draw_order():
+    mgr = ScriptedManager()
+    buf = RolloutFeeder(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=3, n=2, staleness=0, version=4)
+    mgr.release.update({"q2", "q1"})  # finishing out of order
+    buf.start()
+    try:
+        _wait(lambda: len(mgr.calls) == 3)
+        time.sleep(0.1)
+        assert len(mgr.calls) == 3  # one batch, not more
+        done = threading.Event()
+        got: list[Any] = []
+        threading.Thread(target=lambda: (got.append(buf.take(version=0)), done.set()), daemon=True).start()
+        time.sleep(0.2)  # two groups taken, one running: nothing new starts meanwhile
+        assert not done.is_set() and len(mgr.calls) == 3
+        mgr.release.add("q0")
+        assert done.wait(5)
+        assert got[0].row_ids == ["0", "1", "2"]  # the order rows were drawn in, not the finishing order
+        time.sleep(0.2)  # the trainer updates: nothing runs
+        assert len(mgr.calls) == 3
+        buf.trained(5)
+        _wait(lambda: len(mgr.calls) == 6)
+        assert mgr.weights[3:] == [5, 5, 5]  # the next batch asks for the weights just pushed
+        assert mgr.weights[:3] == [4, 4, 4]
+    finally:
+        buf.close()
+
+
+def test_a_curriculum_hears_every_group_and_hopeless_dynamic_sampling_stops():
+    heard: list[tuple[str, list[float]]] = []
+
+    class Recording(RowStream):
+        def record(self, row: dict[str, Any], rewards: list[float]) -> None:
+            heard.append((row["prompt"][0]["content"], rewards))
+
+    mgr = ScriptedManager(rewards=lambda row, j: 1.0 if row["prompt"][0]["content"] == "q0" else float(j))
+    mgr.release.add("*")
+    buf = RolloutFeeder(mgr, Recording(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=0,
+                        dynamic_sampling=True)
+    buf.start()
+    try:
+        got = buf.take(version=0)
+        assert got.row_ids == ["1", "2"] and got.metrics["rollout/filtered_groups"] == 1
+        assert heard[:3] == [("q0", [1.0, 1.0]), ("q1", [0.0, 1.0]), ("q2", [0.0, 1.0])]  # the filtered one too
+    finally:
+        buf.close()
+    flat = ScriptedManager(rewards=lambda row, j: 0.0)  # no group ever carries signal
+    flat.release.add("*")
+    buf = RolloutFeeder(flat, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=0,
+                        dynamic_sampling=True)
+    buf.start()
+    try:
+        with pytest.raises(RuntimeError, match="20 GRPO groups in a row had equal rewards"):
+            buf.take(version=0, timeout_s=30)
     finally:
         buf.close()
 
 
 def test_stale_groups_are_generated_again_and_every_row_is_trained_once():
     mgr = ScriptedManager()
-    buf = AsyncRollout(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1)
+    buf = RolloutFeeder(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1)
     mgr.release.update({"q1", "q2", "q3"})  # q0 straggles on version 0
     buf.start()
     try:
         first = buf.take(version=0)
-        assert first.row_ids == ["0:1", "0:2"]
+        assert first.row_ids == ["1", "2"]
         mgr.version = 3  # the trainer moved on three versions; q0 was produced by version 0
-        buf.weights_pushed()
+        buf.trained(3)
         mgr.release.add("*")
         second = buf.take(version=3)
-        assert "0:0" not in second.row_ids and second.metrics["async/dropped_stale_groups"] >= 1
+        assert "0" not in second.row_ids and second.metrics["async/dropped_stale_groups"] >= 1
         assert second.metrics["async/staleness_max"] <= 1  # only groups within version - k
         _wait(lambda: any(c["row"]["prompt"][0]["content"] == "q0" and c["version"] == 3 for c in mgr.calls.values()))
         seen = first.row_ids + second.row_ids
         for _ in range(3):
-            buf.weights_pushed()
+            buf.trained(3)
             seen += buf.take(version=3).row_ids
-        assert "0:0" in seen and len(seen) == len(set(seen))  # regenerated, trained once
+        assert "0" in seen and len(seen) == len(set(seen))  # regenerated, trained once
     finally:
         buf.close()
 
@@ -108,12 +170,12 @@ def test_stale_groups_are_generated_again_and_every_row_is_trained_once():
 def test_dynamic_sampling_drops_groups_without_signal_and_keeps_filling():
     mgr = ScriptedManager(rewards=lambda row, j: 1.0 if row["prompt"][0]["content"] in ("q0", "q2") else float(j))
     mgr.release.add("*")
-    buf = AsyncRollout(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1,
+    buf = RolloutFeeder(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1,
                        dynamic_sampling=True)
     buf.start()
     try:
         got = buf.take(version=0)
-        assert got.row_ids == ["0:1", "0:3"] and got.metrics["async/filtered_groups"] == 2
+        assert got.row_ids == ["1", "3"] and got.metrics["rollout/filtered_groups"] == 2
         assert not equal_rewards(got.outputs[:2]) and equal_rewards([_out(0, 1.0), _out(1, 1.0)])
     finally:
         buf.close()
@@ -122,26 +184,26 @@ def test_dynamic_sampling_drops_groups_without_signal_and_keeps_filling():
 def test_state_round_trips_ready_and_running_rows():
     mgr = ScriptedManager()
     mgr.release.add("q0")
-    buf = AsyncRollout(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1)
+    buf = RolloutFeeder(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1)
     buf.start()
     _wait(lambda: len(buf.ready) == 1 and len(mgr.calls) == 4)
     state = buf.state_dict()
     buf.close()
-    assert [r for r, *_ in state["ready"]] == ["0:0"] and sorted(r for r, _ in state["pending"]) == ["0:1", "0:2", "0:3"]
+    assert [r for r, *_ in state["ready"]] == ["0"] and sorted(r for r, _ in state["pending"]) == ["1", "2", "3"]
     assert state["stream"]["index"] == 4
 
     again = ScriptedManager()
     again.release.add("*")
-    resumed = AsyncRollout(again, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1)
+    resumed = RolloutFeeder(again, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1)
     resumed.load_state_dict(state)
     resumed.start()
     try:
         rows = resumed.take(version=0).row_ids
-        resumed.weights_pushed()
+        resumed.trained(0)
         rows += resumed.take(version=0).row_ids
-        assert rows[0] == "0:0" and sorted(rows) == ["0:0", "0:1", "0:2", "0:3"]  # pending first, none lost
-        resumed.weights_pushed()
-        assert resumed.take(version=0).row_ids == ["0:4", "0:5"]  # then the stream where it was
+        assert rows[0] == "0" and sorted(rows) == ["0", "1", "2", "3"]  # pending first, none lost
+        resumed.trained(0)
+        assert resumed.take(version=0).row_ids == ["4", "5"]  # then the stream where it was
     finally:
         resumed.close()
 
