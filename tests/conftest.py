@@ -32,19 +32,30 @@ SANDBOX_FILES = {"test_sandbox", "test_tools"}
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under `pytest -n N --dist loadgroup` (the README's test command) each file is one group on one
-    worker, so its module fixtures (engine servers, vLLM) start once; `gpu` tests skip without CUDA."""
+    """Under `pytest -n N --dist loadgroup` (the README's test command) the tests of a file that use
+    one of its module fixtures (engine servers, vLLM) are one group on one worker, so each fixture
+    starts once; every other test goes to whichever worker is free. `gpu` tests skip without CUDA."""
     import torch
 
     for item in items:
         stem = item.path.stem
-        item.add_marker(pytest.mark.xdist_group("sandbox" if stem in SANDBOX_FILES else stem))
+        if stem in SANDBOX_FILES:
+            item.add_marker(pytest.mark.xdist_group("sandbox"))
+        elif _uses_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(stem))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (runs on the GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _uses_module_fixture(item: pytest.Item) -> bool:
+    """Whether the test asks for a fixture that lives longer than it and shorter than the session."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(d.scope in ("module", "class", "package")
+                                    for defs in info.name2fixturedefs.values() for d in defs)
 
 
 class Servers:

@@ -309,3 +309,49 @@ def test_a_client_opened_session_keeps_only_its_latest_segments(tok):  # noqa: F
     conv = asyncio.run(body())
     assert len(conv.segments) == IMPLICIT_SEGMENTS
     assert conv.segments[-1].held[0]["content"] == f"q{IMPLICIT_SEGMENTS + 4}"  # the newest survive
+
+
+def test_session_memory_is_bounded_per_session_and_in_total(tok):  # noqa: F811
+    """max_session_bytes: a client's own session drops its least recently used segments, a trained
+    session (opened by an agent loop) is refused with 413 instead; max_total_bytes: client sessions
+    together, the least recently used forgotten. GET /stats counts each."""
+    import httpx
+
+    async def body():
+        gw = Gateway(ScriptedClient(tok, ["ok"]), tok)
+        await gw.start()
+        text = "x" * 500
+
+        async def ask(key: str, content: str) -> None:
+            async with openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0) as oa:
+                await oa.chat.completions.create(model="switchyard", messages=[{"role": "user", "content": content}])
+
+        try:
+            await ask("mine", f"0{text}")
+            one = gw.sessions["mine"].nbytes()  # one segment's size; the bounds in those units
+            gw.max_session_bytes, gw.max_total_bytes = int(2.5 * one), int(6.5 * one)
+            for i in range(1, 6):
+                await ask("mine", f"{i}{text}")
+            mine = gw.sessions["mine"]
+            assert mine.nbytes() <= gw.max_session_bytes and len(mine.segments) == 2, [x.nbytes() for x in mine.segments]
+            assert mine.segments[-1].held[0]["content"].startswith("5")  # the newest stay
+            for k in range(4):  # other clients' sessions: the total stays bounded, the least recently used go
+                for i in range(2):
+                    await ask(f"c{k}", f"{k}{i}{text}")
+            held = sum(gw.sessions[x].nbytes() for x in gw.sessions)
+            assert held <= gw.max_total_bytes and {"mine", "c0"}.isdisjoint(gw.sessions) and "c3" in gw.sessions, held
+            key = gw.open_session()  # trained on: never trimmed, refused past the bound
+            for i in range(3):
+                await ask(key, f"{i}{text}")
+            with pytest.raises(openai.APIStatusError) as e:
+                await ask(key, text)
+            assert e.value.status_code == 413 and "max_session_bytes" in e.value.message
+            assert len(gw.sessions[key].segments) == 3
+            async with httpx.AsyncClient() as http:
+                stats = (await http.get(gw.base_url.removesuffix("/v1") + "/stats")).json()
+            assert stats["trimmed_segments"] == 4 and stats["evicted_sessions"] == 2, stats  # mine, then c0
+            assert stats["refused_session_bytes"] == 1 and stats["trained_sessions"] == 1, stats
+        finally:
+            await gw.stop()
+
+    asyncio.run(body())

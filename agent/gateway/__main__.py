@@ -33,7 +33,8 @@ async def serve(args: argparse.Namespace) -> None:
         gw = Gateway(client, tokenizer, model_name=args.model_name, tool_parser=args.tool_parser, host=args.host,
                      port=args.port, api_keys=args.api_key, max_inflight=args.max_inflight,
                      max_context=args.max_context, vision=vision, max_body_mb=args.max_body_mb,
-                     max_sessions=args.max_sessions)
+                     max_sessions=args.max_sessions, max_session_bytes=args.max_session_mb << 20,
+                     max_total_bytes=args.max_total_mb << 20)
         url = await gw.start()
         print(f"switchyard gateway: {url} (model {args.model_name!r}, {len(args.bus)} engine(s))", flush=True)
         stop = asyncio.Event()
@@ -68,6 +69,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-body-mb", type=int, default=32, help="request bodies over this get 413 before they are read")
     ap.add_argument("--max-sessions", type=int, default=1024,
                     help="sessions clients open by themselves (key or X-Session-Id); the least recently used go first")
+    ap.add_argument("--max-session-mb", type=int, default=256,
+                    help="recorded conversation per session: a client's own sessions lose their oldest segments "
+                         "past it, a trained one gets 413")
+    ap.add_argument("--max-total-mb", type=int, default=2048,
+                    help="what clients' own sessions hold together; the least recently used are forgotten past it")
     ap.add_argument("--max-inflight", type=int, default=256, help="running requests before 429")
     ap.add_argument("--ready-timeout-s", type=float, default=300.0)
     ap.add_argument("--detach", action="store_true",

@@ -10,7 +10,11 @@ unknown model, 401 for a missing or unknown key when bound beyond loopback, 413 
 the context (the model's by default) or a body over `max_body_mb`, 429 when `max_inflight`
 requests are already running. A large body is parsed off the event loop, and text that cannot fit
 the context is refused before it is tokenized, so one huge request does not hold up the others;
-sessions clients open by themselves are capped (`max_sessions`, least recently used first). Streaming (`stream: true`) sends
+sessions clients open by themselves are capped (`max_sessions`, least recently used first), and so is
+memory: a session over `max_session_bytes` loses its least recently used segments if a client opened
+it, or gets 413 if an agent loop did (it is trained on: nothing is dropped from it quietly); the
+client-opened sessions together over `max_total_bytes` are forgotten least recently used first. What
+was trimmed and evicted is counted at `GET /stats`. Streaming (`stream: true`) sends
 the finished reply as server-sent chunks (the bus returns whole generations).
 """
 
@@ -37,6 +41,8 @@ log = logging.getLogger(__name__)
 IMPLICIT_SEGMENTS = 16  # segments kept per session a client opened by itself (no agent loop reads them)
 MAX_IMPLICIT_SESSIONS = 1024  # sessions clients opened by themselves; the least recently used go first
 MAX_BODY_MB = 32  # a request body over this gets 413 before it is read
+MAX_SESSION_BYTES = 256 << 20  # recorded conversation one session may hold (Conversation.nbytes)
+MAX_TOTAL_BYTES = 2 << 30  # what the sessions clients opened by themselves may hold together
 PARSE_ASIDE_BYTES = 1 << 20  # bodies over this are parsed off the event loop
 CHARS_PER_TOKEN = 32  # a prompt with more text than max_context x this cannot fit: 413 before tokenizing
 DEFAULT_CONTEXT = 32768  # max_context when neither the caller nor the model's config gives one
@@ -111,7 +117,8 @@ class Gateway:
                  host: str = "127.0.0.1", port: int = 0, api_keys: list[str] | None = None, max_inflight: int = 256,
                  max_context: int | None = None, end_of_turn_id: int | None = None,
                  session_ttl_s: float = 3600.0, vision: Any = None, max_body_mb: int = MAX_BODY_MB,
-                 max_sessions: int = MAX_IMPLICIT_SESSIONS) -> None:
+                 max_sessions: int = MAX_IMPLICIT_SESSIONS, max_session_bytes: int = MAX_SESSION_BYTES,
+                 max_total_bytes: int = MAX_TOTAL_BYTES) -> None:
         self.client, self.tokenizer, self.model_name = client, tokenizer, model_name
         self.vision = vision  # agent.vision.Vision when the model takes images
         self.tool_parser, self.host, self.port = tool_parser, host, port
@@ -120,6 +127,9 @@ class Gateway:
         self.max_context = max_context or default_context(tokenizer)  # prompt + reply tokens; longer prompts get 413
         self.max_body = max_body_mb << 20
         self.max_sessions = max_sessions
+        self.max_session_bytes, self.max_total_bytes = int(max_session_bytes), int(max_total_bytes)
+        self.counts = {"trimmed_segments": 0, "evicted_sessions": 0, "refused_session_bytes": 0}  # GET /stats
+        self._held: dict[str, int] = {}  # client-opened session -> its bytes after its last request
         self.sessions: dict[str, Conversation] = {}
         self._opened: set[str] = set()  # sessions the agent loop opened; it closes them itself
         self._encoders: dict[str, Any] = {}
@@ -133,6 +143,7 @@ class Gateway:
     async def start(self) -> str:
         app = web.Application(client_max_size=self.max_body, middlewares=[_json_errors])
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/stats", self._stats)
         app.router.add_post("/v1/chat/completions", self._chat)
         for path, handler in completions_routes(self):  # text and token prompts (completions.py)
             app.router.add_post(path, handler)
@@ -189,6 +200,7 @@ class Gateway:
                 implicit.sort(key=lambda s: self.sessions[s].last_used)
                 for old in implicit[:len(implicit) - self.max_sessions + 1]:
                     del self.sessions[old]
+                    self.counts["evicted_sessions"] += 1
             self.sessions[sid] = self._conversation(sid)
             self.sessions[sid].max_segments = IMPLICIT_SEGMENTS
         return self.sessions[sid]
@@ -201,11 +213,43 @@ class Gateway:
         if self.inflight >= self.max_inflight:
             raise RequestError(429, f"{self.inflight} requests are already running (max_inflight="
                                     f"{self.max_inflight}); retry after a moment", code="rate_limit_exceeded")
+        opened = conv.session_id in self._opened
+        if opened and conv.nbytes() > self.max_session_bytes:  # trained on: refused, never trimmed
+            self.counts["refused_session_bytes"] += 1
+            raise RequestError(413, f"session {conv.session_id!r} holds {conv.nbytes() >> 20} MiB of recorded "
+                                    f"conversation, over the gateway's max_session_bytes ({self.max_session_bytes >> 20}"
+                                    " MiB); end the trajectory, or raise max_session_bytes",
+                               code="session_too_large")
         self.inflight += 1
         try:
             return await conv.generate(self.client, messages, tools, sampling, n, parse_calls, tool_choice=tool_choice)
         finally:
             self.inflight -= 1
+            if not opened:
+                self._bound(conv)
+
+    def _bound(self, conv: Conversation) -> None:
+        """A client-opened session within max_session_bytes (its least recently used segments go),
+        and all of them together within max_total_bytes (the least recently used sessions go)."""
+        self.counts["trimmed_segments"] += conv.trim(self.max_session_bytes)
+        if conv.session_id in self.sessions:
+            self._held[conv.session_id] = conv.nbytes()
+        self._held = {sid: b for sid, b in self._held.items() if sid in self.sessions}
+        total = sum(self._held.values())
+        if total <= self.max_total_bytes:
+            return
+        for sid in sorted(self._held, key=lambda x: self.sessions[x].last_used):
+            if sid == conv.session_id or total <= self.max_total_bytes:
+                continue
+            total -= self._held.pop(sid)
+            del self.sessions[sid]
+            self.counts["evicted_sessions"] += 1
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        """The gateway's own numbers: sessions, what client-opened ones hold, what was trimmed or evicted."""
+        return web.json_response({"sessions": len(self.sessions), "trained_sessions": len(self._opened),
+                                  "client_session_bytes": sum(self._held.values()), "inflight": self.inflight,
+                                  **self.counts})
 
     # -------------------------------------------------------------- handlers
     async def _models(self, request: web.Request) -> web.Response:

@@ -198,6 +198,14 @@ class Segment:
     last_finish: str = ""
     updated: float = 0.0
 
+    def nbytes(self) -> int:
+        """About what the segment holds in memory: 8 bytes per recorded token entry (ids, mask,
+        logprobs), its images' pixels, and the characters of its messages."""
+        t = self.traj
+        pixels = sum(int(getattr(p, "nbytes", 0)) for p in t.pixel_values)
+        text = sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or "")) for m in self.held)
+        return 8 * (len(t.prompt_ids) + 3 * len(t.response_ids)) + pixels + text
+
     def clone(self) -> "Segment":
         twin = copy.copy(self)
         twin.traj = copy.deepcopy(self.traj)
@@ -392,6 +400,19 @@ class Conversation:
                             for c in parsed.calls]} if parsed.calls else {})}]
         return Reply(seg, list(result.token_ids), list(result.logprobs), result.finish_reason, text, parsed,
                      prompt_tokens, getattr(result, "top_ids", None), getattr(result, "top_logprobs", None))
+
+    def nbytes(self) -> int:
+        """About what the session holds in memory (`Segment.nbytes` summed)."""
+        return sum(seg.nbytes() for seg in self.segments)
+
+    def trim(self, max_bytes: int) -> int:
+        """Drop the least recently used segments until the session holds at most `max_bytes`
+        (the latest one stays); the number dropped."""
+        dropped = 0
+        while len(self.segments) > 1 and self.nbytes() > max_bytes:
+            self.segments.remove(min(self.segments, key=lambda x: x.updated))
+            dropped += 1
+        return dropped
 
     def latest(self) -> Segment | None:
         """The segment that generated last (the one holding the agent's final answer)."""
