@@ -226,11 +226,29 @@ class ActorBase:
 
     def _micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[MicroBatch]:
         """`rows` of `batch` as micro-batches: `actor.micro_batch_size` rows each, or with
-        `actor.max_tokens_per_micro_batch` by padded token count (`token_budget_rows`)."""
-        budget = self.cfg.max_tokens_per_micro_batch
-        parts = (token_budget_rows(rows, batch.prompt_lengths, batch.response_lengths, budget) if budget
-                 else self._micro_rows(rows))
-        return [batch.micro_batch(mb) for mb in parts]
+        `actor.max_tokens_per_micro_batch` by padded token count (`token_budget_rows`). With
+        `actor.shared_prefix`, a group's rows go together and a micro-batch is packed as a prefix
+        tree (on; auto: where `packing_pays`), the budget counting the tokens it computes."""
+        from engines.training import prefix
+
+        mode, budget = getattr(self.cfg, "shared_prefix", "off"), self.cfg.max_tokens_per_micro_batch
+        if mode == "off" or prefix.has_images(batch, rows):
+            parts = (token_budget_rows(rows, batch.prompt_lengths, batch.response_lengths, budget) if budget
+                     else self._micro_rows(rows))
+            return [batch.micro_batch(mb) for mb in parts]
+        rows = prefix.by_group(batch, rows)
+        parts = prefix.budget_rows(batch, rows, budget) if budget else self._micro_rows(rows)
+        return [prefix.shared_micro_batch(batch, mb) if mode == "on" or prefix.packing_pays(batch, mb, self._pair_cost)
+                else batch.micro_batch(mb) for mb in parts]
+
+    @property
+    def _pair_cost(self) -> float:
+        """An attention pair's FLOPs over a token's, for `packing_pays` (the policy's config)."""
+        if not hasattr(self, "_pair_cost_value"):
+            from engines.training.prefix import pair_cost
+
+            self._pair_cost_value = pair_cost(self.model_path)
+        return self._pair_cost_value
 
     # ------------------------------------------------------------------ logprobs
     @torch.no_grad()

@@ -22,6 +22,7 @@ class ActorBackend:
     hf_options: bool = False  # takes the HF model's options: trainable, gradient_checkpointing, attn_implementation
     lora: bool = False  # trains a LoRA adapter (actor.lora)
     critic: bool = False  # a critic (algorithm.advantage=gae) trains beside it
+    shared_prefix: bool = False  # packs rows by shared prefix (actor.shared_prefix; engines/training/prefix.py)
 
 
 def _torch_bytes(sharding: str, dp: int, mp: int) -> float:
@@ -37,7 +38,8 @@ def _megatron_bytes(sharding: str, dp: int, mp: int) -> float:
 ACTORS: dict[str, ActorBackend] = {
     "torch": ActorBackend("engines.training.torch_actor:TorchActor",
                           {"none": "DDP replicas", "fsdp": "FSDP2 shards of weights, gradients and optimizer"},
-                          _torch_bytes, per_rank_checkpoint=("fsdp",), hf_options=True, lora=True, critic=True),
+                          _torch_bytes, per_rank_checkpoint=("fsdp",), hf_options=True, lora=True, critic=True,
+                          shared_prefix=True),
     "megatron": ActorBackend("engines.training.megatron_actor:MegatronActor",
                              {"none": "replicas", "optimizer": "AdamW state (ZeRO-1, a distributed optimizer)"},
                              _megatron_bytes, per_rank_checkpoint=("none", "optimizer"), model_parallel=True),

@@ -41,7 +41,9 @@ class MicroBatch:
     """A few rows cut to what a forward pass needs. The logits at columns [first, first + k) of
     `input_ids` predict `targets` ([b, k]); `target_mask` says which targets are real (not
     padding, not an unlabelled SFT token). `position_ids` is None where positions simply count
-    from 0 (right-padded SFT rows)."""
+    from 0 (right-padded SFT rows). Packed by shared prefix (`engines/training/prefix.py`), the rows
+    are one sequence ([1, s], a [1, 1, s, s] mask) and `target_at` ([b, k]) says which position's
+    logits score each target."""
 
     rows: torch.Tensor  # [b] indices into the batch the micro-batch was cut from
     input_ids: torch.Tensor  # [b, s]
@@ -51,12 +53,14 @@ class MicroBatch:
     targets: torch.Tensor  # [b, k]
     target_mask: torch.Tensor  # [b, k] bool
     pixel_values: torch.Tensor | None = None  # [n, C, H, W]: the rows' images, in the order of their image tokens
+    target_at: torch.Tensor | None = None  # [b, k] packed positions whose logits score the targets
 
     def to(self, device: torch.device) -> "MicroBatch":
         pos = None if self.position_ids is None else self.position_ids.to(device)
         pv = None if self.pixel_values is None else self.pixel_values.to(device)
+        at = None if self.target_at is None else self.target_at.to(device)
         return MicroBatch(self.rows, self.input_ids.to(device), self.attention_mask.to(device), pos, self.first,
-                          self.targets.to(device), self.target_mask.to(device), pv)
+                          self.targets.to(device), self.target_mask.to(device), pv, at)
 
     def model_inputs(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Inputs beyond the token ids a forward pass takes: the images of a vision-language model

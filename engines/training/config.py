@@ -15,6 +15,7 @@ from engines.config_checks import from_mapping
 from engines.training.backends import ACTORS, actor_backend, with_feature
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SHARED_PREFIX = ("off", "on", "auto")  # actor.shared_prefix
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2")  # HF attn_implementation names; auto = the model's
 
 
@@ -75,6 +76,10 @@ class UpdateConfig:
     # > 0: micro-batches by padded token count instead of row count (rows sorted by length, packed
     # while rows x (widest prompt + widest response) stays within it; a longer row goes alone)
     max_tokens_per_micro_batch: int = 0
+    # the tokens rows of a micro-batch begin with alike (a GRPO group's prompt, shared earlier turns)
+    # computed once, the micro-batch packed as a prefix tree (engines/training/prefix.py): off, on, or
+    # auto (packed where a FLOP count of tokens and attention pairs says it saves; prefix.packing_pays)
+    shared_prefix: str = "off"
     ppo_mini_batch_size: int = 0
     ppo_epochs: int = 1
     gradient_checkpointing: bool = False
@@ -129,6 +134,15 @@ class ActorConfig(UpdateConfig):
             raise ValueError(f"actor.attn_implementation={self.attn_implementation!r} is an option of the "
                              f"{'|'.join(with_feature('hf_options'))} actor; the {self.backend} actor has its own "
                              "attention: set actor.attn_implementation=auto")
+        if self.shared_prefix not in SHARED_PREFIX:
+            raise ValueError(f"actor.shared_prefix={self.shared_prefix!r} is not allowed; choose one of {list(SHARED_PREFIX)}")
+        if self.shared_prefix != "off" and not spec.shared_prefix:
+            raise ValueError(f"actor.shared_prefix={self.shared_prefix} is an option of the "
+                             f"{'|'.join(with_feature('shared_prefix'))} actor; the {self.backend} actor's own model "
+                             "takes no packed attention mask: set actor.shared_prefix=off")
+        if self.shared_prefix != "off" and self.attn_implementation == "flash_attention_2":
+            raise ValueError("actor.shared_prefix needs an attention that takes a packed mask (sdpa or eager); "
+                             "flash_attention_2 takes none: set actor.attn_implementation=sdpa or actor.shared_prefix=off")
         if self.max_tokens_per_micro_batch < 0:
             raise ValueError(f"actor.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= 0 "
                              "(0 = actor.micro_batch_size rows per micro-batch)")

@@ -42,8 +42,18 @@ def micro_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float,
     """[b, k] logprobs (and entropy) of `mb.targets`, 0 where `target_mask` is False. The model is
     asked only for the logits that score targets (`logits_to_keep`), most of the cost saved on CPU."""
     s, k = mb.input_ids.shape[1], mb.targets.shape[1]
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                   logits_to_keep=s - mb.first, use_cache=False, **mb.model_inputs(_dtype(model))).logits[:, :k]
+    if mb.target_at is not None:  # packed by shared prefix: each target's logits gathered from its position
+        from engines.training.prefix import model_mask
+
+        dtype = torch.get_autocast_dtype(mb.input_ids.device.type) if torch.is_autocast_enabled(
+            mb.input_ids.device.type) else _dtype(model)
+        first = int(mb.target_at[mb.target_mask].min()) if bool(mb.target_mask.any()) else s - 1
+        logits = model(input_ids=mb.input_ids, attention_mask=model_mask(model, mb.attention_mask, dtype),
+                       position_ids=mb.position_ids, logits_to_keep=s - first, use_cache=False).logits[0]
+        logits = logits[(mb.target_at - first).clamp(min=0)]
+    else:
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                       logits_to_keep=s - mb.first, use_cache=False, **mb.model_inputs(_dtype(model))).logits[:, :k]
     if temperature != 1.0:
         logits = logits.float() / temperature
     lp = torch.where(mb.target_mask, logprobs_from_logits(logits, mb.targets.clamp(min=0)), 0)

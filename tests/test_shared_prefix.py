@@ -1,0 +1,124 @@
+"""Shared-prefix packing (engines/training/prefix.py): a micro-batch packed as a prefix tree gives
+the logprobs, entropies and per-parameter gradients of the unpacked one (fp32 within 1e-5; bf16
+within the tolerance justified below), on ragged rows: prompts of different lengths, groups of 1
+and several, multi-turn rows sharing earlier turns, identical rows, a row that is a prefix of
+another; in eager and sdpa attention and on a model with tied embeddings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agent.loop import AgentLoopOutput
+from engines.training.batch import pad_outputs
+from engines.training.hf_model import micro_logprobs
+from engines.training.prefix import computed_tokens, layout, shared_micro_batch
+
+
+def _model(attn: str, tied: bool) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(cfg)
+    model.set_attn_implementation(attn)
+    return model
+
+
+def _out(prompt: list[int], response: list[int]) -> AgentLoopOutput:
+    return AgentLoopOutput(prompt_ids=prompt, response_ids=response, response_mask=[1] * len(response),
+                           response_logprobs=[0.0] * len(response), reward=0.0, num_turns=1, termination="stop")
+
+
+def _ragged_batch():
+    g = torch.Generator().manual_seed(1)
+    r = lambda n: torch.randint(3, 97, (n,), generator=g).tolist()  # noqa: E731
+    p1, p2, p3 = r(7), r(12), r(3)
+    turn = r(5)  # a first reply and tool output several rows of group 3 share
+    outs = [_out(p1, r(4)), _out(p1, r(9)), _out(p1, r(1)),  # a group of 3, ragged replies
+            _out(p2, r(6)),  # a group of 1, a longer prompt
+            _out(p3, turn + r(4)), _out(p3, turn + r(7)), _out(p3, turn[:3]),  # shared turns; one a prefix
+            _out(p1, [5, 6, 7]), _out(p1, [5, 6, 7])]  # identical rows
+    return pad_outputs(outs, 0, [0, 0, 0, 1, 2, 2, 2, 3, 3])
+
+
+def test_the_layout_computes_each_shared_prefix_once():
+    seqs = [torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 3, 9, 9]), torch.tensor([7, 8]), torch.tensor([1, 2])]
+    paths, size = layout(seqs)
+    assert size == 4 + 2 + 2 + 0
+    assert paths[1].tolist() == [0, 1, 2, 4, 5] and paths[2].tolist() == [6, 7] and paths[3].tolist() == [0, 1]
+    batch = _ragged_batch()
+    rows = torch.arange(len(batch))
+    unshared = int((batch.prompt_lengths + batch.response_lengths).sum())
+    assert computed_tokens(batch, rows) < unshared - 20  # the prompts and the shared turn once each
+
+
+@pytest.mark.parametrize("attn,tied", [("eager", False), ("sdpa", True)])
+def test_packed_logprobs_and_gradients_equal_the_unpacked_ones_in_fp32(attn: str, tied: bool):
+    model = _model(attn, tied)
+    batch = _ragged_batch()
+    rows = torch.tensor([3, 0, 4, 1, 5, 2, 6, 7, 8])  # groups interleaved, as a shuffled mini-batch has them
+    got = {}
+    for name, mb in (("plain", batch.micro_batch(rows)), ("packed", shared_micro_batch(batch, rows))):
+        model.zero_grad()
+        lp, ent = micro_logprobs(model, mb, temperature=0.7, want_entropy=True)
+        weights = torch.linspace(0.5, 1.5, lp.numel()).view_as(lp)  # a loss that weighs every token differently
+        ((lp * weights).sum() + 0.1 * ent.sum()).backward()
+        got[name] = (lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (lp0, ent0, g0), (lp1, ent1, g1) = got["plain"], got["packed"]
+    mask = batch.micro_batch(rows).target_mask
+    assert lp0.shape == lp1.shape and (lp1[~mask] == 0).all()
+    assert torch.allclose(lp0, lp1, atol=1e-5, rtol=0), (lp0 - lp1).abs().max()
+    assert torch.allclose(ent0, ent1, atol=1e-5, rtol=0), (ent0 - ent1).abs().max()
+    for n in g0:
+        scale = max(1.0, float(g0[n].abs().max()))
+        assert torch.allclose(g0[n], g1[n], atol=1e-5 * scale, rtol=0), (n, (g0[n] - g1[n]).abs().max())
+
+
+def test_packed_bf16_stays_within_bf16_rounding_of_fp32():
+    """bf16 autocast: packed and unpacked each differ from fp32 by bf16 rounding (8 bits of
+    mantissa, ~4e-3 relative per op); the packed one must be no further from fp32 than the
+    unpacked one plus that rounding."""
+    model = _model("sdpa", False)
+    batch = _ragged_batch()
+    rows = torch.arange(len(batch))
+    ref, _ = micro_logprobs(model, batch.micro_batch(rows), 1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain, _ = micro_logprobs(model, batch.micro_batch(rows), 1.0)
+        packed, _ = micro_logprobs(model, shared_micro_batch(batch, rows), 1.0)
+    e_plain, e_packed = (plain.float() - ref).abs().max(), (packed.float() - ref).abs().max()
+    assert e_packed <= e_plain + 0.05 and e_packed < 0.1, (e_plain, e_packed)
+
+
+@pytest.mark.parametrize("kw", [{"micro_batch_size": 3}, {"max_tokens_per_micro_batch": 60}])
+def test_the_actor_learns_the_same_with_shared_prefix_on_off_and_auto(kw):
+    """The torch actor's old-logprob pass and one update, with actor.shared_prefix off, on and auto,
+    on GRPO groups that share their prompts: the same logprobs (1e-5) and the same weights after
+    the step (1e-6, plain SGD as in test_torch_actor), micro-batches by rows or by token budget."""
+    from batches import advantages_for, make_batch
+    from engines.models import resolve_model
+    from engines.training.config import ActorConfig
+    from engines.training.losses import LossConfig
+    from engines.training.torch_actor import TorchActor
+
+    tiny = str(resolve_model("tiny-llama"))
+    batch = make_batch(1000, n=8, group=4, shared_prompts=True, prompt=30)
+    adv = advantages_for(batch)
+    got = {}
+    for mode in ("off", "on", "auto"):
+        actor = TorchActor(ActorConfig(shared_prefix=mode, lr=1.0, grad_clip=1e9, **kw), tiny)
+        actor.optimizer = torch.optim.SGD(actor.params, lr=1.0)
+        micro = actor._micro_batches(batch, torch.arange(len(batch)))
+        packed = [mb.target_at is not None for mb in micro]
+        assert all(packed) if mode == "on" else not any(packed) if mode == "off" else True, (mode, packed)
+        old, ent = actor.compute_logprobs(batch)
+        actor.update(batch, adv, old, None, LossConfig())
+        got[mode] = (old, ent, {k: v.clone() for k, v in actor.module.state_dict().items()})
+    base_lp, base_ent, base = got["off"]
+    for mode in ("on", "auto"):
+        lp, ent, state = got[mode]
+        assert torch.allclose(lp, base_lp, atol=1e-5) and torch.allclose(ent, base_ent, atol=1e-5), mode
+        for k in base:
+            assert torch.allclose(base[k], state[k], atol=1e-6), (mode, k, (base[k] - state[k]).abs().max())
+    assert not all(torch.equal(base[k], v) for k, v in TorchActor(ActorConfig(), tiny).module.state_dict().items())
