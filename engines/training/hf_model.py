@@ -6,8 +6,6 @@ log_softmax(logits / temperature)[token].
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from engines.training.batch import Batch, MicroBatch
