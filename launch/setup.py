@@ -167,7 +167,7 @@ def _build(cfg: Config, rank: int, world: int, barrier: Any, rows: list[dict[str
         ref = AdapterOffReference(actor)
     elif cfg.algorithm.loss.kl_coef > 0:
         ref = make_reference(cfg.reference.backend, model_dir, dtype=cfg.model.dtype, temperature=r.temperature,
-                             micro_batch_size=cfg.actor.micro_batch_size)
+                             micro_batch_size=cfg.actor.micro_batch_size, shared_prefix=cfg.actor.shared_prefix)
     if cfg.data.curriculum.mode != "off":
         from launch.data.curriculum import CurriculumStream
 

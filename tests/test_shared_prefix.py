@@ -31,7 +31,7 @@ def _out(prompt: list[int], response: list[int]) -> AgentLoopOutput:
                            response_logprobs=[0.0] * len(response), reward=0.0, num_turns=1, termination="stop")
 
 
-def _ragged_batch():
+def _ragged_batch(order: list[int] | None = None):
     g = torch.Generator().manual_seed(1)
     r = lambda n: torch.randint(3, 97, (n,), generator=g).tolist()  # noqa: E731
     p1, p2, p3 = r(7), r(12), r(3)
@@ -40,7 +40,9 @@ def _ragged_batch():
             _out(p2, r(6)),  # a group of 1, a longer prompt
             _out(p3, turn + r(4)), _out(p3, turn + r(7)), _out(p3, turn[:3]),  # shared turns; one a prefix
             _out(p1, [5, 6, 7]), _out(p1, [5, 6, 7])]  # identical rows
-    return pad_outputs(outs, 0, [0, 0, 0, 1, 2, 2, 2, 3, 3])
+    groups = [0, 0, 0, 1, 2, 2, 2, 3, 3]
+    order = order or list(range(len(outs)))
+    return pad_outputs([outs[i] for i in order], 0, [groups[i] for i in order])
 
 
 def test_the_layout_computes_each_shared_prefix_once():
@@ -122,3 +124,10 @@ def test_the_actor_learns_the_same_with_shared_prefix_on_off_and_auto(kw):
         for k in base:
             assert torch.allclose(base[k], state[k], atol=1e-6), (mode, k, (base[k] - state[k]).abs().max())
     assert not all(torch.equal(base[k], v) for k, v in TorchActor(ActorConfig(), tiny).module.state_dict().items())
+    from engines.training.reference import TorchReference
+
+    mixed = _ragged_batch([3, 0, 4, 1, 5, 2, 6, 7, 8])  # groups interleaved: packed in another order
+    want = TorchReference(tiny, micro_batch_size=3).compute_logprobs(mixed)
+    for mode in ("on", "auto"):  # the reference packs as the actor does, rows back in their order
+        got_ref = TorchReference(tiny, micro_batch_size=3, shared_prefix=mode).compute_logprobs(mixed)
+        assert torch.allclose(got_ref, want, atol=1e-5), mode

@@ -238,8 +238,7 @@ class ActorBase:
             return [batch.micro_batch(mb) for mb in parts]
         rows = prefix.by_group(batch, rows)
         parts = prefix.budget_rows(batch, rows, budget) if budget else self._micro_rows(rows)
-        return [prefix.shared_micro_batch(batch, mb) if mode == "on" or prefix.packing_pays(batch, mb, self._pair_cost)
-                else batch.micro_batch(mb) for mb in parts]
+        return [prefix.micro_batch(batch, mb, mode, self._pair_cost) for mb in parts]
 
     @property
     def _pair_cost(self) -> float:

@@ -167,3 +167,11 @@ def packing_pays(batch: Batch, rows: torch.Tensor, pair: float) -> bool:
     padded = len(rows) * (width + pair * width * width)
     n = computed_tokens(batch, rows)
     return n + pair * n * n <= (1 - MIN_SAVING) * padded
+
+
+def micro_batch(batch: Batch, rows: torch.Tensor, mode: str, pair: float) -> MicroBatch:
+    """`rows` as one micro-batch by `actor.shared_prefix` `mode`: packed (on; auto where
+    `packing_pays` with `pair`) or padded (off, or rows with images)."""
+    if mode == "off" or has_images(batch, rows) or (mode == "auto" and not packing_pays(batch, rows, pair)):
+        return batch.micro_batch(rows)
+    return shared_micro_batch(batch, rows)

@@ -22,20 +22,31 @@ class TorchReference:
     """The frozen starting policy, one replica per rank, each computing its share of rows."""
 
     def __init__(self, model: str, dtype: str = "float32", temperature: float = 1.0, micro_batch_size: int = 8,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, shared_prefix: str = "off") -> None:
+        from engines.training.prefix import pair_cost
+
         self.rank, self.world = dist_info()
         self.device = device or default_device()
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
+        self.shared_prefix = shared_prefix  # as the actor's (actor.shared_prefix)
+        self.pair = pair_cost(model) if shared_prefix == "auto" else 0.0
         self.module = load_causal_lm(model, compute_dtype(dtype), self.device).eval().requires_grad_(False)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        from engines.training.prefix import by_group
+
         rows = torch.arange(len(batch))
         local = rows if batch.is_shard else torch.tensor_split(rows, self.world)[self.rank]
-        out = [response_logprobs(self.module, batch, mb, self.temperature, self.device)
-               for mb in local.split(self.micro_batch_size)]
+        order = by_group(batch, local) if self.shared_prefix != "off" else local  # a group's rows together
+        out = [response_logprobs(self.module, batch, mb, self.temperature, self.device, self.shared_prefix, self.pair)
+               for mb in order.split(self.micro_batch_size)]
         lp = torch.cat(out) if out else torch.zeros(0, batch.responses.shape[1])
+        if self.shared_prefix != "off":  # back in the order of `local`
+            at = torch.empty(len(batch), dtype=torch.long)
+            at[order] = torch.arange(len(order))
+            lp = lp[at[local]]
         return lp if batch.is_shard else gather_rows(lp, len(batch), self.world)
 
 
@@ -51,9 +62,10 @@ class AdapterOffReference:
 
 
 def make_reference(backend: str, model: str, dtype: str = "float32", temperature: float = 1.0,
-                   micro_batch_size: int = 8) -> Any:
+                   micro_batch_size: int = 8, shared_prefix: str = "off") -> Any:
+    """`shared_prefix`: the torch reference packs as the actor does; the DeepSpeed one computes unpacked."""
     if backend == "torch":
-        return TorchReference(model, dtype, temperature, micro_batch_size)
+        return TorchReference(model, dtype, temperature, micro_batch_size, shared_prefix=shared_prefix)
     if backend == "deepspeed":
         from engines.training.deepspeed_ref import DeepSpeedReference
 
