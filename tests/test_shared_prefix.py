@@ -131,3 +131,27 @@ def test_the_actor_learns_the_same_with_shared_prefix_on_off_and_auto(kw):
     for mode in ("on", "auto"):  # the reference packs as the actor does, rows back in their order
         got_ref = TorchReference(tiny, micro_batch_size=3, shared_prefix=mode).compute_logprobs(mixed)
         assert torch.allclose(got_ref, want, atol=1e-5), mode
+
+
+def test_the_critic_values_the_same_packed():
+    """A critic (the torch actor's machinery with a value head; its own critic.shared_prefix) gives
+    the same values packed, and the same value-head weights after an update."""
+    from batches import make_batch
+    from engines.models import resolve_model
+    from engines.training.config import ActorConfig, CriticConfig
+    from engines.training.critic import Critic
+
+    tiny = str(resolve_model("tiny-llama"))
+    batch = make_batch(1000, n=8, group=4, shared_prompts=True, prompt=30)
+    returns = torch.randn(batch.responses.shape, generator=torch.Generator().manual_seed(3)) * batch.response_mask
+    got = []
+    for mode in ("off", "on"):
+        critic = Critic(CriticConfig(shared_prefix=mode, micro_batch_size=3), ActorConfig(), tiny)
+        assert critic.cfg.shared_prefix == mode
+        with torch.no_grad():  # a head that is not zero, so the values depend on the hidden states
+            critic.module.lm_head.weight.normal_(generator=torch.Generator().manual_seed(4))
+        values = critic.compute_values(batch)
+        critic.update_values(batch, returns, values)
+        got.append((values, critic.module.lm_head.weight.detach().clone()))
+    assert torch.allclose(got[0][0], got[1][0], atol=1e-5) and got[0][0].abs().sum() > 0
+    assert torch.allclose(got[0][1], got[1][1], atol=1e-6)

@@ -21,7 +21,7 @@ import torch
 
 from engines.training.batch import Batch, MicroBatch
 from engines.training.config import ActorConfig, CriticConfig
-from engines.training.hf_model import _dtype
+from engines.training.hf_model import target_outputs
 from engines.training.losses import value_loss
 from engines.training.torch_actor import TorchActor
 
@@ -54,10 +54,7 @@ class Critic(TorchActor):
     def _score(self, model: torch.nn.Module, mb: MicroBatch, temperature: float,
                want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[b, k] values of the states before `mb.targets` (0 where `target_mask` is False)."""
-        s, k = mb.input_ids.shape[1], mb.targets.shape[1]
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                    logits_to_keep=s - mb.first, use_cache=False, **mb.model_inputs(_dtype(model))).logits
-        values = torch.where(mb.target_mask, out[:, :k, 0].float(), 0.0)
+        values = torch.where(mb.target_mask, target_outputs(model, mb)[..., 0].float(), 0.0)
         return values, (torch.zeros_like(values) if want_entropy else None)
 
     @torch.no_grad()

@@ -35,23 +35,28 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> torch
     return model
 
 
+def target_outputs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """[b, k, out] the model's outputs (logits, or a critic's values) at the positions that score
+    each of `mb.targets`. The model is asked only for those (`logits_to_keep`), most of the cost
+    saved on CPU; a micro-batch packed by shared prefix has them gathered by `target_at`."""
+    s, k = mb.input_ids.shape[1], mb.targets.shape[1]
+    if mb.target_at is None:
+        return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                     logits_to_keep=s - mb.first, use_cache=False, **mb.model_inputs(_dtype(model))).logits[:, :k]
+    from engines.training.prefix import model_mask
+
+    device = mb.input_ids.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else _dtype(model)
+    first = int(mb.target_at[mb.target_mask].min()) if bool(mb.target_mask.any()) else s - 1
+    out = model(input_ids=mb.input_ids, attention_mask=model_mask(model, mb.attention_mask, dtype),
+                position_ids=mb.position_ids, logits_to_keep=s - first, use_cache=False).logits[0]
+    return out[(mb.target_at - first).clamp(min=0)]
+
+
 def micro_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float,
                    want_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[b, k] logprobs (and entropy) of `mb.targets`, 0 where `target_mask` is False. The model is
-    asked only for the logits that score targets (`logits_to_keep`), most of the cost saved on CPU."""
-    s, k = mb.input_ids.shape[1], mb.targets.shape[1]
-    if mb.target_at is not None:  # packed by shared prefix: each target's logits gathered from its position
-        from engines.training.prefix import model_mask
-
-        dtype = torch.get_autocast_dtype(mb.input_ids.device.type) if torch.is_autocast_enabled(
-            mb.input_ids.device.type) else _dtype(model)
-        first = int(mb.target_at[mb.target_mask].min()) if bool(mb.target_mask.any()) else s - 1
-        logits = model(input_ids=mb.input_ids, attention_mask=model_mask(model, mb.attention_mask, dtype),
-                       position_ids=mb.position_ids, logits_to_keep=s - first, use_cache=False).logits[0]
-        logits = logits[(mb.target_at - first).clamp(min=0)]
-    else:
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                       logits_to_keep=s - mb.first, use_cache=False, **mb.model_inputs(_dtype(model))).logits[:, :k]
+    """[b, k] logprobs (and entropy) of `mb.targets`, 0 where `target_mask` is False."""
+    logits = target_outputs(model, mb)
     if temperature != 1.0:
         logits = logits.float() / temperature
     lp = torch.where(mb.target_mask, logprobs_from_logits(logits, mb.targets.clamp(min=0)), 0)
