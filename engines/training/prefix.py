@@ -145,18 +145,18 @@ def budget_rows(batch: Batch, rows: torch.Tensor, budget: int) -> list[torch.Ten
 
 def pair_cost(model: str) -> float:
     """An attention pair's forward FLOPs (4 x hidden x layers: scores and values) over a token's
-    (2 x the weights it passes), from the model's config; 0 when the config cannot be read."""
+    through the decoder layers (2 x their weights), from the model's config; 0 when the config
+    cannot be read. The LM head is left out: it runs on the targets only, as many packed or not."""
     from engines.models import resolve_model
 
     try:
         from transformers import AutoConfig
 
         c = AutoConfig.from_pretrained(str(resolve_model(model))).get_text_config()
-        h, layers, ff, vocab = c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size
+        h, layers, ff = c.hidden_size, c.num_hidden_layers, c.intermediate_size
     except (OSError, ValueError, AttributeError):
         return 0.0
-    token = 2 * (layers * (4 * h * h + 3 * h * ff) + h * vocab)
-    return 4 * h * layers / token
+    return 4 * h * layers / (2 * layers * (4 * h * h + 3 * h * ff))
 
 
 def packing_pays(batch: Batch, rows: torch.Tensor, pair: float) -> bool:

@@ -1,0 +1,108 @@
+"""The actor's update and old-logprob pass with `actor.shared_prefix` off, on and auto, side by side.
+
+    python benchmarks/shared_prefix.py                    # SmolLM2-135M-Instruct, bf16 autocast, 3 rounds
+    python benchmarks/shared_prefix.py --quick            # tiny-llama, 1 round
+    python benchmarks/shared_prefix.py --dtype float32 --attn sdpa --group 4
+
+One process, one model, one GRPO-shaped batch: 32 trajectories in groups of `--group` that share
+their prompt (prompts 60-180 tokens, responses 10-120, as the CPU demo's), micro-batches of 8 rows.
+The settings alternate in rounds (off, on, auto, off, ...), each after a warm-up; reported per setting:
+the median seconds of an update (forward and backward of every micro-batch, one optimizer step) and
+of a logprob pass, the tokens the forward computes, and the speed-up over off per round (median).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, result_line, write_result  # noqa: E402
+
+MODES = ("off", "on", "auto")
+
+
+def grpo_batch(vocab: int, n: int = 32, group: int = 8, seed: int = 0) -> Any:
+    """`n` trajectories in groups of `group` sharing their prompt, lengths as the CPU demo's."""
+    import torch
+
+    from agent.loop import AgentLoopOutput
+    from engines.training.batch import pad_outputs
+
+    g = torch.Generator().manual_seed(seed)
+    outs, prompt = [], []
+    for i in range(n):
+        if i % group == 0:
+            prompt = torch.randint(3, vocab, (int(torch.randint(60, 181, (1,), generator=g)),), generator=g).tolist()
+        r = int(torch.randint(10, 121, (1,), generator=g))
+        outs.append(AgentLoopOutput(prompt_ids=prompt, response_ids=torch.randint(3, vocab, (r,), generator=g).tolist(),
+                                    response_mask=[1] * r, response_logprobs=[-1.0] * r, reward=float(i % 2),
+                                    num_turns=1, termination="stop"))
+    return pad_outputs(outs, 0, [i // group for i in range(n)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: smollm2-135m-instruct (tiny-llama with --quick)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    ap.add_argument("--group", type=int, default=8, help="samples per GRPO group (sharing one prompt)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    from engines.models import resolve_model
+    from engines.training.config import ActorConfig
+    from engines.training.losses import LossConfig
+    from engines.training.prefix import computed_tokens
+    from engines.training.torch_actor import TorchActor
+
+    model = str(resolve_model(args.model or ("tiny-llama" if args.quick else "smollm2-135m-instruct")))
+    rounds = 1 if args.quick else args.rounds
+    actors = {m: TorchActor(ActorConfig(shared_prefix=m, micro_batch_size=8, attn_implementation=args.attn,
+                                        trainable=[]), model, args.dtype, progress=False) for m in MODES}
+    vocab = actors["off"].module.config.vocab_size
+    batch = grpo_batch(vocab, group=args.group)
+    adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))[:, None] * batch.response_mask
+    rows = torch.arange(len(batch))
+    padded = sum(len(m) * (int(batch.prompt_lengths[m].max() + batch.response_lengths[m].max()))
+                 for m in rows.split(8))
+    tokens = {"off": padded, "on": sum(computed_tokens(batch, m) for m in rows.split(8))}
+    times: dict[str, dict[str, list[float]]] = {m: {"update": [], "logprobs": []} for m in MODES}
+    for r in range(rounds + 1):  # round 0 warms each up
+        for m in MODES:
+            actor = actors[m]
+            t0 = time.perf_counter()
+            old, _ = actor.compute_logprobs(batch)
+            t1 = time.perf_counter()
+            actor.update(batch, adv, old, None, LossConfig())
+            t2 = time.perf_counter()
+            if r:
+                times[m]["logprobs"].append(t1 - t0)
+                times[m]["update"].append(t2 - t1)
+    report: dict[str, Any] = {"machine": machine(), "model": Path(model).name, "dtype": args.dtype, "attn": args.attn,
+                              "group": args.group, "trajectories": len(batch), "rounds": rounds,
+                              "tokens_padded": tokens["off"], "tokens_packed": tokens["on"]}
+    line: dict[str, float] = {}
+    for m in MODES:
+        for what in ("update", "logprobs"):
+            report[f"{m}_{what}_s"] = statistics.median(times[m][what])
+            if m != "off":
+                ratio = statistics.median(a / b for a, b in zip(times["off"][what], times[m][what]))
+                report[f"{m}_{what}_speedup"] = line[f"{m}_{what}_x"] = ratio
+    for k in ("off_update_s", "on_update_s", "auto_update_s"):
+        line[k] = report[k]
+    print(f"tokens computed per pass: {tokens['off']} padded, {tokens['on']} packed", flush=True)
+    print(result_line(line), flush=True)
+    print(f"wrote {write_result('shared_prefix', report, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
