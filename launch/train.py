@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         _exit_with_launcher()
     from engines.models import ModelUnavailableError
     from launch.guards import DriftError, InvalidError
+    from rollout.bus.auth import AuthError
 
     try:
         summary = train(load_config(path, argv))
@@ -179,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ModelUnavailableError as e:  # a user error like a bad config value: one line, exit 2
         print(f"config error: model.path: {e}", file=sys.stderr)
+        return 2
+    except AuthError as e:  # engines refused this run's keys (rollout.engines with another deployment's keys)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     except (DriftError, InvalidError) as e:  # the run did not do what it was asked: said, exit 1
         print(f"error: {e}", file=sys.stderr)
