@@ -129,10 +129,12 @@ def test_refusals_are_openai_errors(tok):  # noqa: F811
                     await other.responses.create(model="switchyard", input="hi", previous_response_id=ok.id)
                 with pytest.raises(openai.BadRequestError, match="tool type 'web_search'"):
                     await oa.responses.create(model="switchyard", input="hi", tools=[{"type": "web_search"}])
-                with pytest.raises(openai.BadRequestError, match="text.format 'json_schema'") as e:
-                    await oa.responses.create(model="switchyard", input="hi", text={"format": {
-                        "type": "json_schema", "name": "x", "schema": {"type": "object"}}})
+                with pytest.raises(openai.BadRequestError, match="text.format type 'grammar' is not supported") as e:
+                    await oa.responses.create(model="switchyard", input="hi", text={"format": {"type": "grammar"}})
                 assert e.value.param == "text.format"
+                with pytest.raises(openai.BadRequestError, match="needs a `schema` object"):
+                    await oa.responses.create(model="switchyard", input="hi", text={"format": {
+                        "type": "json_schema", "name": "x"}})
                 assert (await oa.responses.create(model="gpt-4", input="hi")).model == "switchyard"  # served, named
                 with pytest.raises(openai.BadRequestError, match=r"text.verbosity is not supported.*name the served "
                                                                  r"model, Agent\(model='switchyard'\)"):

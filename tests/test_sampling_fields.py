@@ -157,6 +157,68 @@ def test_bus_returns_top_logprobs_and_refuses_bad_values(engine) -> None:
     with_gateway(engine, body)
 
 
+def test_json_schema_constrains_the_hf_engine_and_its_logprobs_are_the_constrained_ones(engine) -> None:
+    """A random tiny model writes JSON that matches the schema only because the grammar (xgrammar)
+    forbids every other token; each recorded logprob is of the constrained distribution, so a token
+    the grammar forces (a quote, a brace) reports ~0, which the unconstrained model would not."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    from engines.models import load_tokenizer
+
+    tok = load_tokenizer("tiny-llama")
+
+    async def body(oa: Any, client: Any) -> None:
+        prompt = [1, 300, 307, 314, 321]
+        for seed in range(3):
+            out = await client.generate(prompt, {"max_tokens": 60, "temperature": 1.0, "seed": seed,
+                                                 "json_schema": json.dumps(schema)})
+            text = tok.decode(out.token_ids, skip_special_tokens=True)
+            jsonschema.validate(json.loads(text), schema)  # whole and valid, however unlikely for this model
+            assert out.finish_reason == "stop" and max(out.logprobs) > -1e-3  # a forced token: logprob ~0
+        free = await client.generate(prompt, {"max_tokens": 20, "temperature": 1.0, "seed": 0})
+        assert max(free.logprobs) < -1.0  # unconstrained, the random model is nowhere near sure of a token
+        from rollout.bus.client import RequestFailed
+
+        with pytest.raises(RequestFailed, match="json_schema is not valid JSON"):
+            await client.generate(prompt, {"max_tokens": 2, "json_schema": "{nope"})
+
+    with_gateway(engine, body)
+
+
+def test_structured_output_on_the_chat_and_responses_routes(engine) -> None:
+    """The openai package's `.parse()` with a pydantic model (response_format json_schema), json_object,
+    and the Responses API's text.format: each reply is a valid object from a random model, decoded
+    under the schema by the hf engine, token-exact with its request log, and the trajectory's turn
+    says a constraint applied. With tools offered it is refused by name."""
+    import pydantic
+
+    class Answer(pydantic.BaseModel):  # bounded, so a random model's reply ends within max_tokens
+        value: int = pydantic.Field(ge=0, le=999)
+        unit: str = pydantic.Field(max_length=6)
+
+    async def body(oa: Any, client: Any) -> None:
+        ask = [{"role": "user", "content": "How far?"}]
+        parsed = await oa.chat.completions.parse(model="switchyard", messages=ask, response_format=Answer,
+                                                 max_tokens=80, seed=1, logprobs=True)
+        answer = parsed.choices[0].message.parsed
+        assert isinstance(answer, Answer), parsed.choices[0].message.content
+        assert [t.token for t in parsed.choices[0].logprobs.content] and last_ids(engine)
+        loose = await oa.chat.completions.create(model="switchyard", messages=ask, max_tokens=80, seed=2,
+                                                  response_format={"type": "json_object"})
+        text = loose.choices[0].message.content  # any object: a random model may fill its budget inside a string
+        assert text.startswith("{") and (loose.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
+        resp = await oa.responses.create(model="switchyard", input="How far?", max_output_tokens=80, text={"format": {
+            "type": "json_schema", "name": "answer", "schema": Answer.model_json_schema()}})
+        assert Answer.model_validate_json(resp.output_text)
+        with pytest.raises(openai.BadRequestError, match="response_format with tools offered"):
+            await oa.chat.completions.create(model="switchyard", messages=ask, response_format={"type": "json_object"},
+                                             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+
+    with_gateway(engine, body)
+
+
 def test_openai_logit_bias_bans_and_forces_tokens(engine) -> None:
     async def body(oa: Any, client: Any) -> None:
         ask = dict(model="switchyard", messages=QUESTION, max_tokens=12, temperature=0.0)
@@ -274,6 +336,10 @@ def test_vllm_maps_the_fields(backend: str) -> None:
             pen = await engine.generate("pen", prompt, SamplingParams(**greedy, presence_penalty=2.0,
                                                                       frequency_penalty=2.0))
             assert pen.token_ids.count(common) <= 2, (base.token_ids, pen.token_ids)
+            schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8}}, "required": ["word"]}
+            shaped = await engine.generate("json", prompt, SamplingParams(max_tokens=40, temperature=0.0,
+                                                                          json_schema=json.dumps(schema)))
+            assert list(json.loads(tok.decode(shaped.token_ids, skip_special_tokens=True))) == ["word"], shaped
         finally:
             await engine.close()
 

@@ -11,10 +11,10 @@ OpenAI keeps it) is kept in memory, the least recently used forgotten past `max_
 with `previous_response_id` and only new items continues it, in the same session only.
 
 What cannot be honoured is refused with a 400 naming it, never silently ignored: tools other than
-function tools, `parallel_tool_calls: false`, an output format
-other than text (`text.format` json_schema/json_object), `text.verbosity`, `reasoning` settings,
+function tools, `parallel_tool_calls: false`, `text.verbosity`, `reasoning` settings,
 `truncation: auto`, `background`, `conversation`, stored `prompt`s, `max_tool_calls`,
 and any parameter the API does not have. `strict` on a function tool is accepted but not enforced.
+`text.format` json_schema or json_object is honoured: the engine decodes under the schema.
 The bus returns whole generations, so a streamed response sends the finished reply as events.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from agent.gateway.errors import openai_error as _error
-from agent.gateway.session import Reply, RequestError
+from agent.gateway.session import Reply, RequestError, output_schema
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +57,7 @@ def check_options(body: dict[str, Any], served: str = "") -> None:
     fmt = (text.get("format") or {}) if isinstance(text, dict) else None
     if not isinstance(fmt, dict):
         raise RequestError(400, "text must be an object like {format: {type: text}}", param="text")
-    if fmt.get("type", "text") != "text":
-        raise RequestError(400, f"text.format {fmt.get('type')!r} is not supported: the engine samples freely and "
-                                "cannot constrain the output; use {type: text}", param="text.format")
+    output_schema(fmt, "text.format")  # a 400 unless text, json_object or json_schema with a schema
     # the Agents SDK sets these by itself for its default (OpenAI) model when the agent names none
     hint = (f"; the Agents SDK sets it for its own default model when an agent names none: name the served "
             f"model, Agent(model={served!r}) or OpenAIResponsesModel(model={served!r}, ...)"
@@ -220,7 +218,9 @@ class Responses:
                     "tool_choice": chat_choice(body.get("tool_choice")),
                     "max_completion_tokens": body.get("max_output_tokens"),
                     **{k: body.get(k) for k in ("temperature", "top_p", "seed")},
-                    **({"logprobs": True, "top_logprobs": body["top_logprobs"]} if body.get("top_logprobs") else {})}
+                    **({"logprobs": True, "top_logprobs": body["top_logprobs"]} if body.get("top_logprobs") else {}),
+                    **({"response_format": {"type": "json_schema", "json_schema": {"schema": json.loads(schema)}}}
+                       if (schema := output_schema((body.get("text") or {}).get("format"), "text.format")) else {})}
             messages, tools, sampling, n, parse_calls = gw._parse(chat)
             chars = sum(len(m["content"]) if isinstance(m["content"], str) else
                         sum(len(p.get("text", "")) for p in m["content"]) for m in messages)

@@ -34,7 +34,7 @@ from agent.gateway.anthropic import messages_route
 from agent.gateway.completions import completions_routes
 from agent.gateway.errors import openai_error as _error
 from agent.gateway.responses import responses_route
-from agent.gateway.session import Conversation, Reply, RequestError, normalize
+from agent.gateway.session import Conversation, Reply, RequestError, normalize, output_schema
 
 log = logging.getLogger(__name__)
 
@@ -335,10 +335,16 @@ class Gateway:
         n = body.get("n", 1) or 1
         if not isinstance(n, int) or not 1 <= n <= 64:
             raise RequestError(400, f"n={n!r} must be an integer in [1, 64]", param="n")
-        for key in ("stop", "response_format"):
-            if body.get(key):
-                raise RequestError(400, f"{key} is not supported by the gateway (the engines stop on token ids)",
-                                   param=key)
+        if body.get("stop"):
+            raise RequestError(400, "stop is not supported by the gateway (the engines stop on token ids)", param="stop")
+        schema = output_schema(body.get("response_format"), "response_format")
+        if schema:  # decoded under the schema by the engine (constrained decoding)
+            if tools and choice != "none":
+                raise RequestError(400, "response_format with tools offered is not supported: the whole reply is "
+                                        "decoded under the schema, which leaves no room for a tool call; offer no "
+                                        "tools (or tool_choice=none) on the request that asks for structured output",
+                                   param="response_format")
+            sampling["json_schema"] = schema
         if body.get("parallel_tool_calls") is False:
             raise RequestError(400, "parallel_tool_calls=false is not supported: the model may write several calls in "
                                     "one reply and all are returned", param="parallel_tool_calls")

@@ -114,6 +114,29 @@ def normalize(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+def output_schema(fmt: Any, param: str) -> str:
+    """The JSON schema (text) an OpenAI output format asks for, "" for plain text: chat's
+    `response_format` ({type: json_schema, json_schema: {schema}} or {type: json_object}) and the
+    Responses API's `text.format` ({type: json_schema, schema}); the engines decode under it."""
+    if fmt is None:
+        return ""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in (None, "text"):
+        if not isinstance(fmt, dict):
+            raise RequestError(400, f"{param} must be an object like {{type: json_schema, ...}}", param=param)
+        return ""
+    if kind == "json_object":
+        return json.dumps({"type": "object"})
+    if kind == "json_schema":
+        inner = fmt.get("json_schema", fmt)
+        schema = inner.get("schema") if isinstance(inner, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestError(400, f"{param} json_schema needs a `schema` object (a JSON schema)", param=param)
+        return json.dumps(schema)
+    raise RequestError(400, f"{param} type {kind!r} is not supported; use text, json_object or json_schema",
+                       param=param)
+
+
 def forced_call(choice: Any, tools: list[dict[str, Any]] | None) -> bool | str:
     """What an OpenAI `tool_choice` forces: False (absent, auto, none), True (required: some call)
     or the name of the function to call; a RequestError (400) for any other value, for required
@@ -366,6 +389,8 @@ class Conversation:
             for target, result in zip(bases, results):
                 replies.append(self._record(target, result, parser, parse_calls or bool(prefix), len(prompt),
                                             time.perf_counter() - t0, declared, prefix, force))
+                if params.get("json_schema"):  # the trajectory says its tokens were drawn under a constraint
+                    target.turns[-1]["constraint"] = "json_schema"
             return replies
 
     def _record(self, seg: Segment, result: Any, parser: ToolParser, parse_calls: bool, prompt_tokens: int,

@@ -8,6 +8,7 @@ exactly the tokens the model produced.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
@@ -95,6 +96,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     top_logprobs: int = 0
+    # a JSON schema (as text) the output must match, by constrained decoding; '{"type": "object"}'
+    # for any JSON object (OpenAI's response_format json_object); "" = unconstrained
+    json_schema: str = ""
 
     def __post_init__(self) -> None:
         """Every field checked for type and range, so a request that would poison a batch (a
@@ -126,6 +130,15 @@ class SamplingParams:
         _int("top_logprobs", self.top_logprobs, low=0)
         if self.top_logprobs > MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs={self.top_logprobs} must be at most {MAX_TOP_LOGPROBS}")
+        if not isinstance(self.json_schema, str):
+            raise ValueError(f"json_schema={self.json_schema!r:.80} must be a JSON schema as text")
+        if self.json_schema:
+            try:
+                schema = json.loads(self.json_schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema is not valid JSON ({e}); send the schema as JSON text") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"json_schema={self.json_schema!r:.80} must be a JSON object (a schema)")
 
     def to_dict(self) -> dict[str, Any]:
         """A dict for the bus: msgpack maps take string keys only, so logit_bias ids go as strings."""

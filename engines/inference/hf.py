@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from engines.inference.base import EngineStats, GenerateOutput, SamplingParams, check_sleep_level, id_list
 from engines.inference.queued import QueuedEngine
+from engines.inference.grammar import Grammars
 from engines.inference.sampling import check_vocab, sample
 from engines.lora import HookedAdapter
 from engines.models import image_token_layout, is_vision_language, load_pretrained, resolve_model
@@ -53,6 +54,7 @@ class _Request:
     finish_reason: str | None = None
     pixel_values: torch.Tensor | None = None  # [n, C, H, W]: the images behind the prompt's image tokens
     aborted: bool = False  # set on the loop thread, read by the worker between steps
+    matcher: Any = None  # the grammar matcher of a `json_schema` request (engines/inference/grammar.py)
 
     def output(self) -> GenerateOutput:
         k = self.params.top_logprobs
@@ -146,11 +148,15 @@ class HFEngine(QueuedEngine):
         self._check_prompt(prompt_ids)
         check_vocab(params, self.model.config.get_text_config().vocab_size)
         pixels = self._check_images(prompt_ids, pixel_values)
+        matcher = None
+        if params.json_schema:  # compiled off the event loop (the first time a schema comes, ~1 s)
+            matcher = await asyncio.get_running_loop().run_in_executor(None, self._grammars.matcher,
+                                                                       params.json_schema)
         gen = None
         if params.seed is not None and params.temperature > 0:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         req = _Request(request_id, list(prompt_ids), params, asyncio.get_running_loop().create_future(), gen,
-                       self._count_cached_prefix(prompt_ids), pixel_values=pixels)
+                       self._count_cached_prefix(prompt_ids), pixel_values=pixels, matcher=matcher)
         self._stats.prompt_tokens += len(prompt_ids)
         self._stats.cached_prompt_tokens += req.cached_prompt_tokens
         self._live[request_id] = req
@@ -323,6 +329,7 @@ class HFEngine(QueuedEngine):
             self.eos_ids.update(e if isinstance(e, list) else [] if e is None else [e])
         text_config = self.model.config.get_text_config()
         self.max_model_len = int(getattr(text_config, "max_position_embeddings", 1 << 30))
+        self._grammars = Grammars(tokenizer, text_config.vocab_size, self.eos_ids)
 
     @torch.inference_mode()
     def _step(self, admitted: list[_Request]) -> list[_Request]:
@@ -371,15 +378,18 @@ class HFEngine(QueuedEngine):
 
     def _advance(self, b: _Batch, logits: torch.Tensor, finished: list[_Request]) -> _Batch | None:
         """Sample one token per row, record it, and cut the rows that are done out of the batch."""
+        matchers = [r.matcher for r in b.rows]
         tokens, logprobs, tops = sample(logits.float(), [r.params for r in b.rows],
-                                        [r.generator or self._generator for r in b.rows], [r.token_ids for r in b.rows])
+                                        [r.generator or self._generator for r in b.rows], [r.token_ids for r in b.rows],
+                                        matchers if any(m is not None for m in matchers) else None)
         keep = []
         for i, (r, t, lp) in enumerate(zip(b.rows, tokens.tolist(), logprobs.tolist())):
             r.token_ids.append(t)
             r.logprobs.append(lp)
             r.top += [tops[i]] if tops[i] else []
             p = r.params
-            if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
+            done = r.matcher is not None and (not r.matcher.accept_token(t) or r.matcher.is_terminated())
+            if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids or done:
                 r.finish_reason = "stop"
             elif len(r.token_ids) >= p.max_tokens or len(r.prompt_ids) + len(r.token_ids) >= self.max_model_len:
                 r.finish_reason = "length"

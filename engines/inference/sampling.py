@@ -2,7 +2,8 @@
 chosen token under log_softmax(logits / T), before top-k and top-p (what the actor recomputes).
 
 OpenAI's logits adjustments (`logit_bias`, `presence_penalty`, `frequency_penalty`; `adjust`)
-change which token is drawn, and are applied before temperature, top-k and top-p, as vLLM does.
+and a `json_schema` constraint (`engines/inference/grammar.py`) change which token is drawn, and are
+applied before temperature, top-k and top-p, as vLLM does.
 The returned logprobs are then of the distribution the token was actually drawn from,
 log_softmax(adjusted logits / T), on every engine (vLLM reports its logprobs after the adjustments
 too): they are the behaviour probabilities of a steered rollout, which the trainer's off-policy
@@ -13,7 +14,7 @@ so the sampled token's logprob equals its entry when it is among them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -60,15 +61,20 @@ def adjust(logits: torch.Tensor, params: list[SamplingParams], generated: Sequen
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-           generated: Sequence[Sequence[int]] | None = None
+           generated: Sequence[Sequence[int]] | None = None, matchers: list[Any] | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], list[float]] | None]]:
     """Per-row tokens, their logprobs under the distribution they were drawn from (log_softmax of the
-    adjusted logits / T, before top-k/top-p), and per row its `top_logprobs` most likely (ids,
-    logprobs) under that same distribution, most likely first (None for a row that asks for none).
-    `generated` is each row's output so far (for the penalties)."""
+    adjusted and constrained logits / T, before top-k/top-p), and per row its `top_logprobs` most
+    likely (ids, logprobs) under that same distribution, most likely first (None for a row that asks
+    for none). `generated` is each row's output so far (for the penalties); `matchers` each row's
+    grammar matcher or None (`engines.inference.grammar`: a `json_schema` request)."""
+    from engines.inference.grammar import constrain
+
     temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
     steered = adjust(logits, params, generated if generated is not None else [[] for _ in params])
+    if matchers is not None:
+        steered = constrain(steered, matchers)
     draw_logp = logp if steered is logits else torch.log_softmax(steered / temps[:, None], dim=-1)
     tokens = steered.argmax(dim=-1)
     for i, p in enumerate(params):

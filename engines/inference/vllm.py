@@ -247,7 +247,7 @@ class VLLMEngine:
     def _sampling(self, p: SamplingParams, delta: bool = False) -> Any:
         """vLLM sampling parameters: one final output per request, or (`delta`) each step's new tokens."""
         from vllm import SamplingParams as VLLMSamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         seed = p.seed if self._cuda else None
         if p.seed is not None and seed is None and not self._warned_seed:
@@ -259,6 +259,9 @@ class VLLMEngine:
             ignore_eos=p.ignore_eos, seed=seed, logprobs=p.top_logprobs, flat_logprobs=True, detokenize=False,
             frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
             logit_bias=dict(p.logit_bias) or None,
+            # the hf engine's constraint, by vLLM's own structured outputs (xgrammar too), compact JSON alike
+            structured_outputs=StructuredOutputsParams(json=p.json_schema, disable_any_whitespace=True)
+            if p.json_schema else None,
             output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
