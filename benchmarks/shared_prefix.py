@@ -4,7 +4,7 @@
     python benchmarks/shared_prefix.py --quick            # tiny-llama, 1 round
     python benchmarks/shared_prefix.py --dtype float32 --attn sdpa --group 4
 
-One process, one model, one GRPO-shaped batch: 32 trajectories in groups of `--group` that share
+One process, one model, one GRPO-shaped batch: 32 trajectories (`--trajectories`) in groups of `--group` that share
 their prompt (prompts 60-180 tokens, responses 10-120, as the CPU demo's), micro-batches of 8 rows.
 The settings alternate in rounds (off, on, auto, off, ...), each after a warm-up; reported per setting:
 the median seconds of an update (forward and backward of every micro-batch, one optimizer step) and
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     ap.add_argument("--group", type=int, default=8, help="samples per GRPO group (sharing one prompt)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--trajectories", type=int, default=32)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     actors = {m: TorchActor(ActorConfig(shared_prefix=m, micro_batch_size=8, attn_implementation=args.attn,
                                         trainable=[]), model, args.dtype, progress=False) for m in MODES}
     vocab = actors["off"].module.config.vocab_size
-    batch = grpo_batch(vocab, group=args.group)
+    batch = grpo_batch(vocab, n=args.trajectories, group=args.group)
     adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))[:, None] * batch.response_mask
     rows = torch.arange(len(batch))
     padded = sum(len(m) * (int(batch.prompt_lengths[m].max() + batch.response_lengths[m].max()))
@@ -99,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     for k in ("off_update_s", "on_update_s", "auto_update_s"):
         line[k] = report[k]
     print(f"tokens computed per pass: {tokens['off']} padded, {tokens['on']} packed", flush=True)
+    print(f"wrote {write_result('shared_prefix', report, args.out)}", flush=True)
     print(result_line(line), flush=True)
-    print(f"wrote {write_result('shared_prefix', report, args.out)}")
     return 0
 
 

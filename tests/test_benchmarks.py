@@ -166,3 +166,11 @@ def test_soak_small_run(tmp_path):
     train, gw = report["training"], report["gateway"]
     assert train["steps"] == 8 and train["samples"] >= 3 and train["rss_mib_end"] > 50, train
     assert gw["requests"] == 96 and gw["samples"] >= 3, gw
+
+
+def test_shared_prefix_small_run(tmp_path):
+    last, report = _run("benchmarks/shared_prefix.py", ["--quick", "--trajectories", "8", "--group", "4"], tmp_path)
+    assert report["tokens_packed"] < report["tokens_padded"]  # each group's prompt once
+    for mode in ("off", "on", "auto"):
+        assert report[f"{mode}_update_s"] > 0 and report[f"{mode}_logprobs_s"] > 0
+    assert report["on_update_speedup"] > 0 and last.startswith("RESULT on_update_x=")
