@@ -189,3 +189,21 @@ def test_a_deep_tmpdir_does_not_break_the_ipc_sockets(tmp_path, monkeypatch):
     shallow = socket_dir("switchyard-")
     assert shallow.parent == Path("/tmp")
     shallow.rmdir()
+
+
+def test_a_run_attached_with_the_wrong_keys_ends_in_one_line_naming_them(tcp_server, tmp_path, capsys):
+    """`launch/train.py` attached to engines started with other keys: exit 2 and one `error:` line
+    about the keys, within seconds, not a traceback."""
+    import time
+
+    from launch.train import main
+
+    _, _, tcp = tcp_server
+    wrong = BusKeys.generate().write(tmp_path / "other-keys.json")
+    t0 = time.monotonic()
+    rc = main(["model.path=tiny-llama", "data.task=arithmetic", "sft.enabled=false", "data.val_path=null",
+               f"rollout.engines=[{tcp}]", f"rollout.engine_keys={wrong}", "rollout.engine=hf", "trainer.steps=1",
+               f"trainer.output_dir={tmp_path / 'run'}", "trainer.export_hf=false"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error:" in err and "rollout.engine_keys" in err and "Traceback" not in err, err[-3000:]
+    assert time.monotonic() - t0 < 120
