@@ -60,14 +60,14 @@ def layout(seqs: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
     return paths, size
 
 
-def shared_micro_batch(batch: Batch, rows: torch.Tensor) -> MicroBatch:
+def shared_micro_batch(batch: Batch, rows: torch.Tensor,
+                       laid: tuple[list[torch.Tensor], list[torch.Tensor], int] | None = None) -> MicroBatch:
     """`rows` of `batch` packed as a prefix tree into one sequence (see the module's docstring);
     the targets, their mask and `rows` are those `batch.micro_batch(rows)` has."""
     if has_images(batch, rows):
         raise ValueError("rows with images are not packed by shared prefix (their images would have to be shared "
                          "too); set actor.shared_prefix=off for a vision-language model")
-    seqs = _sequences(batch, rows)
-    paths, size = layout(seqs)
+    seqs, paths, size = laid if laid is not None else _laid_out(batch, rows)  # `laid`: already computed
     p = batch.prompt_width
     ids = torch.zeros(size, dtype=torch.long)
     pos = torch.zeros(size, dtype=torch.long)
@@ -159,19 +159,27 @@ def pair_cost(model: str) -> float:
     return 4 * h * layers / (2 * layers * (4 * h * h + 3 * h * ff))
 
 
-def packing_pays(batch: Batch, rows: torch.Tensor, pair: float) -> bool:
+def _laid_out(batch: Batch, rows: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    seqs = _sequences(batch, rows)
+    return (seqs, *layout(seqs))
+
+
+def packing_pays(batch: Batch, rows: torch.Tensor, pair: float, n: int | None = None) -> bool:
     """Whether packing `rows` saves at least MIN_SAVING of the FLOPs: tokens plus attention pairs
     weighted by `pair` (`pair_cost`), padded (rows x width, each row's square) against packed (the
     tokens computed, and every pair of them: a dense mask computes them all)."""
     width = int(batch.prompt_lengths[rows].max() + batch.response_lengths[rows].max())
     padded = len(rows) * (width + pair * width * width)
-    n = computed_tokens(batch, rows)
+    n = computed_tokens(batch, rows) if n is None else n  # `n`: the packed size, when already known
     return n + pair * n * n <= (1 - MIN_SAVING) * padded
 
 
 def micro_batch(batch: Batch, rows: torch.Tensor, mode: str, pair: float) -> MicroBatch:
     """`rows` as one micro-batch by `actor.shared_prefix` `mode`: packed (on; auto where
     `packing_pays` with `pair`) or padded (off, or rows with images)."""
-    if mode == "off" or has_images(batch, rows) or (mode == "auto" and not packing_pays(batch, rows, pair)):
+    if mode == "off" or has_images(batch, rows):
         return batch.micro_batch(rows)
-    return shared_micro_batch(batch, rows)
+    laid = _laid_out(batch, rows)  # once, for the decision and the packing
+    if mode == "auto" and not packing_pays(batch, rows, pair, laid[2]):
+        return batch.micro_batch(rows)
+    return shared_micro_batch(batch, rows, laid)
