@@ -39,23 +39,22 @@ class _Spawner(BaseTool):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:  # and a pool it submits to
             from_pool = pool.submit(_sleeper).result()
         forked = os.fork()
-        if forked == 0:  # a raw fork: the child sleeps on
-            time.sleep(300)
-            os._exit(0)
+        if forked == 0:  # a raw fork: the child sleeps on (as a new program: a forked child that ran on
+            os.execvp("sleep", ["sleep", "300"])  # as Python would keep every fd it inherited, among them the
+            # pipe through which a Popen on another thread waits for its child's exec: that Popen would hang)
         time.sleep(0.3)
         return ToolResponse(json.dumps([p.pid, *(c.pid for c in psutil.Process(p.pid).children()), *from_thread,
                                         from_pool, forked]))
 
 
 REWARD = """
-import os, subprocess, time
+import os, subprocess
 
 def forks(data_source, solution_str, ground_truth, extra_info=None):
     pids = [subprocess.Popen(["sleep", "300"]).pid]
     pid = os.fork()
     if pid == 0:
-        time.sleep(300)
-        os._exit(0)
+        os.execvp("sleep", ["sleep", "300"])
     with open(os.environ["SPAWNED_PIDS"], "a") as f:
         f.write(" ".join(map(str, pids + [pid])) + "\\n")
     return 1.0

@@ -81,7 +81,7 @@ import ast, json, operator, os, re
 import verifiers.v1 as vf
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-       ast.USub: operator.neg}
+       ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
 def value(node):
