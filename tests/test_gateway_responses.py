@@ -141,9 +141,6 @@ def test_refusals_are_openai_errors(tok):  # noqa: F811
                     await oa.responses.create(model="gpt-5", input="hi", text={"verbosity": "low"})
                 with pytest.raises(openai.BadRequestError, match="tool_choice='required' is not supported without"):
                     await oa.responses.create(model="switchyard", input="hi", tool_choice="required")
-                with pytest.raises(openai.BadRequestError, match="parallel_tool_calls=false"):
-                    await oa.responses.create(model="switchyard", input="hi", tools=[CALCULATOR],
-                                              parallel_tool_calls=False)
                 with pytest.raises(openai.BadRequestError, match="reasoning.effort"):
                     await oa.responses.create(model="switchyard", input="hi", reasoning={"effort": "high"})
                 with pytest.raises(openai.BadRequestError, match="conversation is not supported"):

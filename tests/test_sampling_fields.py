@@ -68,7 +68,8 @@ def test_sample_draws_from_the_adjusted_logits_and_reports_their_logprobs() -> N
     ("frequency_penalty", 5, "frequency_penalty=5 must be in"), ("presence_penalty", -2.5, "presence_penalty"),
     ("presence_penalty", float("nan"), "presence_penalty"), ("logit_bias", {"abc": 1}, "logit_bias key 'abc'"),
     ("logit_bias", {"7": 101}, "logit_bias"), ("logit_bias", [1, 2], "logit_bias"),
-    ("top_logprobs", 50, "top_logprobs=50"), ("top_logprobs", 1.5, "top_logprobs")])
+    ("top_logprobs", 50, "top_logprobs=50"), ("top_logprobs", 1.5, "top_logprobs"),
+    ("json_suffix", "}", "json_suffix='}' needs a json_schema"), ("json_suffix", 3, "json_suffix=3 must be text")])
 def test_bad_values_fail_naming_the_field(field: str, value: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SamplingParams(**{field: value})
@@ -219,6 +220,85 @@ def test_structured_output_on_the_chat_and_responses_routes(engine) -> None:
     with_gateway(engine, body)
 
 
+def test_every_frameworks_structured_output_gets_a_valid_object_token_exact(engine) -> None:
+    """Each framework's own structured-output path against the gateway on the hf engine, with a random
+    tiny model that writes valid objects only because the engine decodes under the schema:
+    pydantic-ai `output_type` (a forced `final_result` call: `tool_choice` required, one tool) with a
+    pydantic model and with an int, its `NativeOutput` (response_format json_schema); LangChain's
+    `with_structured_output` by json_schema and by function calling (a named `tool_choice` with
+    `parallel_tool_calls=false`); the Agents SDK's `output_type` (Responses `text.format`). Every
+    session's model tokens are the engine's, in its request log, and each turn names its constraint."""
+    from typing import Annotated, Literal
+
+    import pydantic
+
+    agents = pytest.importorskip("agents")
+    pytest.importorskip("pydantic_ai")
+    pytest.importorskip("langchain_openai")
+    from langchain_openai import ChatOpenAI
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from agent.gateway import Gateway
+    from engines.models import load_tokenizer
+    from rollout.bus.client import GenerateClient
+
+    class Verdict(pydantic.BaseModel):  # bounded: a random model's object ends within the budget
+        verdict: Literal["yes", "no"]
+        confident: bool
+        score: int = pydantic.Field(ge=0, le=99)
+
+    Small = Annotated[int, pydantic.Field(ge=0, le=999)]
+    agents.set_tracing_disabled(True)
+    ask = "Is 2+3 equal to 5?"
+
+    async def main() -> tuple[dict[str, Any], dict[str, Any]]:
+        got: dict[str, Any] = {}
+        async with GenerateClient(engine.addresses) as client:
+            await client.wait_ready(timeout_s=300)
+            gw = Gateway(client, load_tokenizer("tiny-llama"))
+            await gw.start()
+            try:
+                def key(name: str) -> str:
+                    return gw.open_session(name, sampling={"max_tokens": 160, "seed": 0})
+
+                def pyd(name: str) -> OpenAIChatModel:
+                    return OpenAIChatModel("switchyard", provider=OpenAIProvider(base_url=gw.base_url, api_key=key(name)))
+
+                got["pydantic_ai_model"] = (await Agent(pyd("pydantic_ai_model"), output_type=Verdict,
+                                                        retries=0).run(ask)).output
+                got["pydantic_ai_int"] = (await Agent(pyd("pydantic_ai_int"), output_type=Small, retries=0).run(ask)).output
+                got["pydantic_ai_native"] = (await Agent(pyd("pydantic_ai_native"), output_type=NativeOutput(Verdict),
+                                                         retries=0).run(ask)).output
+                for method in ("json_schema", "function_calling"):
+                    llm = ChatOpenAI(model="switchyard", base_url=gw.base_url, api_key=key(f"langchain_{method}"),
+                                     max_retries=0, max_tokens=160)
+                    got[f"langchain_{method}"] = await llm.with_structured_output(Verdict, method=method).ainvoke(ask)
+                oa = openai.AsyncOpenAI(base_url=gw.base_url, api_key=key("agents_sdk"), max_retries=0)
+                agent = agents.Agent(name="judge", instructions="Answer.", output_type=Verdict,
+                                     model=agents.OpenAIResponsesModel(model="switchyard", openai_client=oa))
+                got["agents_sdk"] = (await agents.Runner.run(agent, ask, max_turns=1)).final_output
+                await oa.close()
+                return got, {name: gw.close_session(name) for name in got}
+            finally:
+                await gw.stop()
+
+    got, sessions = asyncio.run(main())
+    for name, value in got.items():
+        assert isinstance(value, int if name == "pydantic_ai_int" else Verdict), (name, value)
+    log = {json.loads(line)["rid"]: json.loads(line) for line in Path(engine.request_logs[0]).read_text().splitlines()}
+    constraints = {}
+    for name, conv in sessions.items():
+        [seg] = conv.segments  # one request each (no retries: the first object was valid)
+        out = seg.to_output()
+        assert out.model_token_ids() == [t for rid in out.request_ids for t in log[rid]["token_ids"]], name
+        constraints[name] = [t.get("constraint") for t in seg.turns if t["kind"] == "generate"]
+    assert constraints == {"pydantic_ai_model": ["tool_call"], "pydantic_ai_int": ["tool_call"],
+                           "pydantic_ai_native": ["json_schema"], "langchain_json_schema": ["json_schema"],
+                           "langchain_function_calling": ["tool_call"], "agents_sdk": ["json_schema"]}, constraints
+
+
 def test_openai_logit_bias_bans_and_forces_tokens(engine) -> None:
     async def body(oa: Any, client: Any) -> None:
         ask = dict(model="switchyard", messages=QUESTION, max_tokens=12, temperature=0.0)
@@ -286,7 +366,7 @@ def test_openai_top_logprobs(engine) -> None:
     (dict(frequency_penalty=5), "frequency_penalty"), (dict(presence_penalty="high"), "presence_penalty"),
     (dict(logit_bias={"abc": 1}), "logit_bias"), (dict(logit_bias={"5": 500}), "logit_bias"),
     (dict(logit_bias={"99999999": 1}), "logit_bias"), (dict(logprobs=True, top_logprobs=50), "top_logprobs"),
-    (dict(top_logprobs=2), "top_logprobs"), (dict(parallel_tool_calls=False), "parallel_tool_calls")])
+    (dict(top_logprobs=2), "top_logprobs"), (dict(parallel_tool_calls="once"), "parallel_tool_calls")])
 def test_openai_bad_values_are_400s_naming_the_field(engine, extra: dict, param: str) -> None:
     async def body(oa: Any, client: Any) -> None:
         with pytest.raises(openai.BadRequestError, match=param) as e:
@@ -340,6 +420,10 @@ def test_vllm_maps_the_fields(backend: str) -> None:
             shaped = await engine.generate("json", prompt, SamplingParams(max_tokens=40, temperature=0.0,
                                                                           json_schema=json.dumps(schema)))
             assert list(json.loads(tok.decode(shaped.token_ids, skip_special_tokens=True))) == ["word"], shaped
+            call = await engine.generate("call", prompt, SamplingParams(  # a forced call's rest: arguments, closing
+                max_tokens=40, temperature=0.0, json_schema=json.dumps(schema), json_suffix="}\n</tool_call>"))
+            text = tok.decode(call.token_ids, skip_special_tokens=True)
+            assert text.endswith("}\n</tool_call>") and list(json.loads(text[:-len("}\n</tool_call>")])) == ["word"], text
         finally:
             await engine.close()
 

@@ -38,10 +38,12 @@ class Recording(ScriptedClient):
     def __init__(self, tok: Any, replies: list[str]) -> None:  # noqa: F811
         super().__init__(tok, replies)
         self.results: list[Any] = []
+        self.samplings: list[dict] = []
 
     async def generate(self, prompt_ids: Any, sampling: dict, **kw: Any):
         result = await super().generate(prompt_ids, sampling, **kw)
         self.results.append(result)
+        self.samplings.append(dict(sampling))
         return result
 
 
@@ -111,6 +113,34 @@ def test_a_named_function_forces_its_opening_and_its_name(tok):  # noqa: F811
     out = conv.segments[0].to_output()
     assert out.response_mask == [0] * len(prefix) + [1] * len(client.results[0].token_ids)
     assert conv.segments[0].turns[-1]["forced_call"] == "search"
+    # the engine is asked to write the rest of the call under the tool's schema, and to close it
+    assert json.loads(client.samplings[0]["json_schema"]) == {"type": "object", **SEARCH["function"]["parameters"]}
+    assert client.samplings[0]["json_suffix"] == "}\n</tool_call>"
+    assert conv.segments[0].turns[-1]["constraint"] == "tool_call"
+
+
+def test_required_constrains_to_one_call_of_a_declared_tool_and_parallel_false_keeps_the_first(tok):  # noqa: F811
+    two = ('{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>\n<tool_call>\n'
+           '{"name": "search", "arguments": {"query": "five"}}\n</tool_call>')
+    client = Recording(tok, [two, "<tool_call>\n" + two])
+
+    async def talk(oa):
+        forced = await oa.chat.completions.create(model="switchyard", messages=ASK, tools=[CALCULATOR, SEARCH],
+                                                  tool_choice="required")
+        single = await oa.chat.completions.create(model="switchyard", messages=ASK, tools=[CALCULATOR, SEARCH],
+                                                  parallel_tool_calls=False)
+        both = await oa.chat.completions.create(model="switchyard", messages=ASK, tools=[CALCULATOR, SEARCH])
+        return forced, single, both
+
+    (forced, single, both), conv = asyncio.run(_session(client, tok, talk))
+    schema = json.loads(client.samplings[0]["json_schema"])  # the call object: one of the declared tools
+    assert [s["properties"]["name"] for s in schema["anyOf"]] == [{"const": "calculator"}, {"const": "search"}]
+    assert client.samplings[0]["json_suffix"] == "\n</tool_call>" and "json_schema" not in client.samplings[1]
+    assert len(forced.choices[0].message.tool_calls) == 2  # (a scripted engine ignores the constraint)
+    assert [c.function.name for c in single.choices[0].message.tool_calls] == ["calculator"]
+    assert len(both.choices[0].message.tool_calls) == 2
+    dropped = [t.get("calls_dropped") for seg in conv.segments for t in seg.turns if t["kind"] == "generate"]
+    assert sorted(dropped, key=str) == [1, None, None], dropped
 
 
 def test_the_follow_up_with_the_tool_result_continues_the_same_segment(tok):  # noqa: F811

@@ -11,10 +11,11 @@ OpenAI keeps it) is kept in memory, the least recently used forgotten past `max_
 with `previous_response_id` and only new items continues it, in the same session only.
 
 What cannot be honoured is refused with a 400 naming it, never silently ignored: tools other than
-function tools, `parallel_tool_calls: false`, `text.verbosity`, `reasoning` settings,
+function tools, `text.verbosity`, `reasoning` settings,
 `truncation: auto`, `background`, `conversation`, stored `prompt`s, `max_tool_calls`,
 and any parameter the API does not have. `strict` on a function tool is accepted but not enforced.
 `text.format` json_schema or json_object is honoured: the engine decodes under the schema.
+`parallel_tool_calls: false` returns a reply's first call only.
 The bus returns whole generations, so a streamed response sends the finished reply as events.
 """
 
@@ -70,9 +71,6 @@ def check_options(body: dict[str, Any], served: str = "") -> None:
     if set_keys:
         raise RequestError(400, f"reasoning.{set_keys[0]} is not supported: the served model's reasoning is not "
                                 "configurable here" + hint, param=f"reasoning.{set_keys[0]}")
-    if body.get("parallel_tool_calls") is False:
-        raise RequestError(400, "parallel_tool_calls=false is not supported: the model may write several calls in "
-                                "one reply and all are returned", param="parallel_tool_calls")
     if body.get("truncation") not in (None, "disabled"):
         raise RequestError(400, f"truncation={body['truncation']!r} is not supported: a prompt over the context "
                                 "gets 413; use 'disabled'", param="truncation")
@@ -216,6 +214,7 @@ class Responses:
             chat = {"model": body.get("model"), "tools": chat_tools(body.get("tools")),
                     "messages": ([{"role": "system", "content": instructions}] if instructions else []) + history,
                     "tool_choice": chat_choice(body.get("tool_choice")),
+                    "parallel_tool_calls": body.get("parallel_tool_calls"),
                     "max_completion_tokens": body.get("max_output_tokens"),
                     **{k: body.get(k) for k in ("temperature", "top_p", "seed")},
                     **({"logprobs": True, "top_logprobs": body["top_logprobs"]} if body.get("top_logprobs") else {}),
@@ -228,7 +227,8 @@ class Responses:
                 raise RequestError(413, f"the input holds {chars} characters, more than a context of {gw.max_context}"
                                         " tokens can take: shorten the conversation", code="context_length_exceeded",
                                    param="input")
-            reply = (await gw.generate(conv, messages, tools, sampling, n, parse_calls, chat["tool_choice"]))[0]
+            reply = (await gw.generate(conv, messages, tools, sampling, n, parse_calls, chat["tool_choice"],
+                                       parallel_calls=body.get("parallel_tool_calls") is not False))[0]
         except RequestError as e:
             return _error(e.status, str(e), e.code, e.param)
         except asyncio.CancelledError:
@@ -264,7 +264,8 @@ class Responses:
             "status": "incomplete" if cut else "completed", "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-            "model": self.gw.model_name, "output": output, "parallel_tool_calls": True,
+            "model": self.gw.model_name, "output": output,
+            "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "previous_response_id": body.get("previous_response_id"), "reasoning": {"effort": None, "summary": None},
             "store": body.get("store", True) is not False, "temperature": sampling.get("temperature", 1.0),
             "text": {"format": {"type": "text"}}, "tool_choice": body.get("tool_choice") or "auto",

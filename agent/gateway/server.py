@@ -206,8 +206,8 @@ class Gateway:
         return self.sessions[sid]
 
     async def generate(self, conv: Conversation, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                       sampling: dict[str, Any], n: int = 1, parse_calls: bool = True, tool_choice: Any = None
-                       ) -> list[Reply]:
+                       sampling: dict[str, Any], n: int = 1, parse_calls: bool = True, tool_choice: Any = None,
+                       parallel_calls: bool = True) -> list[Reply]:
         """`conv.generate` under the gateway's cap on requests in flight (a 429 past `max_inflight`):
         what every chat-shaped route calls."""
         if self.inflight >= self.max_inflight:
@@ -222,7 +222,8 @@ class Gateway:
                                code="session_too_large")
         self.inflight += 1
         try:
-            return await conv.generate(self.client, messages, tools, sampling, n, parse_calls, tool_choice=tool_choice)
+            return await conv.generate(self.client, messages, tools, sampling, n, parse_calls, tool_choice=tool_choice,
+                                       parallel_calls=parallel_calls)
         finally:
             self.inflight -= 1
             if not opened:
@@ -270,7 +271,8 @@ class Gateway:
                 raise RequestError(413, f"the messages hold {text_chars(messages)} characters, more than a context of "
                                         f"{self.max_context} tokens can take: shorten the conversation",
                                    code="context_length_exceeded", param="messages")
-            replies = await self.generate(conv, messages, tools, sampling, n, parse_calls, body.get("tool_choice"))
+            replies = await self.generate(conv, messages, tools, sampling, n, parse_calls, body.get("tool_choice"),
+                                          parallel_calls=body.get("parallel_tool_calls") is not False)
         except RequestError as e:
             return _error(e.status, str(e), e.code, e.param)
         except asyncio.CancelledError:
@@ -345,9 +347,9 @@ class Gateway:
                                         "tools (or tool_choice=none) on the request that asks for structured output",
                                    param="response_format")
             sampling["json_schema"] = schema
-        if body.get("parallel_tool_calls") is False:
-            raise RequestError(400, "parallel_tool_calls=false is not supported: the model may write several calls in "
-                                    "one reply and all are returned", param="parallel_tool_calls")
+        if body.get("parallel_tool_calls") not in (None, True, False):
+            raise RequestError(400, f"parallel_tool_calls={body['parallel_tool_calls']!r} must be true or false",
+                               param="parallel_tool_calls")
         return messages, tools, sampling, n, choice != "none"
 
     def check_model(self, body: dict[str, Any]) -> None:

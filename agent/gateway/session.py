@@ -343,13 +343,19 @@ class Conversation:
 
     async def generate(self, client: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                        sampling: dict[str, Any], n: int = 1, parse_calls: bool = True,
-                       tool_choice: Any = None) -> list[Reply]:
+                       tool_choice: Any = None, parallel_calls: bool = True) -> list[Reply]:
         """Generate `n` choices continuing `messages`; the first continues the segment in place,
         the others each get a copy of it (their own segment). `tool_choice` required or a named
-        function forces a call (the parser's call opening is appended to the prompt, mask 0)."""
+        function forces a call (the parser's call opening is appended to the prompt, mask 0), and
+        where the format says what follows its opening (`ToolParser.call_constraint`) the engine
+        decodes the rest of the call under the declared tools' schemas: one well-formed call. With
+        `parallel_calls` False a reply's first call is returned and any others are dropped."""
         force = forced_call(tool_choice, tools)
         parser = self.parser(tools)
         prefix = self._opening(parser, force)
+        constraint = parser.call_constraint(None if force is True else force) if prefix else None
+        if constraint is not None and not sampling.get("json_schema"):
+            sampling = {**sampling, "json_schema": json.dumps(constraint[0]), "json_suffix": constraint[1]}
         async with self._lock:  # one session's calls are sequential, as an agent's are
             self.last_used = time.monotonic()
             undo = self._mark(messages, tools)
@@ -390,7 +396,11 @@ class Conversation:
                 replies.append(self._record(target, result, parser, parse_calls or bool(prefix), len(prompt),
                                             time.perf_counter() - t0, declared, prefix, force))
                 if params.get("json_schema"):  # the trajectory says its tokens were drawn under a constraint
-                    target.turns[-1]["constraint"] = "json_schema"
+                    target.turns[-1]["constraint"] = "tool_call" if params.get("json_suffix") else "json_schema"
+                if not parallel_calls and len(replies[-1].parsed.calls) > 1:
+                    target.turns[-1]["calls_dropped"] = len(replies[-1].parsed.calls) - 1
+                    replies[-1].parsed.calls[1:] = []
+                    target.held[-1]["tool_calls"][1:] = []
             return replies
 
     def _record(self, seg: Segment, result: Any, parser: ToolParser, parse_calls: bool, prompt_tokens: int,

@@ -73,6 +73,20 @@ class ToolParser:
         their own, are the ones the model would have produced writing the same call."""
         return None
 
+    def call_constraint(self, name: str | None = None) -> tuple[dict[str, Any], str] | None:
+        """What the generation after `call_prefix(name)` must be, for a forced call decoded under a
+        constraint: (a JSON schema of the value that comes next, the text that closes the call
+        after it). The engine then writes exactly one well-formed call to a declared tool, with
+        arguments that match its `parameters`, and ends the turn. None (the default): the
+        generation after the opening is free, as the model writes it."""
+        return None
+
+    def arguments_schema(self, tool: str) -> dict[str, Any]:
+        """`tool`'s declared `parameters` as a schema of an object (an empty or missing one: any object)."""
+        params = dict(self.tools.get(tool) or {})
+        params.setdefault("type", "object")
+        return params
+
     def param_type(self, tool: str, param: str) -> Any:
         """The JSON-schema `type` declared for `param` of `tool`, or None when unknown."""
         props = (self.tools.get(tool) or {}).get("properties") or {}

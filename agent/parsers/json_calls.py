@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from agent.parsers.base import (ParseResult, ToolParser, call_from_obj, json_at, json_then, named_call, skip_ws,
                                 tagged_blocks)
@@ -22,7 +23,8 @@ class HermesParser(ToolParser):
     limit) is an error rather than a guess, because executing half a call is worse than reporting it.
 
     Forced call: `<tool_call>\n` (required); `<tool_call>\n{"name": "f", "arguments":` (named; the
-    model writes ` {...}}</tool_call>`)."""
+    model writes ` {...}}\n</tool_call>`), decoded under the declared tools' schemas where the
+    engine constrains (`call_constraint`)."""
 
     name = "hermes"
     open_tag = "<tool_call>"
@@ -33,6 +35,15 @@ class HermesParser(ToolParser):
         if name is None:
             return f"{self.open_tag}\n"
         return f'{self.open_tag}\n{{"name": {json.dumps(name)}, "arguments":'
+
+    def call_constraint(self, name: str | None = None) -> tuple[dict[str, Any], str] | None:
+        if name is not None:  # the arguments, then the object's and the block's closing
+            return self.arguments_schema(name), "}\n" + self.close_tag
+        if not self.tools:
+            return None
+        return ({"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": self.arguments_schema(n)},
+                            "required": ["name", "arguments"], "additionalProperties": False} for n in self.tools]},
+                "\n" + self.close_tag)
 
     def parse(self, text: str) -> ParseResult:
         return tagged_blocks(text, self.open_tag, self.close_tag, self._block)
@@ -74,6 +85,9 @@ class Llama3JsonParser(ToolParser):
 
     def call_prefix(self, name: str | None = None) -> str | None:
         return '{"name":' if name is None else f'{{"name": {json.dumps(name)}, "parameters":'
+
+    def call_constraint(self, name: str | None = None) -> tuple[dict[str, Any], str] | None:
+        return None if name is None else (self.arguments_schema(name), "}")  # required: the name is free text
 
     def parse(self, text: str) -> ParseResult:
         result = ParseResult(content="")

@@ -99,6 +99,9 @@ class SamplingParams:
     # a JSON schema (as text) the output must match, by constrained decoding; '{"type": "object"}'
     # for any JSON object (OpenAI's response_format json_object); "" = unconstrained
     json_schema: str = ""
+    # text that must follow the JSON value, when json_schema is set (a forced tool call's closing,
+    # e.g. '}\n</tool_call>'); "" = the output ends with the value
+    json_suffix: str = ""
 
     def __post_init__(self) -> None:
         """Every field checked for type and range, so a request that would poison a batch (a
@@ -139,6 +142,11 @@ class SamplingParams:
                 raise ValueError(f"json_schema is not valid JSON ({e}); send the schema as JSON text") from None
             if not isinstance(schema, dict):
                 raise ValueError(f"json_schema={self.json_schema!r:.80} must be a JSON object (a schema)")
+        if not isinstance(self.json_suffix, str):
+            raise ValueError(f"json_suffix={self.json_suffix!r:.80} must be text")
+        if self.json_suffix and not self.json_schema:
+            raise ValueError(f"json_suffix={self.json_suffix!r:.80} needs a json_schema: it is the text after the "
+                             "JSON value the schema describes")
 
     def to_dict(self) -> dict[str, Any]:
         """A dict for the bus: msgpack maps take string keys only, so logit_bias ids go as strings."""

