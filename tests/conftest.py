@@ -18,12 +18,25 @@ GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
 @pytest.fixture(scope="session")
 def tool_caller(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny llama taught to call the calculator (tests/tool_model.py), trained once per session."""
+    """A tiny llama taught to call the calculator (tests/tool_model.py), trained once per test run:
+    under xdist the workers share the run's base directory, the first trains it under a file lock
+    and the others load what it saved."""
+    import fcntl
+
     if not (GSM8K / "train.jsonl").exists():
         pytest.skip(f"GSM8K jsonl not found in {GSM8K}")
     from tool_model import train_tool_caller
 
-    return train_tool_caller(tmp_path_factory.mktemp("tool-caller") / "model", GSM8K / "train.jsonl")
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # popen-gwN's parent: the run's
+    model = shared / "tool-caller" / "model"
+    model.parent.mkdir(parents=True, exist_ok=True)
+    with open(shared / "tool-caller.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (model / "done").exists():
+            train_tool_caller(model, GSM8K / "train.jsonl")
+            (model / "done").write_text("")
+    return model
 
 
 # files whose tests look at every sandboxed process on the box: they run on one worker, one at a time
