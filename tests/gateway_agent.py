@@ -58,6 +58,25 @@ async def calculator_agent(base_url: str, api_key: str, row: dict) -> None:
     return None
 
 
+async def structured_agent(base_url: str, api_key: str, row: dict) -> float:
+    """A calculator round, then the answer as a typed object (response_format json_schema of a pydantic
+    model). Scores 1.0 for an object that validates; a reply that is not one fails the trajectory."""
+    import openai
+    import pydantic
+
+    class Answer(pydantic.BaseModel):
+        answer: int = pydantic.Field(ge=0, le=99999)
+
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        messages, _ = await chat_rounds(client, list(row["prompt"]), rounds=1)
+        reply = await client.chat.completions.create(  # the same tools offered (the same prompt), none callable
+            model="switchyard", max_tokens=32, tools=[CALCULATOR_SCHEMA], tool_choice="none",
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": Answer.model_json_schema()}},
+            messages=messages + [{"role": "user", "content": "The answer?"}])
+    Answer.model_validate_json(reply.choices[0].message.content)  # raises unless a valid object
+    return 1.0
+
+
 async def compressing_agent(base_url: str, api_key: str, row: dict) -> float:
     """One model call, then the history summarized into a fresh user turn and one more call: two
     segments of one sample. Returns a fixed reward so the test can recognise it on every row."""

@@ -212,12 +212,15 @@ def test_one_grpo_step_of_an_openai_client_agent_through_train_py(tmp_path: Path
     proc = train(["model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "sft.enabled=false", "data.task=gsm8k",
                   f"data.train_path={GSM8K / 'train.jsonl'}", "data.agent_name=openai_agent",
                   "data.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=24", "trainer.steps=1",
-                  "rollout.agent.openai_agent.agent_function=gateway_agent.calculator_agent",
+                  "rollout.agent.openai_agent.agent_function=gateway_agent.structured_agent",
                   f"trainer.output_dir={out}"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     m = metrics(out)[-1]
     assert m["rollout/trajectories"] == 4 and m["rollout/invalid"] == 0 and "rollout/termination/error" not in m, m
     assert m["rollout/num_turns_mean"] == 2  # both model calls of the agent function went through the gateway
+    # the second a structured-output call: a random tiny model's reply is a valid object only under the
+    # engine's constraint, and the step trained on it
+    assert m["rollout/reward_mean"] == 1.0 and m["actor/optimizer_steps"] >= 1, m
     # an agent that compresses its history: each sample is two segments, both trained on
     out2 = tmp_path / "run2"
     proc = train(["model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "sft.enabled=false", "data.task=gsm8k",
