@@ -226,13 +226,15 @@ def test_every_frameworks_structured_output_gets_a_valid_object_token_exact(engi
     pydantic-ai `output_type` (a forced `final_result` call: `tool_choice` required, one tool) with a
     pydantic model and with an int, its `NativeOutput` (response_format json_schema); LangChain's
     `with_structured_output` by json_schema and by function calling (a named `tool_choice` with
-    `parallel_tool_calls=false`); the Agents SDK's `output_type` (Responses `text.format`). Every
+    `parallel_tool_calls=false`); the Agents SDK's `output_type` (Responses `text.format`); the
+    Anthropic SDK's `output_config.format` and a forced tool (`disable_parallel_tool_use`). Every
     session's model tokens are the engine's, in its request log, and each turn names its constraint."""
     from typing import Annotated, Literal
 
     import pydantic
 
     agents = pytest.importorskip("agents")
+    anthropic = pytest.importorskip("anthropic")
     pytest.importorskip("pydantic_ai")
     pytest.importorskip("langchain_openai")
     from langchain_openai import ChatOpenAI
@@ -280,6 +282,21 @@ def test_every_frameworks_structured_output_gets_a_valid_object_token_exact(engi
                                      model=agents.OpenAIResponsesModel(model="switchyard", openai_client=oa))
                 got["agents_sdk"] = (await agents.Runner.run(agent, ask, max_turns=1)).final_output
                 await oa.close()
+                schema = Verdict.model_json_schema()
+                async with anthropic.AsyncAnthropic(base_url=gw.base_url.removesuffix("/v1"), api_key=key("anthropic"),
+                                                    max_retries=0) as an:
+                    msg = await an.messages.create(model="switchyard", max_tokens=160, output_config={
+                        "format": {"type": "json_schema", "schema": schema}}, messages=[{"role": "user", "content": ask}])
+                    got["anthropic"] = Verdict.model_validate_json(msg.content[0].text)
+                async with anthropic.AsyncAnthropic(base_url=gw.base_url.removesuffix("/v1"),
+                                                    api_key=key("anthropic_tool"), max_retries=0) as an:
+                    msg = await an.messages.create(
+                        model="switchyard", max_tokens=160, messages=[{"role": "user", "content": ask}],
+                        tools=[{"name": "judge", "description": "Record the verdict.", "input_schema": schema}],
+                        tool_choice={"type": "tool", "name": "judge", "disable_parallel_tool_use": True})
+                    [use] = [b for b in msg.content if b.type == "tool_use"]
+                    assert use.name == "judge" and msg.stop_reason == "tool_use", msg
+                    got["anthropic_tool"] = Verdict.model_validate(use.input)
                 return got, {name: gw.close_session(name) for name in got}
             finally:
                 await gw.stop()
@@ -296,7 +313,8 @@ def test_every_frameworks_structured_output_gets_a_valid_object_token_exact(engi
         constraints[name] = [t.get("constraint") for t in seg.turns if t["kind"] == "generate"]
     assert constraints == {"pydantic_ai_model": ["tool_call"], "pydantic_ai_int": ["tool_call"],
                            "pydantic_ai_native": ["json_schema"], "langchain_json_schema": ["json_schema"],
-                           "langchain_function_calling": ["tool_call"], "agents_sdk": ["json_schema"]}, constraints
+                           "langchain_function_calling": ["tool_call"], "agents_sdk": ["json_schema"],
+                           "anthropic": ["json_schema"], "anthropic_tool": ["tool_call"]}, constraints
 
 
 def test_openai_logit_bias_bans_and_forces_tokens(engine) -> None:

@@ -8,8 +8,10 @@ user `tool_result` block a `tool` message (`tool_call_id` = `tool_use_id`; `is_e
 "Error: " unless the text already says so, which is how the model and the tool-round metrics
 see it). The reply comes back as an Anthropic Message, or with `stream: true` as its event
 stream. `max_tokens` is required; `temperature`, `top_p` and `top_k` are honoured; `metadata` and
-other fields are ignored. `tool_choice` any and tool force a call as on the chat route. Refused with a 400:
-`stop_sequences`, `output_config.format`, a final assistant message (prefill), and content blocks
+other fields are ignored. `tool_choice` any and tool force a call as on the chat route, and its
+`disable_parallel_tool_use` returns the reply's first call only; `output_config.format` (json_schema)
+is decoded under the schema as chat's `response_format` is. Refused with a 400:
+`stop_sequences`, a final assistant message (prefill), and content blocks
 other than text, image, tool_use and tool_result. Errors are Anthropic-shaped: {"type": "error",
 "error": {"type", "message"}}. The key comes as `x-api-key` or `Authorization: Bearer`.
 """
@@ -153,9 +155,10 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         raise _refuse("stop_sequences is not supported by the gateway (the engines stop on token ids)",
                       "stop_sequences")
     config = body.get("output_config")
-    if isinstance(config, dict) and config.get("format"):
-        raise _refuse("output_config.format is not supported by the gateway (the engines sample freely)",
-                      "output_config.format")
+    fmt = config.get("format") if isinstance(config, dict) else None
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"
+                                and isinstance(fmt.get("schema"), dict)):
+        raise _refuse("output_config.format must be {type: json_schema, schema: {...}}", "output_config.format")
     choice = body.get("tool_choice")
     kind = choice.get("type") if isinstance(choice, dict) else None
     if choice is not None and kind not in ("auto", "any", "tool", "none"):
@@ -207,6 +210,9 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         chat_tools.append({"type": "function", "function": fn})
     chat = {"model": body.get("model"), "messages": messages, "tools": chat_tools or None,
             "tool_choice": forced, "max_tokens": body["max_tokens"],
+            **({"response_format": fmt} if fmt else {}),  # decoded under the schema, as chat's response_format
+            **({"parallel_tool_calls": False} if isinstance(choice, dict) and choice.get("disable_parallel_tool_use")
+               else {}),
             **{k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None}}
     return chat, top_k
 
@@ -297,7 +303,8 @@ def messages_route(gw: Any) -> Callable[[web.Request], Awaitable[web.StreamRespo
             if _chars(messages) > gw.max_context * CHARS_PER_TOKEN:
                 raise RequestError(413, f"the messages hold {_chars(messages)} characters, more than a context of "
                                         f"{gw.max_context} tokens can take: shorten the conversation")
-            [reply] = await gw.generate(conv, messages, tools, sampling, 1, parse_calls, chat["tool_choice"])
+            [reply] = await gw.generate(conv, messages, tools, sampling, 1, parse_calls, chat["tool_choice"],
+                                        parallel_calls=chat.get("parallel_tool_calls") is not False)
         except RequestError as e:
             return error(e.status, str(e))
         except asyncio.CancelledError:
