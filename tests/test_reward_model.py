@@ -102,3 +102,46 @@ def test_a_killed_judge_engine_is_restarted_and_its_clients_score_again(tmp_path
         assert "restarted after exit code -9" in engines.logs[0].read_text()
     finally:
         engines.close()
+
+
+def test_a_judge_killed_mid_run_is_restarted_within_a_step_through_train_py(tmp_path: Path):
+    """launch/train.py with a judge on an engine of its own (the echo engine standing in for its model):
+    the judge's engine killed with -9 once step 1 is logged; it is started again before a later step's
+    rollout, at most one step scores with errors, the last step scores every trajectory, the run says so
+    and exits 0."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    from test_train import REPO, _env, metrics
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "launch/train.py", "model.path=tiny-llama", "rollout.engine=hf", "data.val_path=null",
+           "sft.enabled=false", "trainer.steps=4", "rollout.n=2", "data.prompts_per_step=2", "rollout.max_tokens=8",
+           "reward.model.path=tiny-llama", "reward.model.engine=echo", "reward.model.max_tokens=4",
+           "trainer.export_hf=false", f"trainer.output_dir={out}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.05)
+        judges = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                  if any("reward0" in part for part in p.cmdline())]
+        assert len(judges) == 1, [p.cmdline() for p in psutil.Process(proc.pid).children(recursive=True)]
+        os.kill(judges[0].pid, signal.SIGKILL)
+        text, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, text[-3000:]
+    assert "reward model engine reward0 died (exit code -9); restarting it" in text, text[-3000:]
+    rows = metrics(out)
+    assert [m["step"] for m in rows] == [1, 2, 3, 4] and rows[-1]["reward_model/restarts"] == 1, rows
+    erred = [m["step"] for m in rows if m["rollout/reward_extra/model_error"] > 0]
+    assert len(erred) <= 1 and rows[-1]["rollout/reward_extra/model_error"] == 0, erred
