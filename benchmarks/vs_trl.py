@@ -84,10 +84,14 @@ def flop_model(model: str, rows: Path) -> dict[str, float]:
             "hidden": float(cfg.hidden_size), "prompt_tokens_mean": statistics.mean(lengths)}
 
 
-def update_gflop(f: dict[str, float], rows: int, response_mean: float) -> float:
+def update_gflop(f: dict[str, float], rows: int, response_mean: float, computed: float | None = None) -> float:
+    """The update's GFLOP; `computed`: the token positions its forwards computed (switchyard's
+    `actor/tokens_computed`, each shared prefix once when packed) in place of rows x their length
+    in the body's term. Attention is counted per row either way."""
     n = f["prompt_tokens_mean"] + response_mean
-    per_row = 6 * f["body_params"] * n + 6 * f["head_params"] * response_mean + 12 * f["layers"] * f["hidden"] * n * n / 2
-    return rows * per_row / 1e9
+    body = 6 * f["body_params"] * (rows * n if computed is None else computed)
+    per_row = 6 * f["head_params"] * response_mean + 12 * f["layers"] * f["hidden"] * n * n / 2
+    return (body + rows * per_row) / 1e9
 
 
 def trl_python(version: str) -> str:
@@ -161,14 +165,16 @@ def _run(cmd: list[str], env: dict[str, str], label: str, timeout_s: float) -> f
 
 def summarise(label: str, ends: list[float], rollout: list[float], update: list[float], rewards: list[float],
               gen_tokens: list[float], skip: int, start: float, peak_gb: float, flops: dict[str, float],
-              batch: int) -> dict[str, Any]:
+              batch: int, computed: list[float | None] | None = None) -> dict[str, Any]:
     gaps = [b - a for a, b in zip(ends, ends[1:])][max(0, skip - 1):]
     if not gaps:
         raise SystemExit(f"{label}: too few steps to time after skipping {skip}; raise --steps")
     step_s = statistics.median(gaps)
     tail = slice(skip, None)
     gen_rate = [t / r for t, r in zip(gen_tokens[tail], rollout[tail]) if r > 0] if "staleness" not in label else []
-    gflop = [update_gflop(flops, batch, t / batch) / u for t, u in zip(gen_tokens[tail], update[tail]) if u > 0]
+    computed = computed or [None] * len(gen_tokens)
+    gflop = [update_gflop(flops, batch, t / batch, c) / u for t, u, c in zip(gen_tokens[tail], update[tail], computed[tail])
+             if u > 0]
     return {"system": label, "steps": len(ends), "step_s": step_s, "steps_per_hour": 3600 / step_s,
             "rollout_s": statistics.median(rollout[tail]), "update_s": statistics.median(update[tail]),
             "gen_tokens_per_s": statistics.median(gen_rate) if gen_rate else None, "first_step_end_s": ends[0] - start,
@@ -221,7 +227,7 @@ def run_switchyard(rows: Path, out: Path, w: dict[str, Any], engine: str, stalen
     return summarise(label, [m["time"] for m in ms], [float(m.get("time/rollout_s") or 0) for m in ms],
                      [float(m.get("time/update_s") or 0) for m in ms], [m["rollout/reward_mean"] for m in ms],
                      [float(m.get("rollout/response_length_mean") or 0) * batch for m in ms], skip, start, peak, flops,
-                     batch)
+                     batch, [m.get("actor/tokens_computed") for m in ms])
 
 
 def main() -> None:

@@ -107,16 +107,23 @@ def test_the_actor_learns_the_same_with_shared_prefix_on_off_and_auto(kw):
     tiny = str(resolve_model("tiny-llama"))
     batch = make_batch(1000, n=8, group=4, shared_prompts=True, prompt=30)
     adv = advantages_for(batch)
-    got = {}
+    got, computed = {}, {}
     for mode in ("off", "on", "auto"):
         actor = TorchActor(ActorConfig(shared_prefix=mode, lr=1.0, grad_clip=1e9, **kw), tiny)
         actor.optimizer = torch.optim.SGD(actor.params, lr=1.0)
         micro = actor._micro_batches(batch, torch.arange(len(batch)))
         packed = [mb.target_at is not None for mb in micro]
+        if mode == "on":
+            micro_on = micro
         assert all(packed) if mode == "on" else not any(packed) if mode == "off" else True, (mode, packed)
         old, ent = actor.compute_logprobs(batch)
-        actor.update(batch, adv, old, None, LossConfig())
+        m = actor.update(batch, adv, old, None, LossConfig())
         got[mode] = (old, ent, {k: v.clone() for k, v in actor.module.state_dict().items()})
+        computed[mode] = m["tokens_computed"]
+    # the update counts what its forwards computed: every real token unpacked, each shared prompt once packed
+    assert computed["off"] == float(batch.prompt_lengths.sum() + batch.response_lengths.sum()), computed
+    assert computed["on"] == float(sum(mb.tokens for mb in micro_on)) <= computed["off"], computed
+    assert computed["on"] < computed["off"] or "max_tokens_per_micro_batch" in kw, computed  # (a budget of 60: one row each)
     base_lp, base_ent, base = got["off"]
     for mode in ("on", "auto"):
         lp, ent, state = got[mode]

@@ -314,7 +314,9 @@ class ActorBase:
         """`actor.ppo_epochs` epochs over the batch's mini-batches, one optimizer step each;
         `loss_for(denominator, tally)` gives a mini-batch's loss function (the policy's, or the
         critic's), the denominator counted over `mask` (default: the batch's loss mask). Returns
-        the tally and the reduced metrics with grad_norm, lr and optimizer_steps."""
+        the tally and the reduced metrics with grad_norm, lr, optimizer_steps and tokens_computed
+        (the token positions the update's forwards computed over every rank and epoch, each shared
+        prefix once when packed: what its FLOPs are proportional to)."""
         mask = batch.loss_mask if mask is None else mask
         n = batch.total_rows
         mini = self.cfg.mini_batch(n)
@@ -329,6 +331,7 @@ class ActorBase:
         shuffle = mini < n or self.cfg.ppo_epochs > 1
         tally = _Tally()
         norms: list[float] = []
+        tokens = 0
         per_rank = math.ceil(min(mini, n) / self.dp_size)
         bar = self._bar("update", None if self.cfg.max_tokens_per_micro_batch else  # token budget: not known ahead
                         self.cfg.ppo_epochs * math.ceil(n / mini) * math.ceil(per_rank / self.cfg.micro_batch_size))
@@ -342,11 +345,14 @@ class ActorBase:
                     continue
                 mine = idx if batch.is_shard else self._local_rows(idx)
                 micro = self._micro_batches(batch, mine)
+                tokens += sum(mb.tokens for mb in micro)
                 self._forward_backward(micro, want_entropy, self.temperature, loss_for(denom, tally), bar)
                 norms.append(self._step_optimizer())
         bar.close()
         out = self._reduce(tally, len(norms))
-        out.update({"grad_norm": sum(norms) / max(1, len(norms)), "lr": self._lr, "optimizer_steps": float(len(norms))})
+        (computed,), _ = over_ranks([float(tokens) if self._owns_metrics() else 0.0])
+        out.update({"grad_norm": sum(norms) / max(1, len(norms)), "lr": self._lr, "optimizer_steps": float(len(norms)),
+                    "tokens_computed": computed})
         return tally, out
 
     # ------------------------------------------------------------------ SFT

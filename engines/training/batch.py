@@ -55,6 +55,14 @@ class MicroBatch:
     pixel_values: torch.Tensor | None = None  # [n, C, H, W]: the rows' images, in the order of their image tokens
     target_at: torch.Tensor | None = None  # [b, k] packed positions whose logits score the targets
 
+    @property
+    def tokens(self) -> int:
+        """The token positions its forward computes for real: padding not counted, and packed by
+        shared prefix each shared token once (what a FLOP count of the forward is proportional to)."""
+        if self.target_at is not None:
+            return int(self.input_ids.shape[1])
+        return int(self.attention_mask.sum())
+
     def to(self, device: torch.device) -> "MicroBatch":
         pos = None if self.position_ids is None else self.position_ids.to(device)
         pv = None if self.pixel_values is None else self.pixel_values.to(device)
