@@ -13,7 +13,10 @@ a trajectory runs in a copy of the starter's context.
 Processes meant to outlive a trajectory are started outside any: at tool construction, or in a
 task created with an empty context (`McpSession` does this for its shared server). Not covered: a
 process started with `os.posix_spawn` or a C extension's own fork, or one that leaves its process
-group.
+group. A tool that calls `os.fork` itself should `exec` or `os._exit` in the child promptly: a
+forked child that runs on keeps every descriptor it inherited, among them the pipe through which a
+`subprocess.Popen` on another thread waits for its own child's exec, and that Popen then waits as
+long as the forked child lives.
 """
 
 from __future__ import annotations
