@@ -228,7 +228,7 @@ class Responses:
                                         " tokens can take: shorten the conversation", code="context_length_exceeded",
                                    param="input")
             reply = (await gw.generate(conv, messages, tools, sampling, n, parse_calls, chat["tool_choice"],
-                                       parallel_calls=body.get("parallel_tool_calls") is not False))[0]
+                                       parallel_calls=chat["parallel_tool_calls"] is not False))[0]
         except RequestError as e:
             return _error(e.status, str(e), e.code, e.param)
         except asyncio.CancelledError:

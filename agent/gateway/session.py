@@ -394,18 +394,14 @@ class Conversation:
             replies = []
             for target, result in zip(bases, results):
                 replies.append(self._record(target, result, parser, parse_calls or bool(prefix), len(prompt),
-                                            time.perf_counter() - t0, declared, prefix, force))
+                                            time.perf_counter() - t0, declared, prefix, force, parallel_calls))
                 if params.get("json_schema"):  # the trajectory says its tokens were drawn under a constraint
                     target.turns[-1]["constraint"] = "tool_call" if params.get("json_suffix") else "json_schema"
-                if not parallel_calls and len(replies[-1].parsed.calls) > 1:
-                    target.turns[-1]["calls_dropped"] = len(replies[-1].parsed.calls) - 1
-                    replies[-1].parsed.calls[1:] = []
-                    target.held[-1]["tool_calls"][1:] = []
             return replies
 
     def _record(self, seg: Segment, result: Any, parser: ToolParser, parse_calls: bool, prompt_tokens: int,
                 latency: float, declared: set[str] | frozenset[str] = frozenset(), prefix: str = "",
-                force: bool | str = False) -> Reply:
+                force: bool | str = False, parallel_calls: bool = True) -> Reply:
         seg.traj.add_model(result.token_ids, result.logprobs)
         seg.unclosed = list(result.token_ids)
         seg.request_ids.append(result.request_id)
@@ -429,6 +425,9 @@ class Conversation:
         if undeclared:  # a call to a tool the request did not offer is text, never a tool_call the agent cannot run
             seg.turns[-1]["undeclared_tools"] = undeclared
             parsed = ParseResult(content=text.strip(), errors=[f"call to undeclared tool(s) {undeclared}"])
+        if not parallel_calls and len(parsed.calls) > 1:  # parallel_tool_calls=false: the first call only
+            seg.turns[-1]["calls_dropped"] = len(parsed.calls) - 1
+            parsed = ParseResult(content=parsed.content, calls=parsed.calls[:1], errors=parsed.errors)
         seg.last_text, seg.last_finish, seg.updated = text, result.finish_reason, time.monotonic()
         seg.held = seg.held + [{"role": "assistant", "content": parsed.content, **(
             {"tool_calls": [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}

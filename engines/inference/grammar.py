@@ -15,6 +15,7 @@ the same grammar as EBNF text (`ebnf`) when there is a suffix, their JSON-schema
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import threading
 from typing import Any
@@ -36,8 +37,10 @@ def grammar(schema: str, suffix: str = "") -> Any:
                                    xgrammar.Grammar.from_ebnf("root ::= " + json.dumps(suffix, ensure_ascii=False)))
 
 
+@functools.lru_cache(maxsize=MAX_GRAMMARS)
 def ebnf(schema: str, suffix: str = "") -> str:
-    """`grammar(schema, suffix)` as EBNF text, for engines that take a grammar (vLLM, SGLang)."""
+    """`grammar(schema, suffix)` as EBNF text, for engines that take a grammar (vLLM, SGLang; kept
+    per schema and suffix: it is asked for on every such request)."""
     return str(grammar(schema, suffix))
 
 
