@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_wheels.sh      # first, on a box that reaches the package index
 #   (copy benchmarks/.gpu_wheels to the GPU machine's checkout)
-#   bash benchmarks/gpu_smoke.sh       # on the GPU machine; under 10 minutes
+#   bash benchmarks/gpu_smoke.sh --part 1   # on the GPU machine; parts 1, 2 and 3, each under 10 minutes
 #
 # Packages the checks import that the image lacks are installed from benchmarks/.gpu_wheels with
 # --no-deps into a folder of their own (benchmarks/.gpu_wheels/site-cpXY, put on PYTHONPATH): the

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -32,7 +33,7 @@ def _train(ctx: Ctx, tag: str, extra: list[str], steps: int, ranks: int = 1, con
     args = [f"model.path={model or ctx.model}", "rollout.engine=hf", f"trainer.steps={steps}", "sft.enabled=false",
             "data.val_path=null", f"data.prompts_per_step={ctx.size(2, 8)}", f"rollout.n={ctx.size(2, 4)}",
             f"rollout.max_tokens={ctx.size(16, 128)}", f"trainer.output_dir={out_dir}", "trainer.resume=false",
-            "trainer.export_hf=false", *extra]
+            "trainer.export_hf=false", f"trainer.save_every={steps}", *extra]  # one checkpoint: 13 GB at 1B
     if ctx.cuda:
         args += ["model.dtype=bfloat16", "rollout.engine_options.device=cuda"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
@@ -53,6 +54,7 @@ def _train(ctx: Ctx, tag: str, extra: list[str], steps: int, ranks: int = 1, con
         raise AssertionError(f"launch/train.py exited {proc.returncode}:\n{log.read_text()[-3000:]}")
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     got = [m for m in rows if m.get("step", 0) > 0]
+    shutil.rmtree(out_dir, ignore_errors=True)  # its checkpoint (weights, AdamW): the next run needs the disk
     if [m["step"] for m in got] != list(range(1, steps + 1)):
         raise AssertionError(f"metrics.jsonl has steps {[m.get('step') for m in rows]}, expected 1..{steps}")
     return got, wall, args

@@ -130,6 +130,27 @@ def process_group_backend(cuda: bool) -> str:
     return os.environ.get("SWITCHYARD_PG_BACKEND") or ("cpu:gloo,cuda:nccl" if cuda else "gloo")
 
 
+def cuda_backend(backend: str) -> str:
+    """The backend a process group's `backend` string (`dist.get_backend()`: "nccl", "gloo" or a per-device
+    list "cpu:gloo,cuda:nccl") names for CUDA tensors."""
+    if ":" not in backend:
+        return backend
+    return dict(part.split(":", 1) for part in backend.split(",")).get("cuda", "")
+
+
+def transfer_device(group: Any = None) -> Any:
+    """Where this rank's tensors travel over `group` (the default one if None): its GPU where NCCL carries
+    CUDA tensors, else the
+    host (None): gloo's send and recv take no CUDA memory (writev of a device pointer fails), as with
+    `cpu:gloo,cuda:gloo` for two ranks on one GPU."""
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available() or cuda_backend(str(dist.get_backend(group))) != "nccl":
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def local_gpu() -> int:
     """This rank's GPU on its node: `LOCAL_RANK`, or with `$SWITCHYARD_RANKS_PER_GPU=k` (k ranks on one
     GPU: the smoke suite's two-rank checks on a one-GPU machine, over gloo, since NCCL refuses two ranks

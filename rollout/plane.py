@@ -14,7 +14,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from engines.training.batch import Batch
 from rollout.config import RolloutConfig
@@ -160,10 +159,10 @@ class RolloutPlane:
         if self.world == 1:
             assert batch is not None
             return batch, metrics
+        from parallel.mesh import transfer_device
         from rollout.handoff import hand_out
 
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        shard, cost = hand_out(batch, self.fleet.replica_of, self.rank, device)
+        shard, cost = hand_out(batch, self.fleet.replica_of, self.rank, transfer_device())
         return shard, {**metrics, **cost}
 
     def close(self) -> None:

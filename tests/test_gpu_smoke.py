@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKS = ("hf_engine", "sleep_wake", "handle_route", "fsdp_actor", "drift", "grpo_run", "megatron_run", "lora_run",
+CHECKS = ("hf_engine", "sleep_wake", "handle_route", "fsdp_actor", "shared_prefix", "drift", "grpo_run", "megatron_run", "lora_run",
           "deepspeed_ref", "reward_model", "fsdp2_two_ranks", "ddp_two_ranks", "megatron_tp2", "megatron_pp2", "megatron_zero1",
           "recipes", "weight_sync_bench")
 TWO_RANKS = "two ranks on CPU run in CI as tests/test_distributed.py (DDP, FSDP2) and tests/test_megatron.py"
@@ -56,6 +57,8 @@ def test_every_check_runs_on_cpu_or_says_why_not(tmp_path: Path) -> None:
     assert result["hf_fp32_max_diff"] < 1e-4 and result["handle_flip_refused"] is True, result
     assert checks["handle_route"]["path"] == "handle" and checks["handle_route"]["refused_bucket_left_weights"]
     assert "FSDP" in checks["fsdp_actor"]["sharded"] and checks["fsdp_actor"]["weights_moved"]
+    for point in checks["shared_prefix"]["points"]:  # packed: each group's prompt once, the same logprobs
+        assert point["tokens_on"] < point["tokens_off"] and point["logprob_max_diff"] < 0.1, point
     assert len(checks["grpo_run"]["step_s"]) == 3 and checks["grpo_run"]["weight_route"] == ["shm"]
     for name in ("megatron_run", "lora_run", "deepspeed_ref"):  # launch/train.py, 2 steps each, engines verified
         assert len(checks[name]["step_s"]) == 2 and checks[name]["drift_mean"][-1] < 1e-4, (name, checks[name])
@@ -79,6 +82,18 @@ def test_model_size_builds_the_model_on_the_device(tmp_path: Path) -> None:
     assert report["checks"]["hf_engine"]["fp32_max_abs_diff"] < 1e-4 and "built a random test llama" in proc.stderr
 
 
+def test_a_part_runs_its_checks_and_each_check_is_in_one_part(tmp_path: Path) -> None:
+    """The suite in parts of one device command each (`--part`); every check in exactly one part."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_smoke import PARTS
+
+    assert sorted(sum(PARTS.values(), [])) == sorted(CHECKS)
+    proc, report = smoke(["--device", "cpu", "--model", "tiny-llama", "--quick", "--part", "3"],
+                         tmp_path / "gpu_smoke.json", 120)
+    assert proc.returncode == 0 and list(report["checks"]) == PARTS["3"], proc.stderr[-3000:]
+    assert report["complete"] is True
+
+
 def test_a_failing_check_is_reported_and_the_others_still_run(tmp_path: Path) -> None:
     """A model directory that cannot load fails every check that loads it, each on its own, and the
     suite exits 1 with a report that names the errors."""
@@ -96,8 +111,9 @@ def test_a_failing_check_is_reported_and_the_others_still_run(tmp_path: Path) ->
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the whole suite on the GPU (bash "
                     "benchmarks/gpu_smoke.sh, model from $SMOKE_MODEL or benchmarks/.gpu_wheels/models)")
-def test_the_whole_suite_passes_on_a_gpu(tmp_path: Path) -> None:
-    proc, report = smoke([], tmp_path / "gpu_smoke.json", 600)
+@pytest.mark.parametrize("part", ["1", "2", "3"])
+def test_the_whole_suite_passes_on_a_gpu(tmp_path: Path, part: str) -> None:
+    proc, report = smoke(["--part", part], tmp_path / "gpu_smoke.json", 600)
     assert report["device"] == "cuda"
     assert proc.returncode == 0 and all(c["status"] == "ok" for c in report["checks"].values()), \
         failures(report) or report["checks"]

@@ -199,7 +199,7 @@ class CollectiveRoute:
         self.slots: ShmSlots | None = None
 
     def send(self, push: Push, link: Link) -> int:
-        import torch
+        from parallel.mesh import transfer_device
 
         if link.local_rank != 0:  # not a leader: only take part in the actor's gathers
             return drain(push.named)
@@ -207,8 +207,7 @@ class CollectiveRoute:
         assert control is not None, "start_workers() makes every node leader's control client"
         if self.slots is None:
             self.slots = ShmSlots()
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend(
-            link.weight_group) == "nccl" else None  # written for GPU nodes, not run here
+        device = transfer_device(link.weight_group)  # the GPU under NCCL: written for GPU nodes, not run here
         return relay_push(control.client, control.loop, push.named, link.rank == 0, link.weight_group, self.slots,
                           push.version, push.bucket_bytes, push.dtype, push.preempt, push.timeout_s, device)
 
