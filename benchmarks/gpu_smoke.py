@@ -304,7 +304,7 @@ def check_shared_prefix(ctx: Ctx) -> dict[str, Any]:
                 actor.cfg.shared_prefix = mode
                 lp[mode] = actor.compute_logprobs(batch)[0]
                 tokens[mode] = sum(mb.tokens for mb in actor._micro_batches(batch, actor._rows_of(batch)))
-            for _ in range(3):  # alternated; the first pair warms both paths
+            for _ in range(ctx.size(2, 3)):  # alternated; the first pair warms both paths
                 for mode in ("off", "on"):
                     actor.cfg.shared_prefix = mode
                     t0 = time.perf_counter()

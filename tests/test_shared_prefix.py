@@ -162,3 +162,20 @@ def test_the_critic_values_the_same_packed():
         got.append((values, critic.module.lm_head.weight.detach().clone()))
     assert torch.allclose(got[0][0], got[1][0], atol=1e-5) and got[0][0].abs().sum() > 0
     assert torch.allclose(got[0][1], got[1][1], atol=1e-6)
+
+
+def test_auto_asks_a_gpu_for_a_larger_saving_than_a_cpu():
+    """`auto` packs where the FLOP count saves MIN_SAVING of the device type: a group of 2 sharing a prompt
+    as long as each reply saves about a quarter, enough on a CPU, not on a GPU (where the packed rows lose
+    sdpa's fused causal kernels: measured on an H200). Only the decision is asked of the device."""
+    from engines.training.prefix import MIN_SAVING, micro_batch, min_saving
+
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, 97, (20,), generator=g).tolist()
+    batch = pad_outputs([_out(prompt, torch.randint(3, 97, (20,), generator=g).tolist()) for _ in range(2)], 0, [0, 0])
+    rows = torch.arange(2)
+    padded = batch.micro_batch(rows)
+    assert min_saving("cpu") == MIN_SAVING["cpu"] < 0.25 < MIN_SAVING["cuda"] == min_saving(torch.device("cuda", 0))
+    assert micro_batch(batch, rows, "auto", 0.0, torch.device("cpu")).tokens == 60 < padded.tokens  # packed
+    assert micro_batch(batch, rows, "auto", 0.0, torch.device("cuda", 0)).tokens == padded.tokens  # not packed
+    assert micro_batch(batch, rows, "on", 0.0, torch.device("cuda", 0)).tokens == 60  # `on` packs everywhere

@@ -78,5 +78,5 @@ def response_logprobs(model: torch.nn.Module, batch: Batch, rows: torch.Tensor, 
     `shared_prefix`, `pair`: packed as `engines.training.prefix.micro_batch` decides."""
     from engines.training.prefix import micro_batch
 
-    lp, _ = micro_logprobs(model, micro_batch(batch, rows, shared_prefix, pair).to(device), temperature)
+    lp, _ = micro_logprobs(model, micro_batch(batch, rows, shared_prefix, pair, device).to(device), temperature)
     return torch.nn.functional.pad(lp.float().cpu(), (0, batch.responses.shape[1] - lp.shape[1]))

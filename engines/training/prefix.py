@@ -106,7 +106,17 @@ def computed_tokens(batch: Batch, rows: torch.Tensor) -> int:
     return layout(_sequences(batch, rows))[1]
 
 
-MIN_SAVING = 0.1  # auto packs a micro-batch when the FLOP count says it saves at least this share
+# auto packs a micro-batch when the FLOP count says it saves at least this share, by device type. On a GPU
+# the padded rows run sdpa's fused causal kernels and the packed ones its slower masked kernels: on an
+# H200 (1B llama, bf16, FSDP2 update; benchmarks/RESULTS.md, GPU smoke suite 2026-11-27) a 0.38 saving by
+# this count ran 0.91x and a 0.77 saving 1.17x, break-even near 0.51; 0.55 keeps clear of it.
+MIN_SAVING = {"cpu": 0.1, "cuda": 0.55}
+
+
+def min_saving(device: torch.device | str | None) -> float:
+    """The share of FLOPs `auto` must save on `device` (MIN_SAVING; the CPU's for unknown types)."""
+    kind = torch.device(device).type if device is not None else "cpu"
+    return MIN_SAVING.get(kind, MIN_SAVING["cpu"])
 
 
 def has_images(batch: Batch, rows: torch.Tensor) -> bool:
@@ -164,22 +174,24 @@ def _laid_out(batch: Batch, rows: torch.Tensor) -> tuple[list[torch.Tensor], lis
     return (seqs, *layout(seqs))
 
 
-def packing_pays(batch: Batch, rows: torch.Tensor, pair: float, n: int | None = None) -> bool:
-    """Whether packing `rows` saves at least MIN_SAVING of the FLOPs: tokens plus attention pairs
+def packing_pays(batch: Batch, rows: torch.Tensor, pair: float, n: int | None = None, least: float = MIN_SAVING["cpu"]
+                 ) -> bool:
+    """Whether packing `rows` saves at least `least` (`min_saving`) of the FLOPs: tokens plus attention pairs
     weighted by `pair` (`pair_cost`), padded (rows x width, each row's square) against packed (the
     tokens computed, and every pair of them: a dense mask computes them all)."""
     width = int(batch.prompt_lengths[rows].max() + batch.response_lengths[rows].max())
     padded = len(rows) * (width + pair * width * width)
     n = computed_tokens(batch, rows) if n is None else n  # `n`: the packed size, when already known
-    return n + pair * n * n <= (1 - MIN_SAVING) * padded
+    return n + pair * n * n <= (1 - least) * padded
 
 
-def micro_batch(batch: Batch, rows: torch.Tensor, mode: str, pair: float) -> MicroBatch:
+def micro_batch(batch: Batch, rows: torch.Tensor, mode: str, pair: float, device: torch.device | None = None
+                ) -> MicroBatch:
     """`rows` as one micro-batch by `actor.shared_prefix` `mode`: packed (on; auto where
-    `packing_pays` with `pair`) or padded (off, or rows with images)."""
+    `packing_pays` with `pair` the saving `min_saving(device)` asks) or padded (off, or rows with images)."""
     if mode == "off" or has_images(batch, rows):
         return batch.micro_batch(rows)
     laid = _laid_out(batch, rows)  # once, for the decision and the packing
-    if mode == "auto" and not packing_pays(batch, rows, pair, laid[2]):
+    if mode == "auto" and not packing_pays(batch, rows, pair, laid[2], min_saving(device)):
         return batch.micro_batch(rows)
     return shared_micro_batch(batch, rows, laid)
