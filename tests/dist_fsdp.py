@@ -2,7 +2,8 @@
 FSDP2 over gloo. Logprobs, one SGD update (the weight change is the gradient) and the weights
 it exports are written for the test to compare with one unsharded process; so are the AdamW
 state bytes each rank holds, a checkpoint round trip and a sharded HF export; and the critic
-(`algorithm.advantage=gae`) sharded the same way: its values before and after one SGD step.
+(`algorithm.advantage=gae`) sharded the same way: its values before and after one SGD step; and the
+actor packed by shared prefix (`actor.shared_prefix=on`): its logprobs, update and tokens computed.
 
     torchrun --nproc-per-node 2 tests/dist_fsdp.py MODEL_DIR OUT_DIR
 """
@@ -72,6 +73,15 @@ def main() -> None:
         torch.save({"start": start, "after": critic.compute_values(batch), "metrics": cm}, out / "critic.pt")
     else:
         critic.compute_values(batch)  # collective: every rank takes part
+    # packed (actor.shared_prefix=on): two groups of 4 that share their prompts, a group to a rank
+    shared = make_batch(1000, n=8, group=4, shared_prompts=True)
+    packed = TorchActor(ActorConfig(lr=1.0, micro_batch_size=4, grad_clip=1e9, sharding="fsdp", shared_prefix="on"), model)
+    packed.optimizer = torch.optim.SGD(packed.params, lr=1.0)
+    plp, _ = packed.compute_logprobs(shared)
+    pm = packed.update(shared, advantages_for(shared), None, None, LossConfig())
+    pweights = dict(packed.named_hf_weights())
+    if rank == 0:
+        torch.save({"logprobs": plp, "weights": pweights, "metrics": pm}, out / "fsdp_packed.pt")
     (out / f"fsdp_rank{rank}.json").write_text(json.dumps(info))
     leave(rank)
 

@@ -95,7 +95,8 @@ def test_torchrun_two_ranks_runs_grpo_steps(tmp_path: Path):
 
 def test_fsdp_actor_matches_one_process_and_holds_half_the_optimizer(tmp_path: Path):
     """FSDP2 over 2 gloo ranks: the same logprobs and SGD update as one process (fp32; tolerance
-    1e-5/1e-6 as for DDP: only the order of the gradient sum differs), half the AdamW state per rank."""
+    1e-5/1e-6 as for DDP: only the order of the gradient sum differs), half the AdamW state per rank;
+    packed by shared prefix, the same as one process unpacked, with fewer tokens computed."""
     tiny = str(resolve_model("tiny-llama"))
     torchrun(["tests/dist_fsdp.py", tiny, str(tmp_path)])
     got = torch.load(tmp_path / "fsdp.pt")
@@ -126,6 +127,17 @@ def test_fsdp_actor_matches_one_process_and_holds_half_the_optimizer(tmp_path: P
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # gathered tensor by tensor, loads in HF
     assert sum(p.numel() for p in exported.parameters()) == sum(p.numel() for p in whole.module.parameters())
+
+    packed = torch.load(tmp_path / "fsdp_packed.pt")  # FSDP2 packed by shared prefix = one process unpacked
+    shared = make_batch(1000, n=8, group=4, shared_prompts=True)
+    plain = TorchActor(ActorConfig(lr=1.0, micro_batch_size=4, grad_clip=1e9), tiny)
+    plain.optimizer = torch.optim.SGD(plain.params, lr=1.0)
+    assert torch.allclose(packed["logprobs"], plain.compute_logprobs(shared)[0], atol=1e-5)
+    pm = plain.update(shared, advantages_for(shared), None, None, LossConfig())
+    assert packed["metrics"]["tokens_computed"] < pm["tokens_computed"]  # each group's prompt once
+    assert packed["metrics"]["pg_loss"] == pytest.approx(pm["pg_loss"], rel=1e-4, abs=1e-6)
+    for k, v in plain.named_hf_weights():
+        assert torch.allclose(packed["weights"][k], v, atol=1e-6), k
 
     from dist_fsdp import critic_returns
     from engines.training.config import CriticConfig
