@@ -13,6 +13,8 @@ from typing import Any, Iterator
 
 import torch
 
+BF16_LOGPROB_TOL = 1.0  # bf16 differs by kernel and batch shape; past 1 nat the weights or the math are wrong
+
 QUESTIONS = ["What is 12 + 30?", "Name a prime number larger than 10.", "Say hello in French.",
              "Count from one to five.", "What colour is the sky?", "Write one word that rhymes with cat."]
 

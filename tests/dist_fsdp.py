@@ -49,6 +49,16 @@ def main() -> None:
     lp, ent = actor.compute_logprobs(batch)
     metrics = actor.update(batch, adv, None, None, LossConfig(agg="seq-mean-token-mean"))
     weights = dict(actor.named_hf_weights())  # every rank gathers, rank 0 receives
+    # the gather through host memory (what a GPU whose CUDA tensors gloo carries takes) = DTensor's own
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from engines.training.fsdp import gather_on_host
+
+    mesh = actor.params[0].device_mesh
+    odd = [torch.arange(14.0).reshape(7, 2), torch.tensor([[5.0, 6.0]])]  # pieces of 4 and 3 rows; of 1 and 0
+    host_gather_equal = all(torch.equal(gather_on_host(t), t.full_tensor()) for t in actor.module.state_dict().values()
+                            if hasattr(t, "full_tensor")) and all(
+        torch.equal(gather_on_host(distribute_tensor(x, mesh, [Shard(0)])), x) for x in odd)
     if rank == 0:
         torch.save({"logprobs": lp, "entropy": ent, "weights": weights}, out / "fsdp.pt")
 
@@ -63,7 +73,7 @@ def main() -> None:
     adam.save_hf(out / "hf")
     info = {"rank": rank, "world": world, "metrics": metrics, "optimizer_bytes": optimizer_bytes(adam.optimizer),
             "restored": restored, "local_numel": sum(p.to_local().numel() for p in adam.params),
-            "yielded": len(weights)}
+            "yielded": len(weights), "host_gather_equal": host_gather_equal}
     critic = Critic(CriticConfig(micro_batch_size=2), ActorConfig(sharding="fsdp"), model, progress=False)
     assert critic.fsdp
     critic.optimizer = torch.optim.SGD(critic.params, lr=1.0)

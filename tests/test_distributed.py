@@ -102,6 +102,7 @@ def test_fsdp_actor_matches_one_process_and_holds_half_the_optimizer(tmp_path: P
     got = torch.load(tmp_path / "fsdp.pt")
     ranks = [json.loads((tmp_path / f"fsdp_rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["metrics"] == ranks[1]["metrics"] and ranks[0]["yielded"] > 0 and ranks[1]["yielded"] == 0
+    assert all(r["host_gather_equal"] for r in ranks)  # engines/training/fsdp.py gather_on_host
 
     batch = make_batch(1000, n=7)
     actor = TorchActor(ActorConfig(lr=1.0, micro_batch_size=1, grad_clip=1e9), tiny)

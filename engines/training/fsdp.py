@@ -179,7 +179,44 @@ def full_named_tensors(module: torch.nn.Module, keep: Callable[[str], bool] | No
         if key in seen:
             continue
         seen.add(key)
-        yield name, (t.full_tensor() if is_dtensor(t) else t)
+        yield name, whole(t)
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor's whole value on every rank (a plain tensor as it is). Through host memory where
+    NCCL does not carry the shards' device: gloo's all-gather into one tensor reads CUDA memory as if it
+    were the host's (both ranks died of SIGSEGV on an H200 with two ranks on one GPU over
+    `cpu:gloo,cuda:gloo`), while its list all-gather of host tensors is what it supports."""
+    if not is_dtensor(t):
+        return t
+    from parallel.mesh import transfer_device
+
+    if t.device.type == "cpu" or transfer_device(t.device_mesh.get_group()) is not None:
+        return t.full_tensor()
+    return gather_on_host(t).to(t.device)
+
+
+def gather_on_host(t: Any) -> torch.Tensor:
+    """`t`, a DTensor on a 1-D mesh sharded on one dimension as FSDP2 shards (torch.chunk's pieces, the
+    last ranks' maybe empty) or replicated, whole in host memory: each rank's piece padded to the
+    largest, one list all-gather of host tensors, the padding cut off."""
+    from torch.distributed.tensor import Shard
+
+    (placement,) = t.placements
+    local = t.to_local().detach().cpu()
+    if not isinstance(placement, Shard):  # replicated: every rank holds it whole
+        return local
+    dim, group = placement.dim, t.device_mesh.get_group()
+    world = dist.get_world_size(group)
+    sizes = [len(c) for c in torch.empty(t.shape[dim], device="meta").chunk(world)]
+    sizes += [0] * (world - len(sizes))
+    shape = list(local.shape)
+    shape[dim] = max(sizes)
+    piece = local.new_zeros(shape)
+    piece.narrow(dim, 0, local.shape[dim]).copy_(local)
+    parts = [torch.empty_like(piece) for _ in range(world)]
+    dist.all_gather(parts, piece, group=group)
+    return torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, sizes)], dim=dim)
 
 
 def local_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
