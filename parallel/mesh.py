@@ -140,9 +140,8 @@ def cuda_backend(backend: str) -> str:
 
 def transfer_device(group: Any = None) -> Any:
     """Where this rank's tensors travel over `group` (the default one if None): its GPU where NCCL carries
-    CUDA tensors, else the
-    host (None): gloo's send and recv take no CUDA memory (writev of a device pointer fails), as with
-    `cpu:gloo,cuda:gloo` for two ranks on one GPU."""
+    CUDA tensors, else the host (None): gloo's send and recv take no CUDA memory (writev of a device
+    pointer fails), as with `cpu:gloo,cuda:gloo` for two ranks on one GPU."""
     import torch
     import torch.distributed as dist
 
