@@ -54,16 +54,28 @@ def gsm8k_tool_rows(path: Path, n: int) -> list[dict[str, Any]]:
 
 def tool_model(base: str, train_file: Path, steps: int, lr: float, trainable: list[str] | None = None) -> Path:
     """`base` after `steps` SFT steps on calculator traces of GSM8K train rows, built once and
-    cached; the trained model calls the calculator in hermes format, imperfectly."""
-    from engines.models import cache_root, resolve_model
+    cached; the trained model calls the calculator in hermes format, imperfectly. `steps` = 0: `base`
+    calls it already (a model made so elsewhere) and is used as it is."""
+    from engines.models import cache_root, file_lock, resolve_model
 
+    if steps == 0:
+        return resolve_model(base)
     name = f"{Path(base).name}-calculator-sft{steps}"
     out = cache_root() / "benchmarks" / name
     if (out / "config.json").exists():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(out.with_name(name + ".lock")):  # benchmarks started side by side build it once
+        if not (out / "config.json").exists():
+            _build_tool_model(base, train_file, steps, lr, trainable, out)
+    return out
+
+
+def _build_tool_model(base: str, train_file: Path, steps: int, lr: float, trainable: list[str] | None,
+                      out: Path) -> None:
     import torch
 
-    from engines.models import load_tokenizer
+    from engines.models import load_tokenizer, resolve_model
     from engines.training.config import ActorConfig
     from engines.training.torch_actor import TorchActor
     from launch.data.sft import build_sft_examples, sft_batches
@@ -91,7 +103,6 @@ def tool_model(base: str, train_file: Path, steps: int, lr: float, trainable: li
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     actor.save_hf(tmp)
     tmp.rename(out)
-    return out
 
 
 def calculator_workload(gsm8k_dir: str | None, base: str, steps: int, n: int) -> tuple[str, Any, list[dict[str, Any]]]:

@@ -179,7 +179,7 @@ def _ensure_built(name: str, root: Path) -> Path:
     if (target / "config.json").is_file():
         return target
     models.mkdir(parents=True, exist_ok=True)
-    with _file_lock(models / f".{name}.lock"):
+    with file_lock(models / f".{name}.lock"):
         if (target / "config.json").is_file():  # another process built it while we waited
             return target
         for stale in [*models.glob(f".{name}.tmp-*"), target]:  # leftovers of killed builds
@@ -198,7 +198,8 @@ def _ensure_built(name: str, root: Path) -> Path:
 
 
 @contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (made if missing): builders of one cached thing, one at a time."""
     with open(path, "a+") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:

@@ -31,10 +31,17 @@ def _run(script: str, args: list[str], tmp_path: Path) -> tuple[str, dict]:
     return proc.stdout.strip().splitlines()[-1], json.loads(out.read_text())
 
 
-def test_tool_latency_small_run(tmp_path):
+def _tool_model(path: Path) -> list[str]:
+    return ["--model", str(path), "--sft-steps", "0"]  # it calls the calculator already
+
+
+def test_tool_latency_small_run(tmp_path, tool_caller):
+    """On the tests' calculator-calling tiny llama (tests/tool_model.py), greedy: the benchmark's own
+    (`--sft-steps` on tiny-llama) takes minutes of SFT to make; the same model serves routing's test."""
     last, report = _run("benchmarks/tool_latency.py", ["--quick", "--trajectories", "8", "--concurrency", "4",
                                                         "--latencies", "0,0.5", "--longtail-median-s", "0.05",
-                                                        "--longtail-trajectories", "8"], tmp_path)
+                                                        "--longtail-trajectories", "8", "--temperature", "0",
+                                                        *_tool_model(tool_caller)], tmp_path)
     assert last.startswith("RESULT async_vs_sync_0s=")
     cells = {(r["mode"], r["latency_s"]): r for r in report["results"]}
     assert set(cells) == {("async", 0.0), ("sync", 0.0), ("async", 0.5), ("sync", 0.5)}
@@ -50,10 +57,10 @@ def test_tool_latency_small_run(tmp_path):
     assert Path(report["plot"]).exists()
 
 
-def test_routing_small_run(tmp_path):
+def test_routing_small_run(tmp_path, tool_caller):
     last, report = _run("benchmarks/routing.py", ["--quick", "--engines", "2", "--prompts", "3", "--n", "3",
-                                                   "--temperature", "0", "--policies", "round_robin,sticky_group"],
-                        tmp_path)
+                                                   "--temperature", "0", "--policies", "round_robin,sticky_group",
+                                                   *_tool_model(tool_caller)], tmp_path)
     assert last.startswith("RESULT round_robin_vs_ideal=")
     hits = {r["label"]: r["hit_rate"] for r in report["results"]}
     assert set(hits) == {"single_engine", "round_robin", "sticky_group"}
