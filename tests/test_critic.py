@@ -113,7 +113,8 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(resolve_model("tiny-llama"))
 
 
-TINY = ["model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "data.prompts_per_step=2", "rollout.n=2",
+TINY = ["model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "rollout.in_process=true",
+        "data.prompts_per_step=2", "rollout.n=2",
         "rollout.max_tokens=24", "sft.steps=2", "sft.batch_size=4", "algorithm.advantage=gae", "algorithm.gamma=0.99",
         "algorithm.lam=0.95", "critic.lr=1e-4", "critic.ppo_epochs=2", "algorithm.loss.kl_coef=0.01"]
 

@@ -97,7 +97,8 @@ def test_kill_9_resumes_the_schedule_where_it_was(tmp_path: Path):
     import psutil
     from test_train import _env, _wait_for, metrics, train
 
-    args = ["model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "sft.enabled=false", "data.task=gsm8k",
+    args = ["model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "rollout.in_process=true",
+            "sft.enabled=false", "data.task=gsm8k",
             f"data.train_path={GSM8K}", "data.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=16",
             "trainer.steps=5", "data.curriculum.mode=stages", "data.curriculum.stages=[0.01,0.1,1.0]",
             "data.curriculum.stage_steps=2"]

@@ -209,7 +209,8 @@ def test_one_grpo_step_of_an_openai_client_agent_through_train_py(tmp_path: Path
     tests_dir = str(Path(__file__).resolve().parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "run"
-    proc = train(["model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "sft.enabled=false", "data.task=gsm8k",
+    proc = train(["model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "rollout.in_process=true",
+                  "sft.enabled=false", "data.task=gsm8k",
                   f"data.train_path={GSM8K / 'train.jsonl'}", "data.agent_name=openai_agent",
                   "data.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=24", "trainer.steps=1",
                   "rollout.agent.openai_agent.agent_function=gateway_agent.structured_agent",
@@ -223,7 +224,8 @@ def test_one_grpo_step_of_an_openai_client_agent_through_train_py(tmp_path: Path
     assert m["rollout/reward_mean"] == 1.0 and m["actor/optimizer_steps"] >= 1, m
     # an agent that compresses its history: each sample is two segments, both trained on
     out2 = tmp_path / "run2"
-    proc = train(["model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "sft.enabled=false", "data.task=gsm8k",
+    proc = train(["model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "rollout.in_process=true",
+                  "sft.enabled=false", "data.task=gsm8k",
                   f"data.train_path={GSM8K / 'train.jsonl'}", "data.agent_name=openai_agent",
                   "data.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=24", "trainer.steps=1",
                   "rollout.agent.openai_agent.agent_function=gateway_agent.compressing_agent",

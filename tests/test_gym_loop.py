@@ -106,8 +106,8 @@ def test_one_grpo_step_on_a_gym_environment(tmp_path: Path):
                                         "prompt": [{"role": "user", "content": "Let's play."}],
                                         "env_kwargs": {"target": t}}) + "\n" for t in range(10)))
     out = tmp_path / "run"
-    proc = train([*TINY, "data.task=rows", f"data.train_path={rows}", "sft.enabled=false", "trainer.steps=1",
-                  "rollout.max_tokens=4", f"rollout.agent.gym_agent.env={tmp_path}/guess.py:Guess",
+    proc = train([*TINY, "rollout.in_process=true", "data.task=rows", f"data.train_path={rows}", "sft.enabled=false",
+                  "trainer.steps=1", "rollout.max_tokens=4", f"rollout.agent.gym_agent.env={tmp_path}/guess.py:Guess",
                   "rollout.agent.gym_agent.max_steps=3", "algorithm.advantage=turn_grpo",
                   f"trainer.output_dir={out}"])
     assert proc.returncode == 0, proc.stderr[-3000:]

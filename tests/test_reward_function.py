@@ -292,7 +292,7 @@ def test_one_grpo_step_with_a_reward_function_from_a_file(tmp_path: Path):
                                         "reward_model": {"style": "rule", "ground_truth": "tiger"}}) + "\n"
                             for i in range(3)))
     out = tmp_path / "run"
-    proc = train([*TINY, "data.task=rows", f"data.train_path={rows}", "sft.enabled=false",
+    proc = train([*TINY, "rollout.in_process=true", "data.task=rows", f"data.train_path={rows}", "sft.enabled=false",
                   "data.prompts_per_step=3", "trainer.steps=1", f"trainer.output_dir={out}",
                   f"reward.function={path}:compute_score", "reward.timeout_s=3"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -313,8 +313,8 @@ def test_a_run_whose_reward_function_always_raises_trains_nothing_and_exits_1_na
     path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                     "    raise ValueError(f'no score for {ground_truth!r}')\n")
     out = tmp_path / "run"
-    proc = train([*TINY, "data.prompts_per_step=2", "trainer.steps=2", f"trainer.output_dir={out}",
-                  f"reward.function={path}:compute_score"])
+    proc = train([*TINY, "rollout.in_process=true", "data.prompts_per_step=2", "trainer.steps=2",
+                  f"trainer.output_dir={out}", f"reward.function={path}:compute_score"])
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "ERROR: step 1 failed: none of its" in proc.stderr and "reward_function_failed x" in proc.stderr
     assert "the first error: the reward function failed: ValueError: no score for" in proc.stderr

@@ -40,6 +40,7 @@ def test_system_exit_in_a_tool_fails_the_trajectory_not_the_worker(tool_caller: 
     env = {**_env(), "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, "launch/train.py", f"model.path={tool_caller}", "data.val_path=null", "rollout.engine=hf",
+         "rollout.in_process=true",
          "sft.enabled=false", "data.task=rows", f"data.train_path={rows}", f"rollout.tools_config={tools}",
          "data.prompts_per_step=2", "rollout.n=4", "rollout.max_tokens=48", "rollout.num_workers=1",
          "rollout.step_timeout_s=120", "trainer.steps=1", f"trainer.output_dir={out}"],

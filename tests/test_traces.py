@@ -123,6 +123,7 @@ def test_the_trainer_turns_tracing_on_with_one_config_key(tmp_path):
 
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "launch/train.py", "model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf",
+                           "rollout.in_process=true",
                            "sft.enabled=false", "data.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=16",
                            "trainer.steps=1", "rollout.tracing.enabled=true", f"trainer.output_dir={out}"],
                           cwd=REPO, capture_output=True, text=True, timeout=600,

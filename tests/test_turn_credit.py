@@ -137,7 +137,8 @@ def test_one_turn_grpo_step_with_per_turn_tool_rewards(tmp_path: Path, tool_call
     rows.write_text("".join(json.dumps(r) + "\n" for r in gsm8k_rows(GSM8K / "train.jsonl", 16)))
     out = tmp_path / "run"
     proc = train([f"model.path={tool_caller}", "data.task=rows", f"data.train_path={rows}", "data.val_path=null",
-                  "rollout.engine=hf", "data.prompts_per_step=3", "rollout.n=3", "rollout.max_tokens=48",
+                  "rollout.engine=hf", "rollout.in_process=true",
+                  "data.prompts_per_step=3", "rollout.n=3", "rollout.max_tokens=48",
                   f"rollout.tools_config={tmp_path / 'tools.yaml'}", "algorithm.advantage=turn_grpo",
                   "sft.enabled=false", "trainer.steps=1", f"trainer.output_dir={out}"])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -82,7 +82,10 @@ def task(tmp_path_factory: pytest.TempPathFactory, tool_caller: Path) -> dict[st
 
 
 def _args(task: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    return [f"model.path={task['model']}", "rollout.engine=hf", "sft.enabled=false", "data.task=rows",
+    # the engine served from the trainer's process (its own process is what test_train and test_fidelity
+    # run): validation is the subject here, and each run saves an engine process's start-up
+    return [f"model.path={task['model']}", "rollout.engine=hf", "rollout.in_process=true", "sft.enabled=false",
+            "data.task=rows",
             f"data.train_path={task['train']}", f"data.val_path={task['val']}", "data.prompts_per_step=2",
             "rollout.n=2", "rollout.max_tokens=48", f"trainer.output_dir={out}", *extra]
 

@@ -258,6 +258,7 @@ def test_one_grpo_step_on_a_verifiers_environment(vf_python: Path, tool_caller: 
 
     out = tmp_path / "run"
     proc = _run([vf_python, "launch/train.py", f"model.path={tool_caller}", "data.val_path=null", "rollout.engine=hf",
+                 "rollout.in_process=true",
                  "sft.enabled=false", "data.task=rows", f"data.train_path={rows}", "data.agent_name=openai_agent",
                  "data.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=48", "trainer.steps=1",
                  "rollout.request_log=true",

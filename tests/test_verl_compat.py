@@ -49,7 +49,8 @@ def test_verl_preprocessed_gsm8k_parquet_trains_unchanged(tmp_path: Path):
     data = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(rows), data)
     out = tmp_path / "run"
-    common = ["model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "sft.enabled=false", "data.task=rows",
+    common = ["model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "rollout.in_process=true",
+              "sft.enabled=false", "data.task=rows",
               f"data.train_path={data}", "data.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=24",
               "rollout.tools_config=launch/configs/tools_gsm8k.yaml", "trainer.steps=1"]
     proc = train([*common, f"trainer.output_dir={out}"])
