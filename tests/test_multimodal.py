@@ -156,8 +156,9 @@ def test_one_grpo_step_of_a_vlm_with_an_image_tool_through_train_py(tmp_path: Pa
     tools.write_text(json.dumps({"tools": [{"class_name": "agent.tools.chart.BarChartTool", "config": {},
                                             "tool_schema": CHART_SCHEMA}]}))
     out = tmp_path / "run"
-    proc = train(["model.path=tiny-vlm", "data.val_path=null", "rollout.engine=hf", "sft.enabled=false", "data.task=rows",
-                  f"data.train_path={rows}", "data.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=48",
+    proc = train(["model.path=tiny-vlm", "data.val_path=null", "rollout.engine=hf", "rollout.in_process=true",
+                  "sft.enabled=false", "data.task=rows", f"data.train_path={rows}", "data.prompts_per_step=2",
+                  "rollout.n=2", "rollout.max_tokens=48",
                   "trainer.steps=2", f"rollout.tools_config={tools}",
                   "rollout.agent_loops.vlm_tool_agent=vlm_agent.ShortReplyToolAgent",
                   "rollout.agent.vlm_tool_agent.tool_parser=vlm_agent.CallEveryTool",

@@ -49,7 +49,8 @@ def test_one_grpo_step_judged_by_a_model_on_its_own_engine(tmp_path: Path, tool_
     rows.write_text("".join(json.dumps(r) + "\n" for r in gsm8k_rows(GSM8K / "train.jsonl", 16)))
     out = tmp_path / "run"
     proc = train([f"model.path={tool_caller}", "data.task=rows", f"data.train_path={rows}", "data.val_path=null",
-                  "rollout.engine=hf", "rollout.max_tokens=48", "rollout.tools_config=launch/configs/tools_calculator.yaml",
+                  "rollout.engine=hf", "rollout.in_process=true", "rollout.max_tokens=48",
+                  "rollout.tools_config=launch/configs/tools_calculator.yaml",
                   "sft.enabled=false", "data.prompts_per_step=4", "rollout.n=2", "trainer.steps=1", f"trainer.output_dir={out}",
                   "rollout.request_log=true", f"reward.model.path={tool_caller}", f"reward.model.system={json.dumps(SYSTEM)}",
                   "reward.model.template=\"{question}\"", "reward.model.pattern=\"####\\\\s*(-?\\\\d+)\"",

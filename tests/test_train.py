@@ -218,9 +218,9 @@ def test_slurm_script_starts_a_run(tmp_path: Path):
     out = tmp_path / "run"
     env = {**_env(), "SLURM_JOB_ID": "4242", "SLURM_NNODES": "1", "PROCS_PER_NODE": "1",
            "SLURM_SUBMIT_DIR": str(REPO), "SWITCHYARD_NO_SRUN": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(["bash", str(REPO / "launch/slurm/train.sbatch"), *TINY, "trainer.steps=1", "sft.enabled=false",
-                           f"trainer.output_dir={out}"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(["bash", str(REPO / "launch/slurm/train.sbatch"), *TINY, "rollout.in_process=true",
+                           "trainer.steps=1", "sft.enabled=false", f"trainer.output_dir={out}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "1 node(s) x 1 process(es), rendezvous localhost:29742" in proc.stderr
     assert [m["step"] for m in metrics(out)] == [1]
@@ -279,8 +279,8 @@ def test_a_run_given_only_a_model_trains_every_layer_of_it(tmp_path: Path):
     model = tmp_path / "llama-36"
     AutoModelForCausalLM.from_config(config).save_pretrained(model)
     tok.save_pretrained(model)
-    proc = train([f"model.path={model}", "rollout.engine=hf", "data.val_path=null", "sft.enabled=false",
-                  "trainer.steps=1", "rollout.n=2", "data.prompts_per_step=2", "rollout.max_tokens=4",
-                  f"trainer.output_dir={tmp_path / 'run'}", "trainer.export_hf=false"])
+    proc = train([f"model.path={model}", "rollout.engine=hf", "rollout.in_process=true", "data.val_path=null",
+                  "sft.enabled=false", "trainer.steps=1", "rollout.n=2", "data.prompts_per_step=2",
+                  "rollout.max_tokens=4", f"trainer.output_dir={tmp_path / 'run'}", "trainer.export_hf=false"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "training every parameter; 36 of 36 decoder layers" in proc.stdout, proc.stdout[-3000:]
