@@ -94,6 +94,8 @@ def train(cfg: Config) -> dict[str, Any]:
                 fleet.wake()  # colocated engines come back; the push below is what they serve with
                 # asynchronous: running generations stop for the push and go on with the new weights
                 t_sync = weights.publish(actor, preempt=overlap)
+            if overlap and step < cfg.trainer.steps:  # asynchronous: rollout runs on once the weights are in,
+                plane.trained(weights.version)  # not after this step's logging, validation and checkpoint
             metrics.update({"weight_version": weights.version, "time/rollout_s": t_rollout, "time/sync_s": t_sync,
                             "time/step_s": time.perf_counter() - t0, "data/epoch": stream.position[0],
                             "data/index": stream.position[1], **weights.last_sync})
@@ -106,7 +108,7 @@ def train(cfg: Config) -> dict[str, Any]:
             if step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
                 save_run(ckpt, step, actor, stream, weights.version, rank, sharded, barrier,
                          rollout=plane.rollout_state() if rank == 0 else None, critic=run.critic)
-            if step < cfg.trainer.steps:  # the next rows may start (staleness 0: on the weights just pushed)
+            if not overlap and step < cfg.trainer.steps:  # the next rows start on the weights just pushed
                 plane.trained(weights.version)
             barrier()
         invalids.finish()  # every step failed: the run trained nothing, and exits non-zero
