@@ -52,6 +52,14 @@ def gsm8k_tool_rows(path: Path, n: int) -> list[dict[str, Any]]:
     return gsm8k_rows(records[:n], "test")
 
 
+SFT_STEPS_HELP = "SFT steps teaching --model the calculator (0: it calls it already; default by model)"
+
+
+def sft_steps(given: int | None, base: str) -> int:
+    """The SFT steps a tool benchmark teaches `base` the calculator with: `given` (0: none), else by model."""
+    return given if given is not None else 200 if base == "tiny-llama" else 40
+
+
 def tool_model(base: str, train_file: Path, steps: int, lr: float, trainable: list[str] | None = None) -> Path:
     """`base` after `steps` SFT steps on calculator traces of GSM8K train rows, built once and
     cached; the trained model calls the calculator in hermes format, imperfectly. `steps` = 0: `base`

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, calculator_workload, machine, result_line, servers, write_result  # noqa: E402
+from common import (RESULTS, SFT_STEPS_HELP, calculator_workload, machine, result_line, servers,  # noqa: E402
+                    sft_steps, write_result)
 
 from agent.loop import AgentContext  # noqa: E402
 from agent.tool_agent import ToolAgentLoop  # noqa: E402
@@ -77,8 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="hf engines with a tiny llama")
     ap.add_argument("--backend", default=None, help="hf | vllm (default: hf with --quick, else vllm)")
     ap.add_argument("--model", default=None)
-    ap.add_argument("--sft-steps", type=int, default=None,
-                    help="SFT steps teaching --model the calculator (0: it calls it already; default by model)")
+    ap.add_argument("--sft-steps", type=int, default=None, help=SFT_STEPS_HELP)
     ap.add_argument("--engines", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=None, help="GRPO groups")
     ap.add_argument("--n", type=int, default=8, help="samples per prompt")
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     backend = args.backend or ("hf" if args.quick else "vllm")
     base = args.model or ("tiny-llama" if args.quick else "smollm2-135m-instruct")
-    steps = args.sft_steps if args.sft_steps is not None else 200 if base == "tiny-llama" else 40
+    steps = sft_steps(args.sft_steps, base)
     prompts = args.prompts or (12 if args.quick else 16)
     policies = [p for p in args.policies.split(",") if p]
     unknown = set(policies) - set(POLICIES)

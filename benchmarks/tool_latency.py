@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, calculator_workload, machine, result_line, servers, write_result  # noqa: E402
+from common import (RESULTS, SFT_STEPS_HELP, calculator_workload, machine, result_line, servers,  # noqa: E402
+                    sft_steps, write_result)
 
 from agent.loop import AgentContext, AgentLoopOutput  # noqa: E402
 from agent.tool_agent import ToolAgentLoop  # noqa: E402
@@ -194,8 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="hf engine with a tiny llama (minutes on a laptop)")
     ap.add_argument("--backend", default=None, help="hf | vllm (default: hf with --quick, else vllm)")
     ap.add_argument("--model", default=None, help="base model to teach the calculator (default by mode)")
-    ap.add_argument("--sft-steps", type=int, default=None,
-                    help="SFT steps teaching --model the calculator (0: it calls it already; default by model)")
+    ap.add_argument("--sft-steps", type=int, default=None, help=SFT_STEPS_HELP)
     ap.add_argument("--trajectories", type=int, default=None, help="per latency and mode")
     ap.add_argument("--concurrency", type=int, default=None, help="trajectories in flight (a sync wave)")
     ap.add_argument("--latencies", default=",".join(str(x) for x in LATENCIES))
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base = args.model or ("tiny-llama" if quick else "smollm2-135m-instruct")
     n = args.trajectories or (256 if quick else 96)
     conc = args.concurrency or (64 if quick else 48)
-    steps = args.sft_steps if args.sft_steps is not None else 200 if base == "tiny-llama" else 40
+    steps = sft_steps(args.sft_steps, base)
     latencies = [float(x) for x in args.latencies.split(",") if x.strip()]
     n_long = args.longtail_trajectories or 12 * conc
     model, tok, all_rows = calculator_workload(args.gsm8k_dir, base, steps, max(n, n_long))
