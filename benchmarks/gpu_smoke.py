@@ -248,8 +248,8 @@ CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {  # by value: a run cut of
     "megatron_tp2": check_megatron_tp2, "megatron_pp2": check_megatron_pp2, "megatron_zero1": check_megatron_zero1,
     "recipes": check_recipes, "weight_sync_bench": check_weight_sync_bench}
 
-# the suite in parts, each one device command of under 10 minutes (part 1 took 8.6 min on an H200 with
-# --model-size 1b, 2026-11-27; parts 2 and 3 are sized by estimate, not yet timed on a GPU)
+# the suite in parts, each one device command of under 10 minutes (on an H200 with --model-size 1b: part 1
+# 8.6 min, 2026-11-27; part 2 6.2 min, 2026-11-28; part 3 not timed whole: recipes took ~50 s each there)
 PARTS = {"1": ["hf_engine", "sleep_wake", "handle_route", "fsdp_actor", "shared_prefix", "drift", "grpo_run",
                "megatron_run", "lora_run", "deepspeed_ref"],
          "2": ["reward_model", "fsdp2_two_ranks", "ddp_two_ranks", "megatron_tp2", "megatron_pp2", "megatron_zero1"],

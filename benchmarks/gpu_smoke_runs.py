@@ -282,7 +282,8 @@ def check_weight_sync_bench(ctx: Ctx) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "")
                                                                        .split(os.pathsep) if p])}
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "benchmarks/weight_sync.py", "--quick", "--out", str(out)], cwd=REPO,
+        proc = subprocess.run([sys.executable, "benchmarks/weight_sync.py", "--quick", "--model", ctx.model, "--out",
+                               str(out)], cwd=REPO,
                               env=env, stdout=f, stderr=subprocess.STDOUT, timeout=300)
     if proc.returncode != 0:
         raise AssertionError(f"benchmarks/weight_sync.py exited {proc.returncode}:\n{log.read_text()[-3000:]}")

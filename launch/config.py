@@ -218,6 +218,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         tree = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path),
                                OmegaConf.from_dotlist(list(overrides or [])))
+        for o in overrides or []:  # `key={}` empties a mapping (a merge would keep the file's entries)
+            key, _, value = o.partition("=")
+            if value.strip() == "{}":
+                OmegaConf.update(tree, key.strip(), {}, merge=False)
         cfg = OmegaConf.to_object(tree)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)

@@ -137,8 +137,10 @@ def make_plan(cfg: Any, recipe: str | None, nodes: int, gpus: int, gpu_gb: float
     a, r = cfg.actor, cfg.rollout
     attached = list(r.engines)  # engines as a service: on GPUs of their own, reached over the bus
     placement = "attached" if attached else "colocated" if r.placement in ("auto", "cpu") else r.placement
-    engine_tp = int(r.engine_options.get("tensor_parallel_size", 1))
-    util = float(r.engine_options.get("gpu_memory_utilization", 0.5 if placement == "colocated" else 0.9))
+    spec = ENGINES[r.engine]
+    mem_opt, tp_opt = spec.memory_option or "gpu_memory_utilization", spec.tp_option or "tensor_parallel_size"
+    engine_tp = int(r.engine_options.get(tp_opt, 1))
+    util = float(r.engine_options.get(mem_opt, 0.5 if placement == "colocated" else 0.9))
     train_per_node = gpus if placement in ("colocated", "attached") else gpus - (engine_gpus or gpus // 2)
     world = nodes * train_per_node
     lines.append(f"model {cfg.model.path}: {params / 1e9:.2f}B parameters, {shape.layers} layers, hidden {shape.hidden}, "
@@ -158,7 +160,7 @@ def make_plan(cfg: Any, recipe: str | None, nodes: int, gpus: int, gpu_gb: float
                  f"PP {a.pp} x DP {dp}, sharding {a.sharding}")
     # the engines
     if shape.heads % engine_tp or (engine_tp > gpus and not attached):
-        errors.append(f"rollout.engine_options.tensor_parallel_size={engine_tp} must divide the model's {shape.heads} "
+        errors.append(f"rollout.engine_options.{tp_opt}={engine_tp} must divide the model's {shape.heads} "
                       f"heads and fit a node's {gpus} GPUs")
     if attached:
         lines.append(f"  engines: {len(attached)} attached server(s) (rollout.engines) on GPUs of their own, sized "
@@ -204,20 +206,20 @@ def make_plan(cfg: Any, recipe: str | None, nodes: int, gpus: int, gpu_gb: float
     engine_total = 0.0 if attached else util * gpu_gb * GB
     kv = engine_total - engine_weights
     engine_text = "engine 0 (attached elsewhere)" if attached else (
-        f"engine {engine_total / GB:.1f} GiB (gpu_memory_utilization {util}: weights {engine_weights / GB:.1f}, KV cache "
+        f"engine {engine_total / GB:.1f} GiB ({mem_opt} {util}: weights {engine_weights / GB:.1f}, KV cache "
         f"{max(kv, 0) / GB:.1f} GiB = {int(max(kv, 0) / max(shape.kv_bytes_per_token(2), 1) * engine_tp):,} tokens)")
     lines.append(f"memory per GPU ({gpu_gb:.0f} GiB): actor {actor / GB:.1f} GiB (weights, gradients, AdamW; activations "
                  f"on top), reference {ref / GB:.1f} GiB, {engine_text}")
     if kv <= 0 and not attached:
         errors.append(f"the engine's share ({util} x {gpu_gb:.0f} GiB) does not even hold its weights "
-                      f"({engine_weights / GB:.1f} GiB); raise gpu_memory_utilization or tensor_parallel_size")
+                      f"({engine_weights / GB:.1f} GiB); raise rollout.engine_options.{mem_opt} or {tp_opt}")
     reward = _reward_model(cfg, gpus, train_per_node, lines, errors)  # GPU -> the reward model's bytes on it
     trainer_gpu = actor + ref + (engine_total if placement == "colocated" else 0.0)
     resident = max([trainer_gpu + reward.get(d, 0.0) for d in range(train_per_node)]
                    + [engine_total + reward.get(d, 0.0) for d in range(train_per_node, gpus)])
     if resident > gpu_gb * GB:
         fixes = ("shard the actor (actor.sharding=fsdp, or megatron with actor.tp) over more GPUs, lower "
-                 "rollout.engine_options.gpu_memory_utilization, or use more GPUs")
+                 f"rollout.engine_options.{mem_opt}, or use more GPUs")
         errors.append(f"{resident / GB:.1f} GiB per GPU does not fit {gpu_gb:.0f} GiB: {fixes}")
     else:
         lines.append(f"fits: {resident / GB:.1f} of {gpu_gb:.0f} GiB per GPU before activations")

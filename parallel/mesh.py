@@ -150,6 +150,24 @@ def transfer_device(group: Any = None) -> Any:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def send_tensor(t: Any, dst: int) -> None:
+    """Point-to-point send (a pipeline activation, a gradient, a weight for the sync) that travels where
+    `transfer_device` says: gloo cannot send device memory, so CUDA tensors go through the host there."""
+    import torch.distributed as dist
+
+    dist.send(t.to(transfer_device() or "cpu").contiguous(), dst=dst)
+
+
+def recv_tensor(shape: tuple[int, ...], dtype: Any, src: int, device: Any) -> Any:
+    """The counterpart of `send_tensor`: received where the backend can take it, returned on `device`."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.empty(shape, dtype=dtype, device=transfer_device() or "cpu")
+    dist.recv(buf, src=src)
+    return buf.to(device)
+
+
 def local_gpu() -> int:
     """This rank's GPU on its node: `LOCAL_RANK`, or with `$SWITCHYARD_RANKS_PER_GPU=k` (k ranks on one
     GPU: the smoke suite's two-rank checks on a one-GPU machine, over gloo, since NCCL refuses two ranks

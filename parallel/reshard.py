@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import torch
 
 from parallel.families import Family, TensorRow, family_for
+from parallel.mesh import recv_tensor, send_tensor
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -262,9 +263,8 @@ def iter_hf_weights(local: Mapping[str, torch.Tensor], lay: DecoderLayout, tp_gr
         if rank == dst:
             if full is None:  # owned by another stage: receive it
                 dtype = next(iter(local.values())).dtype
-                full = torch.empty(item.shape, dtype=dtype, device=next(iter(local.values())).device)
-                dist.recv(full, src=leader)
+                full = recv_tensor(tuple(item.shape), dtype, leader, next(iter(local.values())).device)
             yield item.name, full
         elif rank == leader and full is not None:
-            dist.send(full, dst=dst)
+            send_tensor(full, dst)
 

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from agent.traces import TraceConfig
 from engines.config_checks import choice, positive
-from engines.inference import ENGINES, ROLLOUT_ENGINES  # the engine registry: one entry per backend
+from engines.inference import ENGINES, ROLLOUT_ENGINES, check_options  # the engine registry: one entry per backend
 from rollout.bus.router import POLICIES  # the router owns the policy names
 
 WEIGHT_PATHS = ("auto", "bus")
@@ -71,6 +71,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         choice("rollout", "engine", self.engine, ROLLOUT_ENGINES)
+        check_options(self.engine, self.engine_options)
         choice("rollout", "policy", self.policy, POLICIES)
         choice("rollout", "placement", self.placement, PLACEMENTS)
         choice("rollout", "weight_path", self.weight_path, WEIGHT_PATHS)

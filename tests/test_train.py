@@ -44,6 +44,8 @@ BAD_CONFIGS = [
     (["data.agent_name=no_such_agent"], "data.agent_name"),
     (["data.prompts_per_step=-4"], "data.prompts_per_step=-4"),
     (["rollout.engine=tensorrt"], "rollout.engine='tensorrt'"),
+    (["rollout.engine=hf", "rollout.engine_options={gpu_memory_utilization: 0.5}"],
+     "rollout.engine_options ['gpu_memory_utilization'] are not options of engine 'hf'"),
     (["algorithm.loss.clip_low=1.5"], "loss.clip_low=1.5"),
     (["trainer.stepz=3"], "trainer.stepz"),
     (["actor.ppo_mini_batch_size=5"], "actor.ppo_mini_batch_size=5"),

