@@ -105,3 +105,15 @@ def test_the_plan_places_attached_engines_and_the_reward_model():
     assert own.returncode == 2 and "does not fit 40 GiB" in own.stdout, own.stdout  # the judge tips GPU 0 over
     bad = plan(recipe, "--plan", "--gpus-per-node", "4", "reward.model={path: qwen2.5-7b, devices: [7]}")
     assert bad.returncode == 2 and "reward.model.devices=[7]: [7] not on a node of 4 GPUs" in bad.stdout
+
+
+def test_engine_options_are_each_engines_own_and_an_empty_override_clears_them():
+    proc = plan("launch/configs/recipes/gsm8k_qwen2.5-3b_sglang.yaml", "--plan", "--gpus-per-node", "4")
+    assert proc.returncode == 0 and "(mem_fraction_static 0.4:" in proc.stdout, proc.stdout + proc.stderr
+    from launch.config import load_config
+
+    recipe = "launch/configs/recipes/arithmetic_curriculum_qwen2.5-0.5b.yaml"
+    assert load_config(REPO / recipe).rollout.engine_options["gpu_memory_utilization"] == 0.5
+    # `key={}` empties the file's mapping (a merge would keep its entries): how a run swaps vllm for hf
+    cfg = load_config(REPO / recipe, ["rollout.engine=hf", "rollout.engine_options={}"])
+    assert cfg.rollout.engine_options == {}
