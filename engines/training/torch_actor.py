@@ -257,18 +257,14 @@ class TorchActor(ActorBase):
         self._load_counters(state)
 
     def save_hf(self, path: Path) -> None:
-        """safetensors + config + tokenizer, in the compute dtype; rank 0 writes. Sharded, the
-        tensors are gathered one at a time and written in files of at most SHARD_BYTES. With LoRA:
+        """safetensors + config + generation config + tokenizer, in the compute dtype; rank 0 writes,
+        in files of at most SHARD_BYTES, a sharded actor's tensors gathered one at a time. With LoRA:
         the adapter (and the merged model with actor.lora.export_merged), see `_save_lora`."""
         path = Path(path)
         if self.lora is not None:
             self._save_lora(path)
-        elif self.fsdp:
-            self._save_hf_sharded(path)
-        elif self.rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
-            self.module.to(self.compute_dtype).save_pretrained(path, safe_serialization=True)
-            self.module.to(torch.float32)
+        else:
+            self._write_hf(path)
         if self.rank == 0:
             self._save_tokenizer(path)
 
@@ -293,18 +289,20 @@ class TorchActor(ActorBase):
         if self.rank == 0:
             save_adapter(path, tensors, adapter_config(self.module, str(self.model_path)))
         if self.lora is not None and self.lora.export_merged:
-            self._save_hf_sharded(path / "merged")
+            self._write_hf(path / "merged")
             if self.rank == 0:
                 self._save_tokenizer(path / "merged")
 
-    def _save_hf_sharded(self, path: Path) -> None:
+    def _write_hf(self, path: Path) -> None:
         import json
 
         from safetensors.torch import save_file
 
-        if self.rank == 0:
+        if self.rank == 0:  # transformers' save_pretrained would import DeepSpeed (through accelerate) to unwrap
             path.mkdir(parents=True, exist_ok=True)
             self.module.config.save_pretrained(path)
+            if getattr(self.module, "generation_config", None) is not None:
+                self.module.generation_config.save_pretrained(path)
         index: dict[str, str] = {}
         part: dict[str, torch.Tensor] = {}
         size = 0
