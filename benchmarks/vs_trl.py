@@ -179,6 +179,7 @@ def summarise(label: str, ends: list[float], rollout: list[float], update: list[
             "rollout_s": statistics.median(rollout[tail]), "update_s": statistics.median(update[tail]),
             "gen_tokens_per_s": statistics.median(gen_rate) if gen_rate else None, "first_step_end_s": ends[0] - start,
             "peak_rss_gb": peak_gb, "update_gflops": statistics.median(gflop) if gflop else 0.0, "reward": rewards,
+            "tokens_computed": statistics.median(c) if (c := [x for x in computed[tail] if x]) else None,
             "per_step": {"end": ends, "rollout_s": rollout, "update_s": update, "response_tokens": gen_tokens}}
 
 
@@ -198,13 +199,17 @@ def run_trl(py: str, rows: Path, out: Path, w: dict[str, Any], skip: int, flops:
                      [(s.get("completion_length") or 0) * batch for s in steps], skip, start, peak, flops, batch)
 
 
-def switchyard_config(w: dict[str, Any], rows: Path, out: Path, engine: str, staleness: int) -> dict[str, Any]:
+def switchyard_config(w: dict[str, Any], rows: Path, out: Path, engine: str, staleness: int,
+                      shared_prefix: str | None = None) -> dict[str, Any]:
+    actor = {"lr": w["lr"], "micro_batch_size": 8, "attn_implementation": w.get("attn", "auto")}
+    if shared_prefix is not None:
+        actor["shared_prefix"] = shared_prefix
     return {
         "model": {"path": w["model"], "dtype": w["dtype"]},
         "data": {"task": "rows", "train_path": str(rows), "prompts_per_step": w["prompts"], "val_path": None},
         "rollout": {"engine": engine, "n": w["n"], "temperature": 1.0, "max_tokens": w["max_tokens"],
                     "staleness": staleness},
-        "actor": {"lr": w["lr"], "micro_batch_size": 8, "attn_implementation": w.get("attn", "auto")},
+        "actor": actor,
         "algorithm": {"advantage": "grpo", "loss": {"clip_low": 0.2, "clip_high": 0.28, "agg": "token-mean",
                                                     "kl_coef": 0.0}},
         "sft": {"enabled": False},
@@ -213,9 +218,9 @@ def switchyard_config(w: dict[str, Any], rows: Path, out: Path, engine: str, sta
 
 
 def run_switchyard(rows: Path, out: Path, w: dict[str, Any], engine: str, staleness: int, skip: int,
-                   flops: dict[str, float]) -> dict[str, Any]:
+                   flops: dict[str, float], shared_prefix: str | None = None) -> dict[str, Any]:
     cfg = out / "config.yaml"
-    cfg.write_text(yaml.safe_dump(switchyard_config(w, rows, out, engine, staleness)))
+    cfg.write_text(yaml.safe_dump(switchyard_config(w, rows, out, engine, staleness, shared_prefix)))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     start = time.time()
     peak = _run([sys.executable, "launch/train.py", str(cfg)], env, f"switchyard ({engine}, staleness {staleness})",
@@ -223,7 +228,8 @@ def run_switchyard(rows: Path, out: Path, w: dict[str, Any], engine: str, stalen
     ms = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     ms = [m for m in ms if "rollout/reward_mean" in m]
     batch = w["prompts"] * w["n"]
-    label = f"switchyard {engine}" + (f" staleness {staleness}" if staleness else "")
+    label = f"switchyard {engine}" + (f" staleness {staleness}" if staleness else "") + (
+        f" shared_prefix {shared_prefix}" if shared_prefix else "")
     return summarise(label, [m["time"] for m in ms], [float(m.get("time/rollout_s") or 0) for m in ms],
                      [float(m.get("time/update_s") or 0) for m in ms], [m["rollout/reward_mean"] for m in ms],
                      [float(m.get("rollout/response_length_mean") or 0) * batch for m in ms], skip, start, peak, flops,
@@ -237,7 +243,9 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=2, help="steps left out of the timing (start-up, warm-up)")
     ap.add_argument("--rounds", type=int, default=None, help="TRL / switchyard pairs, run alternately")
     ap.add_argument("--extra-rows", default=None, help="comma list of hf, staleness1, trl_retain (TRL with switchyard's host "
-                                                        "allocator setting); default: hf,staleness1; none with --quick")
+                                                        "allocator setting), prefix_off (switchyard with "
+                                                        "actor.shared_prefix=off, in every round after its pair); "
+                                                        "default: hf,staleness1; none with --quick")
     ap.add_argument("--engine", default=None, help="switchyard's engine in the pairs (default: vllm; hf with --quick)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="both systems: fp32, or bf16 autocast over fp32 weights (TRL's bf16=True, switchyard's "
@@ -271,7 +279,12 @@ def main() -> None:
             sy = run_switchyard(rows, _dir(tmp, f"sy{r}"), w, args.engine, 0, skip, flops)
             print(_line(sy), flush=True)
             report["pairs"].append({"trl": trl, "switchyard": sy, "ratio": sy["steps_per_hour"] / trl["steps_per_hour"]})
-        for x in extra:
+            if "prefix_off" in extra:  # alternated with the pair: the default (shared_prefix auto) against off
+                off = run_switchyard(rows, _dir(tmp, f"off{r}"), w, args.engine, 0, skip, flops, shared_prefix="off")
+                print(_line(off), flush=True)
+                report["pairs"][-1]["prefix_off"] = off
+                report["pairs"][-1]["update_vs_prefix_off"] = off["update_s"] / sy["update_s"]
+        for x in [x for x in extra if x != "prefix_off"]:
             if x == "trl_retain":
                 row = run_trl(py, rows, _dir(tmp, x), w, skip, flops, retain=True)
             else:
@@ -284,10 +297,15 @@ def main() -> None:
     report["ratio_median"] = statistics.median(report["ratios"])
     for row in report["extra"]:
         row["ratio_vs_trl_median"] = row["steps_per_hour"] / trl_med
-    for row in [x for p in report["pairs"] for x in (p["trl"], p["switchyard"])] + report["extra"]:
+    offs = [p["prefix_off"] for p in report["pairs"] if "prefix_off" in p]
+    for row in [x for p in report["pairs"] for x in (p["trl"], p["switchyard"])] + offs + report["extra"]:
         row["update_fraction_of_peak"] = row["update_gflops"] / report["matmul_peak_gflops"]
+    for row in offs:
+        row["ratio_vs_trl_median"] = row["steps_per_hour"] / trl_med
+    prefix = {"update_vs_prefix_off": statistics.median(p["update_vs_prefix_off"] for p in report["pairs"])} if offs else {}
+    report.update(prefix)
     write_result("vs_trl", report, args.out)
-    print(result_line({"switchyard_vs_trl": report["ratio_median"],
+    print(result_line({"switchyard_vs_trl": report["ratio_median"], **prefix,
                        **{row["system"].replace(" ", "_") + "_vs_trl": row["ratio_vs_trl_median"] for row in report["extra"]}}))
 
 

@@ -153,7 +153,7 @@ def test_vs_trl_small_run(tmp_path):
         trl_python("1.16.0")
     except subprocess.CalledProcessError as e:  # as tests/test_verifiers_env.py: no package index, no TRL
         pytest.skip(f"could not install TRL into its venv ({e}); the package index may be unreachable")
-    last, report = _run("benchmarks/vs_trl.py", ["--quick", "--extra-rows", "trl_retain"], tmp_path)
+    last, report = _run("benchmarks/vs_trl.py", ["--quick", "--extra-rows", "trl_retain,prefix_off"], tmp_path)
     assert last.startswith("RESULT switchyard_vs_trl=") and "trl_retain_vs_trl=" in last
     (pair,) = report["pairs"]
     for side in (pair["trl"], pair["switchyard"]):
@@ -163,6 +163,12 @@ def test_vs_trl_small_run(tmp_path):
     assert pair["ratio"] == pytest.approx(pair["switchyard"]["steps_per_hour"] / pair["trl"]["steps_per_hour"])
     (extra,) = report["extra"]  # TRL again, with the host allocator setting switchyard's actor applies
     assert extra["system"] == "trl retain" and extra["steps"] == 3
+    # switchyard again in the round with actor.shared_prefix=off against the default (auto): fewer tokens computed
+    off = pair["prefix_off"]
+    assert off["system"] == "switchyard hf shared_prefix off" and off["steps"] == 3
+    assert pair["update_vs_prefix_off"] == pytest.approx(off["update_s"] / pair["switchyard"]["update_s"])
+    assert "update_vs_prefix_off=" in last
+    assert pair["switchyard"]["tokens_computed"] < off["tokens_computed"]  # the default packs each group's prompt once
 
 
 def test_soak_small_run(tmp_path):

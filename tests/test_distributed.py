@@ -131,7 +131,7 @@ def test_fsdp_actor_matches_one_process_and_holds_half_the_optimizer(tmp_path: P
 
     packed = torch.load(tmp_path / "fsdp_packed.pt")  # FSDP2 packed by shared prefix = one process unpacked
     shared = make_batch(1000, n=8, group=4, shared_prompts=True)
-    plain = TorchActor(ActorConfig(lr=1.0, micro_batch_size=4, grad_clip=1e9), tiny)
+    plain = TorchActor(ActorConfig(lr=1.0, micro_batch_size=4, grad_clip=1e9, shared_prefix="off"), tiny)
     plain.optimizer = torch.optim.SGD(plain.params, lr=1.0)
     assert torch.allclose(packed["logprobs"], plain.compute_logprobs(shared)[0], atol=1e-5)
     pm = plain.update(shared, advantages_for(shared), None, None, LossConfig())

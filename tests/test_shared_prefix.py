@@ -179,3 +179,15 @@ def test_auto_asks_a_gpu_for_a_larger_saving_than_a_cpu():
     assert micro_batch(batch, rows, "auto", 0.0, torch.device("cpu")).tokens == 60 < padded.tokens  # packed
     assert micro_batch(batch, rows, "auto", 0.0, torch.device("cuda", 0)).tokens == padded.tokens  # not packed
     assert micro_batch(batch, rows, "on", 0.0, torch.device("cuda", 0)).tokens == 60  # `on` packs everywhere
+
+
+def test_auto_is_the_default_and_off_where_the_actor_takes_no_packed_mask():
+    """`auto` by default; the Megatron actor and flash_attention_2 take no packed mask, so there auto is off
+    and `on` is refused naming the fix."""
+    from engines.training.config import ActorConfig, CriticConfig
+
+    assert ActorConfig().shared_prefix == "auto" and CriticConfig().shared_prefix == "auto"
+    assert ActorConfig(backend="megatron", trainable=[], gradient_checkpointing=False).shared_prefix == "off"
+    assert ActorConfig(attn_implementation="flash_attention_2").shared_prefix == "off"
+    with pytest.raises(ValueError, match="actor.shared_prefix=on is an option of the torch actor"):
+        ActorConfig(backend="megatron", shared_prefix="on", trainable=[], gradient_checkpointing=False)

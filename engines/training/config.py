@@ -78,8 +78,9 @@ class UpdateConfig:
     max_tokens_per_micro_batch: int = 0
     # the tokens rows of a micro-batch begin with alike (a GRPO group's prompt, shared earlier turns)
     # computed once, the micro-batch packed as a prefix tree (engines/training/prefix.py): off, on, or
-    # auto (packed where a FLOP count of tokens and attention pairs says it saves; prefix.packing_pays)
-    shared_prefix: str = "off"
+    # auto (the default: packed where a FLOP count of tokens and attention pairs says it saves,
+    # prefix.packing_pays; off where the actor or its attention takes no packed mask)
+    shared_prefix: str = "auto"
     ppo_mini_batch_size: int = 0
     ppo_epochs: int = 1
     gradient_checkpointing: bool = False
@@ -136,6 +137,8 @@ class ActorConfig(UpdateConfig):
                              "attention: set actor.attn_implementation=auto")
         if self.shared_prefix not in SHARED_PREFIX:
             raise ValueError(f"actor.shared_prefix={self.shared_prefix!r} is not allowed; choose one of {list(SHARED_PREFIX)}")
+        if self.shared_prefix == "auto" and (not spec.shared_prefix or self.attn_implementation == "flash_attention_2"):
+            self.shared_prefix = "off"  # auto packs only where the actor's attention takes a packed mask
         if self.shared_prefix != "off" and not spec.shared_prefix:
             raise ValueError(f"actor.shared_prefix={self.shared_prefix} is an option of the "
                              f"{'|'.join(with_feature('shared_prefix'))} actor; the {self.backend} actor's own model "
