@@ -218,9 +218,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         tree = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path),
                                OmegaConf.from_dotlist(list(overrides or [])))
-        for o in overrides or []:  # `key={}` empties a mapping (a merge would keep the file's entries)
-            key, _, value = o.partition("=")
-            if value.strip() == "{}":
+        for o in overrides or []:  # `key={}` empties a free-form mapping such as rollout.engine_options (a
+            key, _, value = o.partition("=")  # merge would keep the file's entries); a section keeps its defaults
+            node = OmegaConf.select(tree, key.strip()) if value.strip() == "{}" else None
+            if node is not None and OmegaConf.get_type(node) is dict:
                 OmegaConf.update(tree, key.strip(), {}, merge=False)
         cfg = OmegaConf.to_object(tree)
     except OmegaConfBaseException as e:
