@@ -191,3 +191,9 @@ def test_auto_is_the_default_and_off_where_the_actor_takes_no_packed_mask():
     assert ActorConfig(attn_implementation="flash_attention_2").shared_prefix == "off"
     with pytest.raises(ValueError, match="actor.shared_prefix=on is an option of the torch actor"):
         ActorConfig(backend="megatron", shared_prefix="on", trainable=[], gradient_checkpointing=False)
+    from launch.config import load_config
+
+    for word, mode in (("off", "off"), ("on", "on"), ("auto", "auto")):  # YAML reads bare on/off as booleans
+        cfg = load_config(None, [f"actor.shared_prefix={word}", f"critic.shared_prefix={word}"])
+        assert cfg.actor.shared_prefix == cfg.critic.shared_prefix == mode
+

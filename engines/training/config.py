@@ -135,6 +135,8 @@ class ActorConfig(UpdateConfig):
             raise ValueError(f"actor.attn_implementation={self.attn_implementation!r} is an option of the "
                              f"{'|'.join(with_feature('hf_options'))} actor; the {self.backend} actor has its own "
                              "attention: set actor.attn_implementation=auto")
+        # YAML 1.1 reads a bare on/off (`actor.shared_prefix=off` on the command line) as a boolean
+        self.shared_prefix = {"True": "on", "False": "off"}.get(str(self.shared_prefix), self.shared_prefix)
         if self.shared_prefix not in SHARED_PREFIX:
             raise ValueError(f"actor.shared_prefix={self.shared_prefix!r} is not allowed; choose one of {list(SHARED_PREFIX)}")
         if self.shared_prefix == "auto" and (not spec.shared_prefix or self.attn_implementation == "flash_attention_2"):
@@ -189,7 +191,8 @@ class CriticConfig(UpdateConfig):
         if self.sharding not in ("", *ACTORS["torch"].shardings):
             raise ValueError(f"critic.sharding={self.sharding!r} is not allowed; choose one of "
                              f"{['', *ACTORS['torch'].shardings]} ('' = as actor.sharding)")
-        self.optim(ActorConfig())  # the shared checks of the batch geometry and optimizer keys
+        # the shared checks of the batch geometry and optimizer keys, and their normalized values
+        self.shared_prefix = self.optim(ActorConfig()).shared_prefix
 
     def optim(self, actor: ActorConfig) -> ActorConfig:
         """The critic's keys as the `ActorConfig` its torch trainer takes (errors name `critic.`)."""
