@@ -55,12 +55,16 @@ def _masked_stats(mask: torch.Tensor, shard: bool, **tensors: torch.Tensor) -> d
 def _with_critic(batch: Batch, rewards: torch.Tensor, mask: torch.Tensor, critic: Any, algorithm: Any,
                  kwargs: dict[str, Any], token_rewards: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, Any]]:
     """GAE: the critic's values of this batch (recomputed now, whatever policy sampled it), the
-    advantages whitened over the batch's mask-1 tokens, and the critic's update toward the returns."""
+    advantages (`algorithm.lam`) whitened over the batch's mask-1 tokens, and the critic's update
+    toward the returns at `critic.lam`."""
     if critic is None:
         raise ValueError(f"algorithm.advantage={algorithm.advantage} needs a critic and the run has none")
     values = critic.compute_values(batch)
-    adv, returns = ESTIMATORS[algorithm.advantage].fn(rewards, mask, values=values, token_rewards=token_rewards,
-                                                      **kwargs)
+    estimate = ESTIMATORS[algorithm.advantage].fn
+    adv, returns = estimate(rewards, mask, values=values, token_rewards=token_rewards, **kwargs)
+    if critic.critic_cfg.lam != kwargs.get("lam"):  # the critic's targets at a lambda of their own
+        _, returns = estimate(rewards, mask, values=values, token_rewards=token_rewards,
+                              **{**kwargs, "lam": critic.critic_cfg.lam})
     st = _masked_stats(mask, batch.is_shard, values=values, returns=returns, adv=adv, error=returns - values)
     mean, var = st["adv"]
     adv = torch.where(mask.bool(), (adv - mean) / ((var ** 0.5 + 1e-8) if algorithm.norm_by_std else 1.0), 0.0)

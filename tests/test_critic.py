@@ -106,6 +106,50 @@ def test_the_critic_starts_at_zero_learns_toward_returns_and_round_trips(tiny_ll
         "model.norm.weight", "lm_head.weight", "lm_head.bias"}  # the value head trains whatever the regexes say
 
 
+def test_the_critic_learns_which_row_returns_what_not_only_the_mean(tiny_llama: str):
+    """Explained variance (as `critic/vf_explained_var` computes it) on a batch whose rows have
+    targets of their own: a critic that only learned the mean return would stay at 0."""
+    from engines.training.config import ActorConfig, CriticConfig
+    from engines.training.critic import make_critic
+
+    torch.manual_seed(0)
+    batch = make_batch(1000, n=8)
+    critic = make_critic(CriticConfig(lr=1e-3, micro_batch_size=4, value_clip=0.0), ActorConfig(), tiny_llama,
+                         progress=False)
+    keep = batch.loss_mask.bool()
+    returns = torch.where(keep, torch.rand(8)[:, None].expand(keep.shape), 0.0)
+    for _ in range(40):
+        critic.update_values(batch, returns, critic.compute_values(batch))
+    error = (returns - critic.compute_values(batch))[keep]
+    assert 1 - error.var(unbiased=False) / returns[keep].var(unbiased=False) > 0.9
+
+
+def test_the_critics_targets_take_critic_lam_and_the_advantages_algorithm_lam(tiny_llama: str):
+    """Decoupled GAE: the value targets are the returns at `critic.lam` (1: the reward itself at
+    every token), the policy's advantages GAE at `algorithm.lam`, from the same values."""
+    from engines.training.config import ActorConfig, CriticConfig
+    from engines.training.critic import make_critic
+    from launch.algorithm import _with_critic
+    from launch.config import AlgorithmConfig
+
+    batch = make_batch(1000, n=4)
+    batch.rewards = torch.tensor([1.0, 0.0, 2.0, 0.5])
+    mask = batch.loss_mask.float()
+    for critic_lam in (1.0, 0.5):
+        critic = make_critic(CriticConfig(lam=critic_lam), ActorConfig(), tiny_llama, progress=False)
+        seen = {}
+        critic.update_values = lambda b, returns, values, m: seen.update(returns=returns) or {}
+        algorithm = AlgorithmConfig(advantage="gae", lam=0.5)
+        adv, _ = _with_critic(batch, batch.rewards, mask, critic, algorithm, {"gamma": 1.0, "lam": 0.5}, None)
+        zero = torch.zeros_like(mask)  # the head starts at zero: the values the estimates came from
+        want_adv, half = gae(batch.rewards, mask, zero, gamma=1.0, lam=0.5)
+        keep = mask.bool()
+        want_adv = (want_adv - want_adv[keep].mean()) / want_adv[keep].std(unbiased=False)
+        assert torch.allclose(adv[keep], want_adv[keep].float(), atol=1e-5)
+        want = batch.rewards[:, None].expand_as(mask) * mask if critic_lam == 1.0 else half
+        assert torch.allclose(seen["returns"].float(), want.float(), atol=1e-6), critic_lam
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     from engines.models import resolve_model

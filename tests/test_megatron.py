@@ -210,9 +210,25 @@ def test_trainer_with_megatron_tp2_runs_and_resumes(tmp_path: Path, dtype: str):
     AutoModelForCausalLM.from_pretrained(out / "hf")
 
 
+@pytest.fixture(scope="module")
+def smollm2_shaped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M's own config (9 heads in 3 key/value groups, its 49152-token vocabulary, tied
+    embeddings) with 2 of its 30 layers: every layer is sharded alike, so 2 check what 30 would."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    real = resolve_model("smollm2-135m-instruct")
+    cfg = AutoConfig.from_pretrained(real)
+    cfg.num_hidden_layers = 2
+    torch.manual_seed(2)
+    out = tmp_path_factory.mktemp("smollm2-shaped")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    AutoTokenizer.from_pretrained(real).save_pretrained(out)
+    return out
+
+
 @pytest.mark.slow
-def test_smollm2_tp3_logprobs_match_hf(tmp_path, servers):
-    model = Path(resolve_model("smollm2-135m-instruct"))
+def test_smollm2_tp3_logprobs_match_hf(tmp_path, servers, smollm2_shaped):
+    model = smollm2_shaped
     with pytest.raises(ValueError, match="tensor parallel size 2 does not divide the model's query groups"):
         _layout(model).check(2, 1)
     srv = servers(1, backend="hf", model=str(model))

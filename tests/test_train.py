@@ -128,7 +128,7 @@ def test_drift_is_tiny_with_fp32_hf_engine_after_every_shared_memory_sync(tmp_pa
     out = tmp_path / "run"
     warm = ["sft.steps=4", "sft.lr=1e-3"]
     # the on-policy path (the update's forward) and the explicit old-logprob pass (2 epochs)
-    for extra, path in (([], "shm"), (["actor.ppo_epochs=2"], "shm"), (["rollout.weight_path=bus"], "bus"),
+    for extra, path in (([], "shm"), (["rollout.weight_path=bus", "actor.ppo_epochs=2"], "bus"),
                         (["rollout.in_process=true", "rollout.placement=colocated"], "in_process")):
         proc = train([*TINY, *warm, "trainer.steps=2", f"trainer.output_dir={out}", "trainer.resume=false", *extra])
         assert proc.returncode == 0, proc.stderr[-4000:]

@@ -182,12 +182,20 @@ class CriticConfig(UpdateConfig):
     sharding: str = ""  # "" = as actor.sharding; none (DDP) | fsdp
     value_clip: float = 0.5  # a value moves at most this far from its scored value per update; 0 = no clipping
     value_warmup_steps: int = 0  # the first N RL steps train the critic only (the actor waits for useful values)
+    # GAE lambda of the critic's value targets, apart from algorithm.lam (the policy's advantages): with
+    # 1 the targets are the returns themselves; below 1 they are bootstrapped from the critic's own values
+    # and a sparse outcome reward fades (lam^k) over a long response before reaching its early tokens
+    # (decoupled GAE, VC-PPO arXiv 2503.01491)
+    lam: float = 1.0
 
     def __post_init__(self) -> None:
         if self.value_clip < 0:
             raise ValueError(f"critic.value_clip={self.value_clip} must be >= 0 (0 = no value clipping)")
         if self.value_warmup_steps < 0:
             raise ValueError(f"critic.value_warmup_steps={self.value_warmup_steps} must be >= 0")
+        if not 0 <= self.lam <= 1:
+            raise ValueError(f"critic.lam={self.lam} must be in [0, 1] (GAE's lambda of the value targets; "
+                             f"1 = the returns)")
         if self.sharding not in ("", *ACTORS["torch"].shardings):
             raise ValueError(f"critic.sharding={self.sharding!r} is not allowed; choose one of "
                              f"{['', *ACTORS['torch'].shardings]} ('' = as actor.sharding)")
