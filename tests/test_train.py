@@ -53,6 +53,7 @@ BAD_CONFIGS = [
     (["rollout.placement=split"], "rollout.placement='split'"),
     (["rollout.sleep_level=3"], "rollout.sleep_level=3"),
     (["actor.lr=nan"], "actor.lr=nan must be a finite number"),
+    (["algorithm.advantage=gae", "critic.lam=1.5"], "critic.lam=1.5 must be in [0, 1]"),
     (["algorithm.loss.kl_coef=inf"], "kl_coef=inf"),
     (["actor.grad_clip=nan"], "actor.grad_clip=nan"),
     (["rollout.staleness=-1"], "rollout.staleness=-1"),
