@@ -62,7 +62,7 @@ def _with_critic(batch: Batch, rewards: torch.Tensor, mask: torch.Tensor, critic
     values = critic.compute_values(batch)
     estimate = ESTIMATORS[algorithm.advantage].fn
     adv, returns = estimate(rewards, mask, values=values, token_rewards=token_rewards, **kwargs)
-    if critic.critic_cfg.lam != kwargs.get("lam"):  # the critic's targets at a lambda of their own
+    if "lam" in kwargs and critic.critic_cfg.lam != kwargs["lam"]:  # the critic's targets at a lambda of their own
         _, returns = estimate(rewards, mask, values=values, token_rewards=token_rewards,
                               **{**kwargs, "lam": critic.critic_cfg.lam})
     st = _masked_stats(mask, batch.is_shard, values=values, returns=returns, adv=adv, error=returns - values)
