@@ -280,8 +280,9 @@ class EngineFleet:
         return judges
 
     def revive_reward_engines(self) -> dict[str, float]:
-        """Rank 0, each step before the rollout: the reward model's engines that died, started again
-        (rollout/reward_engines.py `revive`); the run's count of such restarts as a metric."""
+        """Rank 0, each step before the rollout: the reward model's engines that died and that its
+        watcher has not restarted yet, started again (rollout/reward_engines.py `revive`); the run's
+        count of such restarts as a metric."""
         if self.reward_engines is None:
             return {}
         self.reward_engines.revive()

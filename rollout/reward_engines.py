@@ -1,7 +1,9 @@
 """The reward model's own engine group (`reward.model`, see agent/rewards/model.py): started by rank 0
 beside the policy's engines, or attached to when `reward.model.addresses` lists servers already
 running. The policy's weight pushes, sleeps and wakes never address them; the run stops the ones
-it started.
+it started. An engine this run started that dies is started again at once, at the same address, by
+a watcher thread (a judge killed mid-step would otherwise hold that step's scores until
+`reward.model.timeout_s`); the requests it held are re-issued to it by the clients.
 
 On a CPU box they share the node's cores with the rest of the run. On a GPU node,
 `reward.model.devices` names the GPUs they get (`CUDA_VISIBLE_DEVICES`, split evenly over
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,6 +33,9 @@ class RewardEngines:
         self.tmp: Path | None = None
         self._launch: list[Callable[[], Any]] = []  # per engine: start its server again, same address and options
         self.restarts = 0
+        self._lock = threading.Lock()  # the watcher and the step's revive() never restart one engine twice
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def start(self) -> list[str]:
         from engines.models import resolve_model
@@ -69,7 +75,19 @@ class RewardEngines:
             self.procs.append(proc)
             self.logs.append(log_file)
             started.append((proc, self.tmp / f"{eid}.json", log_file))
-        return [read_endpoints(f, p, self.startup_timeout_s, log)[0] for p, f, log in started]
+        addresses = [read_endpoints(f, p, self.startup_timeout_s, log)[0] for p, f, log in started]
+        self._watcher = threading.Thread(target=self._watch, name="reward-engines-watcher", daemon=True)
+        self._watcher.start()
+        return addresses
+
+    def _watch(self, every_s: float = 0.5) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                self.revive()
+            except Exception as e:  # noqa: BLE001 - the next step's revive() tries again and fails the run
+                print(f"WARNING: restarting a reward model engine failed ({type(e).__name__}: {e}); the next "
+                      "step tries once more", flush=True)
+                return
 
     def revive(self) -> list[str]:
         """Start again, at the same address, every engine this run started that has died (a judge
@@ -77,6 +95,10 @@ class RewardEngines:
         each serves; the agents' clients reconnect on their own. The ids of those restarted."""
         from rollout.bus.launcher import read_endpoints
 
+        with self._lock:
+            return [] if self._stop.is_set() else self._revive_locked(read_endpoints)
+
+    def _revive_locked(self, read_endpoints: Callable[..., Any]) -> list[str]:
         dead = [i for i, p in enumerate(self.procs) if p.poll() is not None]
         for i in dead:
             eid = f"reward{i}"
@@ -101,6 +123,10 @@ class RewardEngines:
     def close(self) -> None:
         from rollout.bus.launcher import stop_processes
 
+        self._stop.set()  # first: an engine being stopped is not one that died
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+            self._watcher = None
         stop_processes(self.procs)
         self.procs = []
         if self.tmp is not None:
