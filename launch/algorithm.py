@@ -52,6 +52,39 @@ def _masked_stats(mask: torch.Tensor, shard: bool, **tensors: torch.Tensor) -> d
     return out
 
 
+def _explained_at_ends(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, group_index: torch.Tensor,
+                       shard: bool) -> dict[str, float]:
+    """Where the critic's explained variance comes from, per row: at its first model token (all a value
+    can know there is the prompt: how likely this prompt is to succeed) and at its last (the whole
+    reply read). `prompt_explained_var` is the share of the first-token returns' variance that each
+    group's own mean return explains (in-sample, over the groups as each rank holds them): about the
+    most a value that reads only the prompt could reach on this batch. Rows without a model token
+    are left out."""
+    keep = mask.sum(1) > 0
+    if not bool(keep.any()) and not shard:
+        return {}
+    m, v, r, g = mask[keep], values[keep].double(), returns[keep].double(), group_index[keep]
+    cols = torch.arange(m.shape[1], device=m.device)
+    first = torch.where(m.bool(), cols, m.shape[1]).min(1).values
+    last = torch.where(m.bool(), cols, -1).max(1).values
+    rows = torch.arange(len(m), device=m.device)
+    r0, e0 = r[rows, first], r[rows, first] - v[rows, first]
+    r1, e1 = r[rows, last], r[rows, last] - v[rows, last]
+    within = sum(float(((r0[g == k] - r0[g == k].mean()) ** 2).sum()) for k in g.unique())
+    sums = [float(len(m)), within] + [f(x) for x in (r0, e0, r1, e1) for f in (lambda t: float(t.sum()),
+                                                                                lambda t: float((t * t).sum()))]
+    sums, _ = _over_ranks(sums, 0.0, shard)
+    n, within = max(sums[0], 1.0), sums[1]
+    var = [sums[3 + 2 * i] / n - (sums[2 + 2 * i] / n) ** 2 for i in range(4)]  # r0, e0, r1, e1
+
+    def explained(err: float, total: float) -> float:
+        return 1.0 - err / total if total > 1e-12 else 0.0
+
+    return {"critic/vf_explained_var_first": explained(var[1], var[0]),
+            "critic/vf_explained_var_last": explained(var[3], var[2]),
+            "critic/prompt_explained_var": explained(within / n, var[0])}
+
+
 def _with_critic(batch: Batch, rewards: torch.Tensor, mask: torch.Tensor, critic: Any, algorithm: Any,
                  kwargs: dict[str, Any], token_rewards: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, Any]]:
     """GAE: the critic's values of this batch (recomputed now, whatever policy sampled it), the
@@ -71,7 +104,8 @@ def _with_critic(batch: Batch, rewards: torch.Tensor, mask: torch.Tensor, critic
     metrics = {"critic/values_mean": st["values"][0], "critic/returns_mean": st["returns"][0],
                "critic/advantages_mean": mean, "critic/advantages_std": var ** 0.5,
                # 1 = the values explain the returns; 0 = no better than their mean; < 0 worse
-               "critic/vf_explained_var": 1.0 - st["error"][1] / st["returns"][1] if st["returns"][1] > 0 else 0.0}
+               "critic/vf_explained_var": 1.0 - st["error"][1] / st["returns"][1] if st["returns"][1] > 0 else 0.0,
+               **_explained_at_ends(values, returns, mask, batch.group_index, batch.is_shard)}
     upd = critic.update_values(batch, returns, values, mask)
     metrics.update({f"critic/{k}": v for k, v in upd.items()})
     return adv.float(), metrics

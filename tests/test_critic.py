@@ -150,6 +150,25 @@ def test_the_critics_targets_take_critic_lam_and_the_advantages_algorithm_lam(ti
         assert torch.allclose(seen["returns"].float(), want.float(), atol=1e-6), critic_lam
 
 
+def test_the_explained_variance_at_each_rows_first_and_last_model_token_and_the_prompts_share():
+    """Two groups of two (returns 1, 0 and 1, 1) and a row with no model token: values equal to their
+    group's mean at each row's first model token and to the return at its last (99 everywhere else, a
+    wrong position would show) explain 1/3 of the returns' variance at the first token, all of it at
+    the last; the groups' means explain 1/3 (0.125 of 0.1875)."""
+    from launch.algorithm import _explained_at_ends
+
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0], [1, 0, 1, 1, 1, 1],
+                         [0, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    ret = torch.tensor([1.0, 0.0, 1.0, 1.0, 5.0])[:, None].expand(5, 6).clone()
+    values = torch.full((5, 6), 99.0)
+    for row, (first, last, v0) in enumerate([(1, 4, 0.5), (0, 1, 0.5), (2, 2, 1.0), (0, 5, 1.0)]):
+        values[row, first], values[row, last] = v0, ret[row, last]
+    values[2, 2] = 1.0  # one model token: first and last alike
+    got = _explained_at_ends(values, ret, mask, torch.tensor([0, 0, 1, 1, 2]), shard=False)
+    assert got == pytest.approx({"critic/vf_explained_var_first": 1 / 3, "critic/vf_explained_var_last": 1.0,
+                                 "critic/prompt_explained_var": 1 / 3})
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     from engines.models import resolve_model
