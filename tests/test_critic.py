@@ -5,6 +5,7 @@ same values in row or token-budget micro-batches), and `launch/train.py` with
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -150,13 +151,10 @@ def test_the_critics_targets_take_critic_lam_and_the_advantages_algorithm_lam(ti
         assert torch.allclose(seen["returns"].float(), want.float(), atol=1e-6), critic_lam
 
 
-def test_the_explained_variance_at_each_rows_first_and_last_model_token_and_the_prompts_share():
-    """Two groups of two (returns 1, 0 and 1, 1) and a row with no model token: values equal to their
-    group's mean at each row's first model token and to the return at its last (99 everywhere else, a
-    wrong position would show) explain 1/3 of the returns' variance at the first token, all of it at
-    the last; the groups' means explain 1/3 (0.125 of 0.1875)."""
-    from launch.algorithm import _explained_at_ends
-
+def _ends_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two groups of two (returns 1, 0 and 1, 1) and a row with no model token (values, returns, mask,
+    groups): values equal to their group's mean at each row's first model token and to the return at
+    its last, 99 everywhere else (a wrong position would show)."""
     mask = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0], [1, 0, 1, 1, 1, 1],
                          [0, 0, 0, 0, 0, 0]], dtype=torch.float32)
     ret = torch.tensor([1.0, 0.0, 1.0, 1.0, 5.0])[:, None].expand(5, 6).clone()
@@ -164,9 +162,37 @@ def test_the_explained_variance_at_each_rows_first_and_last_model_token_and_the_
     for row, (first, last, v0) in enumerate([(1, 4, 0.5), (0, 1, 0.5), (2, 2, 1.0), (0, 5, 1.0)]):
         values[row, first], values[row, last] = v0, ret[row, last]
     values[2, 2] = 1.0  # one model token: first and last alike
-    got = _explained_at_ends(values, ret, mask, torch.tensor([0, 0, 1, 1, 2]), shard=False)
-    assert got == pytest.approx({"critic/vf_explained_var_first": 1 / 3, "critic/vf_explained_var_last": 1.0,
-                                 "critic/prompt_explained_var": 1 / 3})
+    return values, ret, mask, torch.tensor([0, 0, 1, 1, 2])
+
+
+ENDS = {"critic/vf_explained_var_first": 1 / 3, "critic/vf_explained_var_last": 1.0,
+        "critic/prompt_explained_var": 1 / 3}  # the groups' means: 0.125 of the 0.1875 variance
+
+
+def test_the_explained_variance_at_each_rows_first_and_last_model_token_and_the_prompts_share():
+    from launch.algorithm import _explained_at_ends
+
+    assert _explained_at_ends(*_ends_case(), shard=False) == pytest.approx(ENDS)
+
+
+def _ends_on_rank(rank: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from launch.algorithm import _explained_at_ends
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    rows = [0, 1] if rank == 0 else [2, 3, 4]  # each rank its shard: one group, the other and the empty row
+    got = _explained_at_ends(*(t[rows] for t in _ends_case()), shard=True)
+    if rank == 0:
+        Path(out).write_text(json.dumps(got))
+    dist.destroy_process_group()
+
+
+def test_the_explained_variance_at_the_ends_over_two_gloo_ranks_equals_one_process(tmp_path: Path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ends_on_rank, args=(f"file://{tmp_path / 'init'}", str(tmp_path / "got.json")), nprocs=2)
+    assert json.loads((tmp_path / "got.json").read_text()) == pytest.approx(ENDS)
 
 
 @pytest.fixture(scope="module")
