@@ -85,6 +85,8 @@ class RewardEngines:
             try:
                 self.revive()
             except Exception as e:  # noqa: BLE001 - the next step's revive() tries again and fails the run
+                if self._stop.is_set():
+                    return  # stopped while it was starting one: not a failure
                 print(f"WARNING: restarting a reward model engine failed ({type(e).__name__}: {e}); the next "
                       "step tries once more", flush=True)
                 return
