@@ -63,26 +63,26 @@ def _explained_at_ends(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     keep = mask.sum(1) > 0
     if not bool(keep.any()) and not shard:
         return {}
-    m, v, r, g = mask[keep], values[keep].double(), returns[keep].double(), group_index[keep]
+    m, v, r = mask[keep], values[keep].double(), returns[keep].double()
     cols = torch.arange(m.shape[1], device=m.device)
     first = torch.where(m.bool(), cols, m.shape[1]).min(1).values
     last = torch.where(m.bool(), cols, -1).max(1).values
     rows = torch.arange(len(m), device=m.device)
-    r0, e0 = r[rows, first], r[rows, first] - v[rows, first]
-    r1, e1 = r[rows, last], r[rows, last] - v[rows, last]
-    within = sum(float(((r0[g == k] - r0[g == k].mean()) ** 2).sum()) for k in g.unique())
-    sums = [float(len(m)), within] + [f(x) for x in (r0, e0, r1, e1) for f in (lambda t: float(t.sum()),
-                                                                                lambda t: float((t * t).sum()))]
-    sums, _ = _over_ranks(sums, 0.0, shard)
-    n, within = max(sums[0], 1.0), sums[1]
-    var = [sums[3 + 2 * i] / n - (sums[2 + 2 * i] / n) ** 2 for i in range(4)]  # r0, e0, r1, e1
+    r0, r1 = r[rows, first], r[rows, last]
+    _, group = group_index[keep].unique(return_inverse=True)
+    group_mean = torch.zeros_like(r0).index_add_(0, group, r0) / torch.bincount(group, minlength=len(r0))
+    # per row as one masked token each: _masked_stats' (mean, variance) over every rank; the
+    # deviations from the group means average 0, so their variance is the within-group share
+    st = _masked_stats(torch.ones(len(r0), 1, device=r0.device), shard, r0=r0[:, None], e0=(r0 - v[rows, first])[:, None],
+                       r1=r1[:, None], e1=(r1 - v[rows, last])[:, None],
+                       within=(r0 - group_mean[group])[:, None])
 
-    def explained(err: float, total: float) -> float:
-        return 1.0 - err / total if total > 1e-12 else 0.0
+    def explained(err: str, total: str) -> float:
+        return 1.0 - st[err][1] / st[total][1] if st[total][1] > 1e-12 else 0.0
 
-    return {"critic/vf_explained_var_first": explained(var[1], var[0]),
-            "critic/vf_explained_var_last": explained(var[3], var[2]),
-            "critic/prompt_explained_var": explained(within / n, var[0])}
+    return {"critic/vf_explained_var_first": explained("e0", "r0"),
+            "critic/vf_explained_var_last": explained("e1", "r1"),
+            "critic/prompt_explained_var": explained("within", "r0")}
 
 
 def _with_critic(batch: Batch, rewards: torch.Tensor, mask: torch.Tensor, critic: Any, algorithm: Any,

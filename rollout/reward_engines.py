@@ -95,12 +95,12 @@ class RewardEngines:
         """Start again, at the same address, every engine this run started that has died (a judge
         killed or crashed mid-run would otherwise fail every later trajectory's score), and wait until
         each serves; the agents' clients reconnect on their own. The ids of those restarted."""
+        with self._lock:
+            return [] if self._stop.is_set() else self._revive_locked()
+
+    def _revive_locked(self) -> list[str]:
         from rollout.bus.launcher import read_endpoints
 
-        with self._lock:
-            return [] if self._stop.is_set() else self._revive_locked(read_endpoints)
-
-    def _revive_locked(self, read_endpoints: Callable[..., Any]) -> list[str]:
         dead = [i for i, p in enumerate(self.procs) if p.poll() is not None]
         for i in dead:
             eid = f"reward{i}"
