@@ -21,6 +21,47 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+WARM = Path(__file__).resolve().parent / "warm"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Warm starts (tests/warm/zygote.py): one interpreter per test process imports torch and
+    transformers once and forks the repository's heavy programs the tests start. Off with
+    SWITCHYARD_WARM_START=0; not in xdist's controller, which runs no test."""
+    config = session.config
+    if os.environ.get("SWITCHYARD_WARM_START", "1") == "0" or os.environ.get("SWITCHYARD_WARM"):
+        return
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    import sys
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="warm-")  # short: a unix socket's path is limited to ~107 bytes
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(WARM), os.environ.get("PYTHONPATH")) if p)
+    log = open(os.path.join(folder, "zygote.log"), "wb")
+    proc = subprocess.Popen([sys.executable, "-u", str(WARM / "zygote.py"), os.path.join(folder, "z.sock")],
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd="/")
+    os.environ["SWITCHYARD_WARM"] = os.path.join(folder, "z.sock")  # used once it exists; cold until then
+    os.environ["SWITCHYARD_WARM_PYTHON"] = sys.executable
+    config._warm = (proc, folder)  # type: ignore[attr-defined]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    warm = getattr(session.config, "_warm", None)
+    if warm:
+        import shutil
+
+        proc, folder = warm
+        proc.kill()  # its children left over go with it (PR_SET_PDEATHSIG)
+        proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _cold_start(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`@pytest.mark.cold`: the test looks at process trees, so its processes start the ordinary way."""
+    if request.node.get_closest_marker("cold"):
+        monkeypatch.delenv("SWITCHYARD_WARM", raising=False)
 
 
 @pytest.fixture(scope="session")

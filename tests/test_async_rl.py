@@ -68,6 +68,7 @@ def test_staleness_0_is_the_synchronous_loop(tmp_path: Path):
     assert all(r["time/engine_busy_in_update"] < 0.05 for r in rows)  # rollout waits for the update
 
 
+@pytest.mark.cold  # reads the process tree
 def test_kill_9_under_staleness_1_loses_and_repeats_no_row(tmp_path: Path):
     out = tmp_path / "run"
     args = [*ASYNC, "trainer.steps=6", f"trainer.output_dir={out}"]

@@ -92,6 +92,7 @@ def test_state_round_trip_continues_the_same_order():
         CurriculumStream(_rows(), cfg, seed=2).load_state_dict(a.state_dict())
 
 
+@pytest.mark.cold  # reads the process tree
 @needs_gsm8k
 def test_kill_9_resumes_the_schedule_where_it_was(tmp_path: Path):
     import psutil

@@ -279,6 +279,7 @@ def test_in_process_workers_pad_and_flag_failed_trajectories(servers):
         assert len(server_log(srv.request_logs)) == 6
 
 
+@pytest.mark.cold  # reads the process tree
 def test_workers_exit_when_their_trainer_is_killed_while_they_start(tmp_path):
     """The trainer is killed with -9 while its agent workers wait for engines that never answer:
     the workers notice their parent is gone and exit (they would otherwise wait ready_timeout_s)."""

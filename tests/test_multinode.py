@@ -77,6 +77,7 @@ def _wait_for(predicate, procs, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.cold  # reads the process tree
 def test_two_nodes_serve_every_step_and_resume_after_kill_9(tmp_path: Path):
     out = tmp_path / "run"
     # the SFT warm-up moves the actors away from the engines' base weights (~5e-4 in logprobs), so a

@@ -113,6 +113,7 @@ def test_a_judge_engine_killed_mid_request_is_restarted_and_serves_the_request_i
     assert engines.procs == []  # stopped, and not restarted by the watcher
 
 
+@pytest.mark.cold  # reads the process tree
 def test_a_judge_killed_mid_run_is_restarted_within_a_step_through_train_py(tmp_path: Path):
     """launch/train.py with a judge on an engine of its own (the echo engine standing in for its model):
     the judge's engine killed with -9 once step 1 is logged is started again at once (not at the next

@@ -175,6 +175,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.cold  # reads the process tree
 def test_kill_9_mid_step_resumes_exactly(tmp_path: Path):
     """Killed during step 3 with step 2's checkpoint then damaged: the resume skips it, naming why, and
     continues exactly from step 1's."""
