@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train import REPO, TINY, _env, _wait_for, metrics, train  # noqa: E402
+from procs import pythonpath  # noqa: E402
 
 ASYNC = [*TINY, "rollout.max_tokens=64", "rollout.staleness=1"]
 
@@ -122,7 +123,7 @@ def _rounds_config(tmp_path: Path, staleness: int) -> Path:
 
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_dynamic_sampling_keeps_filling_batches_with_groups_that_carry_signal(tmp_path: Path, staleness: int):
-    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "benchmarks")])}
+    env = {**_env(), "PYTHONPATH": pythonpath(REPO, REPO / "benchmarks")}
     proc = subprocess.run([sys.executable, "launch/train.py", str(_rounds_config(tmp_path, staleness))], cwd=REPO,
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]

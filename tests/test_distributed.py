@@ -19,6 +19,7 @@ from engines.training.losses import LossConfig
 from engines.training.config import ActorConfig
 from engines.training.reference import TorchReference
 from engines.training.torch_actor import TorchActor
+from procs import pythonpath
 
 REPO = Path(__file__).resolve().parents[1]
 needs_deepspeed = pytest.mark.skipif(
@@ -28,7 +29,7 @@ needs_deepspeed = pytest.mark.skipif(
 
 def torchrun(args: list[str], timeout: int = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
-    full = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    full = {**os.environ, "PYTHONPATH": pythonpath(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc

@@ -28,6 +28,7 @@ from engines.training.config import ActorConfig, LoraConfig  # noqa: E402
 from engines.training.losses import LossConfig  # noqa: E402
 from engines.training.reference import AdapterOffReference, TorchReference  # noqa: E402
 from engines.training.torch_actor import TorchActor  # noqa: E402
+from procs import pythonpath  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PEFT_NAME = r"^base_model\.model\.model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.lora_[AB]\.weight$"
@@ -224,7 +225,7 @@ def test_fsdp_over_two_ranks_equals_one_process(tiny: str, tmp_path: Path):
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "tests/dist_lora.py", tiny, str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     got = torch.load(tmp_path / "lora.pt")

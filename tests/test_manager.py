@@ -23,6 +23,7 @@ from agent.tools import BaseTool, ToolResponse
 from engines.training.batch import Batch, pad_outputs
 from rollout.manager import AgentLoopManager, ManagerConfig, WorkerCrashed
 from tool_model import CALCULATOR_SCHEMA, gsm8k_rows
+from procs import pythonpath
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 needs_gsm8k = pytest.mark.skipif(not (GSM8K / "test.jsonl").exists(), reason=f"GSM8K jsonl not found in {GSM8K}")
@@ -295,7 +296,7 @@ def test_workers_exit_when_their_trainer_is_killed_while_they_start(tmp_path):
         f"    cfg = ManagerConfig(addresses=['ipc://{tmp_path}/nobody.sock'], tokenizer='tiny-llama', num_workers=2,\n"
         "                        ready_timeout_s=900, progress=False)\n"
         "    AgentLoopManager(cfg).start()\n")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, str(script)], env=env, start_new_session=True)
     workers: list[psutil.Process] = []
     try:

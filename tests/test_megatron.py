@@ -22,6 +22,7 @@ from engines.training.losses import LossConfig  # noqa: E402
 from engines.training.config import ActorConfig  # noqa: E402
 from engines.training.torch_actor import TorchActor  # noqa: E402
 from parallel.reshard import DecoderLayout, hf_to_megatron, megatron_to_hf  # noqa: E402
+from procs import pythonpath  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,7 +90,7 @@ def _run_worker(model: Path, out: Path, tp: int, pp: int, address: str) -> dict:
     n = tp * pp
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
            "tests/megatron_worker.py", str(model), str(out), str(tp), str(pp), address]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return torch.load(out / "result.pt", weights_only=False)
@@ -176,7 +177,7 @@ def test_trainer_with_megatron_tp2_runs_and_resumes(tmp_path: Path, dtype: str):
             "actor.trainable=[]", "reference.backend=deepspeed", "algorithm.loss.kl_coef=0.01",
             f"trainer.output_dir={out}"]
     # the process group as a GPU run builds it, a backend per device type (gloo standing in for NCCL)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+    env = {**os.environ, "PYTHONPATH": pythonpath(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "SWITCHYARD_PG_BACKEND": "cpu:gloo,cuda:gloo"}
     run = lambda steps: subprocess.run(  # noqa: E731
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args,
@@ -250,7 +251,7 @@ def test_megatron_tp2_with_optimizer_sharded_over_dp2_matches_replicated(tmp_pat
     model = resolve_model("tiny-llama")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "tests/megatron_zero1.py", str(model), str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     got = torch.load(tmp_path / "zero1_0.pt")

@@ -23,6 +23,7 @@ from agent.tool_agent import ToolAgentLoop
 from agent.tools.chart import BarChartTool
 from test_tool_agent import _server_log, check_against_server
 from vlm_agent import SHORT_REPLIES
+from procs import pythonpath
 
 SERVER = str(Path(__file__).parent / "fixtures" / "mcp_server.py")
 CHART_SCHEMA = {"type": "function", "function": {
@@ -220,7 +221,7 @@ def test_two_fsdp_ranks_train_a_vlm_with_the_images_handed_to_both(tmp_path: Pat
            "rollout.agent_loops.vlm_tool_agent=vlm_agent.ShortReplyToolAgent",
            "rollout.agent.vlm_tool_agent.tool_parser=vlm_agent.CallEveryTool",
            "rollout.agent.vlm_tool_agent.max_assistant_turns=2", f"trainer.output_dir={out}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(Path(__file__).parent)]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(repo, Path(__file__).parent), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     m = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]

@@ -12,6 +12,7 @@ from engines.models import load_tokenizer, tiny_llama
 from rollout.bus.client import GenerateClient
 from rollout.weights.codec import bucket_by_size, slot_bucket, tensor_from_raw, tensor_to_raw
 from rollout.weights.bus import push_weights
+from procs import pythonpath
 
 
 def test_buckets_flush_before_the_tensor_that_would_overflow():
@@ -186,7 +187,7 @@ def test_broadcast_to_an_in_process_engine_verifies_and_commits_all_or_nothing(t
     model = str(resolve_model("tiny-llama"))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "tests/dist_weights.py", model, str(tmp_path)], cwd=repo, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+                          timeout=600, env={**os.environ, "PYTHONPATH": pythonpath(repo), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-5000:]
     sender, receiver = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert sender["buckets"] > 1  # size-bounded buckets, not one blob
@@ -209,7 +210,7 @@ def test_collective_relay_loads_both_nodes_and_commits_all_or_nothing(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "tests/dist_relay.py", str(tmp_path)], cwd=repo, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+                          timeout=600, env={**os.environ, "PYTHONPATH": pythonpath(repo), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"relay{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
