@@ -27,7 +27,8 @@ WARM = Path(__file__).resolve().parent / "warm"
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Warm starts (tests/warm/zygote.py): one interpreter per test process imports torch and
     transformers once and forks the repository's heavy programs the tests start. Off with
-    SWITCHYARD_WARM_START=0; not in xdist's controller, which runs no test."""
+    SWITCHYARD_WARM_START=0; not in xdist's controller, which runs no test. SWITCHYARD_WARM_LOGS=DIR
+    keeps a log of which programs started warm and why others did not."""
     config = session.config
     if os.environ.get("SWITCHYARD_WARM_START", "1") == "0" or os.environ.get("SWITCHYARD_WARM"):
         return
@@ -54,6 +55,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         proc, folder = warm
         proc.kill()  # its children left over go with it (PR_SET_PDEATHSIG)
         proc.wait()
+        keep = os.environ.get("SWITCHYARD_WARM_LOGS")  # a folder: the log of each start, warm or cold and why
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            shutil.copy(os.path.join(folder, "zygote.log"), os.path.join(keep, f"{os.path.basename(folder)}.log"))
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -134,8 +134,12 @@ IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "TORCH", "PYT
                "SAFETENSORS", "NUMPY", "ZMQ", "DS_", "PEFT")
 
 
-# read when used, not at import: torchrun's worker settings, and what the imports set themselves
-RUNTIME = ("TORCHELASTIC_", "TORCH_NCCL_", "PYTORCH_NVML_BASED_CUDA_CHECK")
+# not read while importing what preload() imports: torchrun's worker settings, inductor's compile
+# settings (read when it compiles), and LD_PRELOAD / LD_LIBRARY_PATH, which a fork cannot honour (no
+# exec); in the suite the latter come from vLLM, which sets them in the test process that imports it,
+# for its own engine processes (those start cold: they are vLLM's)
+RUNTIME = ("TORCHELASTIC_", "TORCH_NCCL_", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_", "LD_PRELOAD",
+           "LD_LIBRARY_PATH")
 
 
 def _relevant(env: dict) -> dict:
