@@ -11,7 +11,8 @@ import sys
 
 # the programs that import torch and transformers first thing (the rest start fast anyway, and some
 # tests look at their process trees)
-SCRIPTS = ("launch/*.py", "benchmarks/*.py", "tests/fidelity_run.py", "tests/dist_*.py", "tests/megatron_*.py")
+SCRIPTS = ("launch/*.py", "benchmarks/*.py", "tests/fidelity_run.py", "tests/dist_*.py", "tests/megatron_*.py",
+           "tests/warm/child.py")
 MODULES = ("rollout.bus.server", "rollout.service", "launch.*")
 
 
