@@ -144,6 +144,7 @@ def test_gateway_overhead_small_run(tmp_path):
         assert all(v["req_s"] > 0 and v["p50_ms"] > 0 for v in report[c].values())
 
 
+@pytest.mark.cold  # measures the memory of the process trees it starts
 def test_vs_trl_small_run(tmp_path):
     """TRL (its venv made once in the cache) and switchyard, one short round each on tiny-llama."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -171,6 +172,7 @@ def test_vs_trl_small_run(tmp_path):
     assert pair["switchyard"]["tokens_computed"] < off["tokens_computed"]  # the default packs each group's prompt once
 
 
+@pytest.mark.cold  # measures the memory of the process trees it starts
 def test_soak_small_run(tmp_path):
     pytest.importorskip("aiohttp")
     last, report = _run("benchmarks/soak.py", ["--quick", "--steps", "8", "--requests", "96", "--clients", "4",

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 from safetensors.torch import load_file
 
 from engines.models import resolve_model
@@ -28,6 +29,7 @@ def _weights_mb(model_dir: Path) -> float:
     return sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
 
 
+@pytest.mark.cold  # reads the engine process's memory
 def test_sleep_frees_the_weights_and_wake_plus_sync_restores_identical_outputs(servers):
     model_dir = resolve_model("tiny-llama")
     srv = servers(1, model="tiny-llama")

@@ -46,7 +46,14 @@ def test_a_warm_program_gets_what_python_would_give_it_and_exits_as_it_did():
     assert proc.wait(30) == 3 and proc.stderr.read() == "to stderr\n"
     assert seen["warm"] and seen["pid"] != proc.pid, seen  # forked, not the stand-in
     assert seen == {**seen, "ppid": os.getpid(), "argv": [CHILD, "3"], "cwd": str(REPO), "stdin": "hello",
-                    "env": "x1"}
+                    "env": "x1", "file": str(REPO / CHILD)}
+
+
+def test_multiprocessing_spawn_from_a_warm_program_finds_its_main_file():
+    proc = start("spawn")
+    assert report(proc)["warm"]
+    assert proc.stdout.readline() == "spawned from child.py\n"
+    assert proc.wait(60) == 0, proc.stderr.read()
 
 
 def test_signals_reach_the_program_and_kill_9_of_the_stand_in_takes_it_along():

@@ -205,6 +205,8 @@ def _become(conn: socket.socket, fds: list[int], request: dict) -> None:
     import tempfile
 
     tempfile.tempdir = None  # read TMPDIR again
+    if "multiprocessing.process" in sys.modules:  # where spawn's children resolve relative paths from
+        sys.modules["multiprocessing.process"].ORIGINAL_DIR = request["cwd"]
     import numpy
     import torch
 
@@ -240,7 +242,7 @@ def _run(request: dict) -> int:
         if request["module"]:
             runpy._run_module_as_main(request["module"], alter_argv=True)
         else:
-            runpy.run_path(request["script"], run_name="__main__")
+            _run_script(request["script"])
     except SystemExit as e:
         code = _exit_code(e.code)
     except KeyboardInterrupt:
@@ -263,6 +265,21 @@ def _run(request: dict) -> int:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
+
+
+def _run_script(script: str) -> None:
+    """As `python SCRIPT` runs it: a `__main__` module whose `__file__` is the absolute path (what
+    multiprocessing's spawn re-imports in its children), argv[0] as given."""
+    import builtins
+    import types
+
+    path = os.path.abspath(script)
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec")
+    main = types.ModuleType("__main__")
+    main.__file__, main.__builtins__, main.__spec__ = path, builtins, None
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
 
 
 def _exit_code(code: object) -> int:
