@@ -17,6 +17,7 @@ import zmq
 from rollout.bus import protocol as P
 from rollout.bus.launcher import read_endpoints
 from rollout.bus.server import MAX_GATED_PER_PEER
+from procs import pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = int(os.environ.get("SWITCHYARD_STOP_RUNS", "4"))  # the acceptance check runs 20
@@ -54,7 +55,7 @@ def _stop_once(tmp: Path, i: int, asleep: bool) -> tuple[float | None, int | Non
     """Seconds from SIGTERM until the server process exited (None: still running after the bound),
     and its exit code."""
     addr, endpoint_file = f"ipc://{tmp}/s{i}.sock", tmp / f"s{i}.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env = {**os.environ, "PYTHONPATH": pythonpath(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "rollout.bus.server", "--backend", "echo", "--model", "echo",
                              "--address", addr, "--endpoint-file", str(endpoint_file), "--gate-timeout-s", "600",
                              "--peer-timeout-s", str(PEER_TIMEOUT_S)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)

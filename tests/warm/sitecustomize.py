@@ -48,6 +48,7 @@ def _stand_in(address: str) -> None:
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
     target = _target(repo)
+    # vLLM and SGLang set up their own processes (engine cores, env for them): those start as they would
     if target is None or any("vllm" in a or "sglang" in a for a in sys.argv):
         return
     script, module = target
@@ -82,9 +83,7 @@ def _stand_in(address: str) -> None:
     except OSError:
         answer = []
     if len(answer) != 2 or answer[0] != "pid":  # refused (environment differs) or failed: run cold
-        sock.close()
-        if os.environ.get("SWITCHYARD_WARM_DEBUG"):
-            print(f"warm start refused: {' '.join(answer) or 'no answer'}", file=sys.stderr)
+        sock.close()  # the zygote's log says why (SWITCHYARD_WARM_LOGS)
         return
     sock.settimeout(None)
     child = int(answer[1])

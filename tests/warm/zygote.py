@@ -27,7 +27,6 @@ answers `pid N` once forked and `exit STATUS` (os.waitpid's status) when the chi
 
 from __future__ import annotations
 
-import array
 import atexit
 import json
 import os
@@ -39,7 +38,7 @@ import threading
 import traceback
 
 MAX_FDS = 250
-BEFORE: dict[str, str] = {}  # the environment the imports were made in
+BEFORE: dict[str, str] = {}  # the environment the imports were made in (its import-time part)
 ADDED: dict[str, str] = {}
 
 
@@ -60,9 +59,10 @@ def preload() -> None:
 
 def serve(path: str) -> None:
     global BEFORE, ADDED
-    BEFORE = dict(os.environ)
+    before = dict(os.environ)
     preload()
-    ADDED = {k: v for k, v in os.environ.items() if k not in BEFORE}  # set by the imports themselves
+    ADDED = {k: v for k, v in os.environ.items() if k not in before}  # set by the imports themselves
+    BEFORE = _relevant(before)
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
         raise SystemExit(f"warm start: the preloaded imports started threads ({threading.enumerate()}); "
                          "forking would copy held locks")
@@ -106,8 +106,8 @@ def _start(listener: socket.socket, conn: socket.socket) -> int:
         data += more
     conn.settimeout(None)
     request = json.loads(data)
-    theirs, ours = _relevant(request["env"]), _relevant(BEFORE)
-    differs = sorted(k for k in {*theirs, *ours} if theirs.get(k) != ours.get(k))
+    theirs = _relevant(request["env"])
+    differs = sorted(k for k in {*theirs, *BEFORE} if theirs.get(k) != BEFORE.get(k))
     if differs:  # read at import time by what is preloaded: this program must import it itself
         for fd in fds:
             os.close(fd)
