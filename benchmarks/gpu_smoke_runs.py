@@ -239,14 +239,20 @@ def check_recipes(ctx: Ctx) -> dict[str, Any]:
         raise Skip("the recipes are GPU layouts (colocated vLLM, FSDP2 over 8 GPUs, Megatron TP 2, Slurm); on CPU "
                    "their plans are checked in CI (tests/test_plan.py) and the demo's own run (tests/test_train.py)")
     out: dict[str, Any] = {}
-    for recipe in sorted((REPO / "launch" / "configs" / "recipes").glob("*.yaml")):
+    # $SMOKE_RECIPES: a glob of the recipes to run (a rerun of the ones that failed), all by default
+    for recipe in sorted((REPO / "launch" / "configs" / "recipes").glob(os.environ.get("SMOKE_RECIPES") or "*.yaml")):
         cfg = yaml.safe_load(recipe.read_text())
         engine = (cfg.get("rollout") or {}).get("engine", "vllm")
         actor = cfg.get("actor") or {}
-        extra = ["rollout.placement=auto", "rollout.num_engines=1", "rollout.engine_options={}", "actor.tp=1",
+        staleness = min(1, int((cfg.get("rollout") or {}).get("staleness", 0)))
+        # rollout that runs on during the update needs engines of their own: on a one-GPU machine, its cores
+        placement = "cpu" if staleness and torch.cuda.device_count() < 2 else "auto"
+        extra = [f"rollout.placement={placement}", "rollout.num_engines=1", "rollout.engine_options={}", "actor.tp=1",
                  "actor.pp=1", "actor.micro_batch_size=4", "actor.ppo_mini_batch_size=0", "actor.trainable=[]",
-                 "rollout.staleness=" + str(min(1, int((cfg.get("rollout") or {}).get("staleness", 0)))),
+                 f"rollout.staleness={staleness}",
                  "actor.sharding=" + ("none" if actor.get("backend", "torch") == "torch" else "optimizer")]
+        if placement == "cpu":
+            extra.append("rollout.engine_options.device=cuda")  # the engine's process on the GPU beside the trainer
         train = (cfg.get("data") or {}).get("train_path")
         if train and not (REPO / train).is_file():
             found = next((f for f in GSM8K_TRAIN if f.is_file()), None)
@@ -259,12 +265,14 @@ def check_recipes(ctx: Ctx) -> dict[str, Any]:
         try:
             steps, wall, _ = _train(ctx, f"recipe_{recipe.stem}", extra, 2, config=str(recipe))
             out[recipe.stem] = {"status": "ok", "engine": f"hf (the recipe's {engine} is not in the image)"
-                                if engine in RECIPE_SWAPS else engine, **_steps(steps, wall, [])}
+                                if engine in RECIPE_SWAPS else engine, "placement": placement, **_steps(steps, wall, [])}
             out[recipe.stem].pop("args", None)
         except Exception as e:  # one recipe's failure never hides the others'
             out[recipe.stem] = {"status": "failed", "error": f"{type(e).__name__}: {e}"[-2000:]}
         out[recipe.stem]["seconds"] = round(time.perf_counter() - t0, 1)
         print(f"[gpu_smoke] recipes: {recipe.stem}: {out[recipe.stem]['status']}", file=sys.stderr, flush=True)
+    if not out:
+        raise AssertionError(f"no recipe in launch/configs/recipes matches SMOKE_RECIPES={os.environ['SMOKE_RECIPES']!r}")
     failed = [k for k, v in out.items() if v["status"] == "failed"]
     if failed:
         raise AssertionError(f"recipes failed on one GPU: {failed}: {json.dumps(out, default=str)[:3000]}")

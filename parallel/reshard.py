@@ -232,6 +232,10 @@ def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
     return dict(iter_megatron_to_hf(shards, lay, tp, pp))
 
 
+# the dtypes a stage's tensor can have when it travels to the rank that gathers the model (`iter_hf_weights`)
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def iter_hf_weights(local: Mapping[str, torch.Tensor], lay: DecoderLayout, tp_group: "dist.ProcessGroup | None",
                     tp_rank: int, tp: int, pp_rank: int, pp: int, stage_leader: Callable[[int], int],
                     dst: int, rank: int, skip: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -261,10 +265,12 @@ def iter_hf_weights(local: Mapping[str, torch.Tensor], lay: DecoderLayout, tp_gr
             if tp_rank == 0:
                 full = from_gathered(item, parts, lay).contiguous()
         if rank == dst:
-            if full is None:  # owned by another stage: receive it
-                dtype = next(iter(local.values())).dtype
-                full = recv_tensor(tuple(item.shape), dtype, leader, next(iter(local.values())).device)
+            if full is None:  # owned by another stage: its dtype first (bf16 weights beside fp32 norms), then it
+                code = recv_tensor((1,), torch.int64, leader, "cpu")
+                device = next(iter(local.values())).device
+                full = recv_tensor(tuple(item.shape), WIRE_DTYPES[int(code)], leader, device)
             yield item.name, full
         elif rank == leader and full is not None:
+            send_tensor(torch.tensor([WIRE_DTYPES.index(full.dtype)]), dst)
             send_tensor(full, dst)
 

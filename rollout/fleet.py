@@ -66,10 +66,24 @@ def bind_host(configured: str | None) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-def resolve_placement(mode: str) -> str:
-    if mode == "auto":
-        return "colocated" if torch.cuda.is_available() else "cpu"
-    return mode
+def resolve_placement(mode: str, staleness: int = 0) -> str:
+    """`rollout.placement` with `auto` decided: on GPUs colocated, or split where rollout runs on during
+    the update (`staleness` > 0: colocated engines sleep through it) and the node has GPUs past its
+    training ranks; on a CPU-only machine the cores. A GPU node left with none for such engines is an
+    error naming the fixes, raised before any model loads."""
+    if mode != "auto":
+        return mode
+    if not torch.cuda.is_available():
+        return "cpu"
+    if staleness <= 0:
+        return "colocated"
+    gpus, training = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if gpus > training:
+        return "split"
+    raise ValueError(f"rollout.staleness={staleness} needs engines that generate during the update, and all {gpus} "
+                     f"GPU(s) of this node train ({training} rank(s)): start fewer ranks so engines get GPUs of their "
+                     f"own (rollout.placement=split), put the engines on the CPU (rollout.placement=cpu), or set "
+                     f"rollout.staleness=0")
 
 
 class EngineFleet:
@@ -79,7 +93,7 @@ class EngineFleet:
         self.dp_rank, self.adapter_rank = dp_rank, adapter_rank
         self.replica_of: list[int] = [dp_rank]  # every rank's data-parallel replica (start)
         self.node, self.nodes, self.local_rank = node_topology()
-        self.placement = resolve_placement(cfg.placement)
+        self.placement = resolve_placement(cfg.placement, cfg.staleness)
         self.sleeps = self.placement == "colocated"
         self.procs: list[Any] = []
         self.engines: list[EngineInfo] = []

@@ -85,3 +85,23 @@ def test_colocated_training_run_sleeps_engines_through_the_update(tmp_path: Path
         assert r["engine/engine0/rss_mb"] > r["engine/engine0/rss_asleep_mb"], r
         assert r["engine/engine0/requests"] == 4 and r["engine/engine0/weight_version"] == r["weight_version"] - 1
         assert r["drift/mean"] < 1e-3  # the engine serves the synced weights, not the placeholders
+
+
+def test_auto_placement_follows_staleness_and_the_gpus_left(monkeypatch):
+    """`auto`: colocated on GPUs, split when rollout runs on during the update and GPUs are left past the
+    training ranks, refused (naming the fixes) when none are: an H200 run of the async recipe on one GPU
+    loaded its engine first and failed only at its first rollout. The GPU count is the stand-in here."""
+    import torch
+
+    from rollout.fleet import resolve_placement
+
+    if not torch.cuda.is_available():
+        assert resolve_placement("auto", 1) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert resolve_placement("auto", 0) == "colocated" and resolve_placement("auto", 1) == "split"
+    assert resolve_placement("colocated", 0) == "colocated" and resolve_placement("cpu", 2) == "cpu"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match=r"staleness=1 .* all 8 GPU.*placement=split.*placement=cpu.*staleness=0"):
+        resolve_placement("auto", 1)

@@ -166,14 +166,16 @@ def ref_tok(model: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_trainer_with_megatron_tp2_runs_and_resumes(tmp_path: Path, dtype: str):
+@pytest.mark.parametrize("dtype, tp, pp", [("float32", 2, 1), ("bfloat16", 1, 2)])
+def test_trainer_with_megatron_runs_and_resumes(tmp_path: Path, dtype: str, tp: int, pp: int):
     """bfloat16: bf16 parameters with fp32 main weights and grads, which the checkpoint keeps; that
-    run also resumes (the fp32 one would resume through the same code, without the main weights)."""
+    run also resumes (the fp32 one would resume through the same code, without the main weights).
+    It runs PP 2: the weight sync gathers the second stage's tensors to rank 0, whose dtypes (bf16
+    weights, fp32 norms) are not the receiving stage's first tensor's (an H200 run failed there)."""
     out = tmp_path / "run"
     args = ["launch/train.py", "model.path=tiny-llama", "data.val_path=null", f"model.dtype={dtype}", "rollout.engine=hf",
             "data.prompts_per_step=2", "rollout.n=2",
-            "rollout.max_tokens=24", "sft.steps=2", "sft.batch_size=4", "actor.backend=megatron", "actor.tp=2",
+            "rollout.max_tokens=24", "sft.steps=2", "sft.batch_size=4", "actor.backend=megatron", f"actor.tp={tp}", f"actor.pp={pp}",
             "actor.trainable=[]", "reference.backend=deepspeed", "algorithm.loss.kl_coef=0.01",
             f"trainer.output_dir={out}"]
     # the process group as a GPU run builds it, a backend per device type (gloo standing in for NCCL)
@@ -184,7 +186,7 @@ def test_trainer_with_megatron_tp2_runs_and_resumes(tmp_path: Path, dtype: str):
          f"trainer.steps={steps}"], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     first = run(2)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-6000:]
-    assert "TP 2 x PP 1 x DP 1" in first.stdout
+    assert f"TP {tp} x PP {pp} x DP 1" in first.stdout
     assert ("fp32 main weights" in first.stdout) == (dtype == "bfloat16")
     shard = torch.load(out / "checkpoints" / "step_000002" / "shard_rank0.pt", weights_only=False)
     assert getattr(torch, dtype) in {t.dtype for t in shard["model"].values() if isinstance(t, torch.Tensor)}
