@@ -37,6 +37,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     import sys
     import tempfile
 
+    if os.environ.get("HF_HUB_OFFLINE") == "1":  # its older twin, which gpu_smoke.sh sets: the same at import
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")  # time, so its programs start warm too
     folder = tempfile.mkdtemp(prefix="warm-")  # short: a unix socket's path is limited to ~107 bytes
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(WARM), os.environ.get("PYTHONPATH")) if p)
     log = open(os.path.join(folder, "zygote.log"), "wb")

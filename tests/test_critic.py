@@ -107,6 +107,28 @@ def test_the_critic_starts_at_zero_learns_toward_returns_and_round_trips(tiny_ll
         "model.norm.weight", "lm_head.weight", "lm_head.bias"}  # the value head trains whatever the regexes say
 
 
+def test_the_value_heads_own_learning_rate_survives_every_lr_update(tiny_llama: str):
+    """`critic.head_lr_scale`: the head's group keeps its multiple through the schedule's `set_lr` on
+    each update (which once set one rate on every group, so a head rate of its own never applied)."""
+    from engines.training.config import ActorConfig, CriticConfig
+    from engines.training.critic import make_critic
+
+    batch = make_batch(1000, n=4)
+    critic = make_critic(CriticConfig(lr=1e-3, head_lr_scale=50.0, micro_batch_size=4, value_clip=0.0), ActorConfig(),
+                         tiny_llama, progress=False)
+    head = {id(p) for p in critic.module.lm_head.parameters()}
+    groups = critic.optimizer.param_groups
+    assert [{id(p) for p in g["params"]} == head for g in groups] == [False, True]
+    returns = torch.where(batch.loss_mask.bool(), 1.0, 0.0)
+    critic.update_values(batch, returns, critic.compute_values(batch))
+    critic.set_lr(2e-4)
+    assert [g["lr"] for g in groups] == pytest.approx([2e-4, 1e-2])
+    plain = make_critic(CriticConfig(), ActorConfig(), tiny_llama, progress=False)
+    assert len(plain.optimizer.param_groups) == 1  # checkpoints of one group still load
+    with pytest.raises(ValueError, match=r"critic.head_lr_scale=0"):
+        CriticConfig(head_lr_scale=0)
+
+
 def test_the_critic_learns_which_row_returns_what_not_only_the_mean(tiny_llama: str):
     """Explained variance (as `critic/vf_explained_var` computes it) on a batch whose rows have
     targets of their own: a critic that only learned the mean return would stay at 0."""

@@ -179,9 +179,10 @@ class ActorBase:
         return self._lr
 
     def set_lr(self, lr: float) -> None:
+        """The learning rate of every parameter group, each times its own `lr_scale` (a critic's value head)."""
         self._lr = float(lr)
         for g in self.optimizer.param_groups:
-            g["lr"] = self._lr
+            g["lr"] = self._lr * g.get("lr_scale", 1.0)
 
     def _autocast(self) -> Any:
         if self.compute_dtype == torch.float32:

@@ -187,8 +187,13 @@ class CriticConfig(UpdateConfig):
     # and a sparse outcome reward fades (lam^k) over a long response before reaching its early tokens
     # (decoupled GAE, VC-PPO arXiv 2503.01491)
     lam: float = 1.0
+    # the value head's learning rate over critic.lr: the head starts at zero on a trained body
+    head_lr_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        if not self.head_lr_scale > 0:
+            raise ValueError(f"critic.head_lr_scale={self.head_lr_scale} must be > 0 (the value head's learning rate "
+                             f"over critic.lr; 1 = the same)")
         if self.value_clip < 0:
             raise ValueError(f"critic.value_clip={self.value_clip} must be >= 0 (0 = no value clipping)")
         if self.value_warmup_steps < 0:

@@ -51,6 +51,16 @@ class Critic(TorchActor):
                 cfg.final_logit_softcapping = None  # a value is unbounded, not a squashed logit
         super()._prepare(module)
 
+    def _param_groups(self) -> list[dict[str, Any]]:
+        """The value head apart when `critic.head_lr_scale` != 1: it starts at zero and is the only part
+        that is new, while the body comes trained; one rate for both moves the head too slowly to follow."""
+        scale = self.critic_cfg.head_lr_scale
+        head = {id(p) for p in self.module.lm_head.parameters()}
+        if scale == 1.0 or not head:
+            return super()._param_groups()
+        return [{"params": [p for p in self.params if id(p) not in head]},
+                {"params": [p for p in self.params if id(p) in head], "lr_scale": scale, "lr": self.cfg.lr * scale}]
+
     def _score(self, model: torch.nn.Module, mb: MicroBatch, temperature: float,
                want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[b, k] values of the states before `mb.targets` (0 where `target_mask` is False)."""

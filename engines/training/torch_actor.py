@@ -74,7 +74,11 @@ class TorchActor(ActorBase):
 
             self.model = DistributedDataParallel(self.module, device_ids=[self.device] if self.device.type == "cuda"
                                                  else None)
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(self._param_groups(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def _param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups: one; a group with an `lr_scale` gets `set_lr`'s rate times it."""
+        return [{"params": self.params}]
 
     def _prepare(self, module: torch.nn.Module) -> None:
         """The attention kernel, activation checkpointing and the trainable subset, set before any wrapping."""
