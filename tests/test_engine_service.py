@@ -49,6 +49,7 @@ def _versions(addresses: list[str], keys: BusKeys) -> list[int]:
     return asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_run_attaches_to_engines_it_did_not_start_and_survives_a_restart(tmp_path: Path):
     keys_file = tmp_path / "keys.json"
     made = subprocess.run([sys.executable, "-m", "rollout.service", "keys", str(keys_file)], cwd=REPO,

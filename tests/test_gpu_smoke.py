@@ -42,6 +42,7 @@ def failures(report: dict[str, Any]) -> str:
                      if c["status"] == "failed")
 
 
+@pytest.mark.slow
 def test_every_check_runs_on_cpu_or_says_why_not(tmp_path: Path) -> None:
     proc, report = smoke(["--device", "cpu", "--model", "tiny-llama", "--quick"], tmp_path / "gpu_smoke.json", 600)
     checks = report["checks"]
