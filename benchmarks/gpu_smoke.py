@@ -14,7 +14,8 @@
                when world > 1, so the suite takes its FSDP2 branch by hand), bf16 compute, fp32 masters:
                two update steps; loss, grad norm, step seconds, peak memory
   shared_prefix the same update with actor.shared_prefix off and on (alternated) on groups sharing a prompt,
-               at two shares of shared tokens: seconds of each, tokens computed, packed vs unpacked logprobs
+               at two shares of shared tokens: seconds of each, tokens computed, packed vs unpacked logprobs;
+               on CUDA also packed under flex attention (the tree as a block mask)
   drift        the bf16 engine's sampled tokens and logprobs against the bf16 FSDP2 actor's (and fp32's)
   grpo_run     launch/train.py, 3 GRPO steps with the hf engine on the model; metrics.jsonl parsed
   megatron_run the same with the Megatron actor (TP 1), 2 steps (needs megatron-core; skipped without)
@@ -296,6 +297,7 @@ def headline(report: dict[str, Any]) -> dict[str, Any]:
             "fsdp_step_s": get("fsdp_actor", "step_s"), "fsdp_peak_gb": get("fsdp_actor", "peak_gb"),
             "fsdp_grad_norm": get("fsdp_actor", "grad_norm"),
             "shared_prefix_speedup": [p["speedup"] for p in get("shared_prefix", "points") or []],
+            "shared_prefix_flex_speedup": [p.get("speedup_flex") for p in get("shared_prefix", "points") or []],
             "shared_prefix_fraction": [p["shared_fraction"] for p in get("shared_prefix", "points") or []],
             "drift_bf16_mean": get("drift", "engine_vs_actor_bf16_mean"),
             "drift_bf16_max": get("drift", "engine_vs_actor_bf16_max"),

@@ -4,6 +4,7 @@ sampled tokens scored by the bf16 FSDP2 actor (drift)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -57,6 +58,12 @@ def check_fsdp_actor(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+def use(actor: Any, mode: str) -> None:
+    """`check_shared_prefix`'s modes: `actor.shared_prefix` and the attention kernel."""
+    actor.cfg.shared_prefix = "off" if mode == "off" else "on"
+    actor.module.set_attn_implementation("flex_attention" if mode == "flex" else "sdpa")
+
+
 def check_shared_prefix(ctx: Ctx) -> dict[str, Any]:
     """The FSDP2 bf16 update with `actor.shared_prefix` off and on, alternated, on groups that share their
     prompt, at two shares of shared tokens: the logprobs of the two agree, and the seconds of each."""
@@ -66,6 +73,9 @@ def check_shared_prefix(ctx: Ctx) -> dict[str, Any]:
     points = [(ctx.size(24, 1024), ctx.size(8, 128)), (ctx.size(8, 256), ctx.size(16, 256))]  # (prompt, response)
     g = torch.Generator().manual_seed(1)
     out: dict[str, Any] = {"group": group, "points": []}
+    # off: padded rows, sdpa; on: packed, sdpa with the tree mask; flex (CUDA: torch has no flex backward on
+    # CPU): packed, flex attention with the tree as a block mask
+    modes = ("off", "on", "flex") if ctx.cuda else ("off", "on")
     with one_rank_group(ctx):
         actor = fsdp2_actor(ctx, "bfloat16", lr=1e-7, micro_batch_size=group)  # a micro-batch is one group
         vocab = actor.module.config.get_text_config().vocab_size
@@ -78,28 +88,34 @@ def check_shared_prefix(ctx: Ctx) -> dict[str, Any]:
             batch = rollout_batch(data, pad_id(ctx), group)
             adv = torch.randn(len(data), generator=g)[:, None] * batch.response_mask
             mask = batch.loss_mask.bool()
-            lp, seconds, tokens = {}, {"off": [], "on": []}, {}
-            for mode in ("off", "on"):
-                actor.cfg.shared_prefix = mode
+            lp, seconds, tokens = {}, {m: [] for m in modes}, {}
+            for mode in modes:
+                use(actor, mode)
                 lp[mode] = actor.compute_logprobs(batch)[0]
                 tokens[mode] = sum(mb.tokens for mb in actor._micro_batches(batch, actor._rows_of(batch)))
-            for _ in range(ctx.size(2, 3)):  # alternated; the first pair warms both paths
-                for mode in ("off", "on"):
-                    actor.cfg.shared_prefix = mode
+            for _ in range(ctx.size(2, 3)):  # alternated; the first round warms every path (flex compiles)
+                for mode in modes:
+                    use(actor, mode)
                     t0 = time.perf_counter()
                     actor.update(batch, adv, None, None, LossConfig())
                     if ctx.cuda:
                         torch.cuda.synchronize()
                     seconds[mode].append(time.perf_counter() - t0)
-            off, on = (min(seconds[m][1:]) for m in ("off", "on"))
-            out["points"].append({"prompt": plen, "response": rlen, "shared_fraction": round(1 - tokens["on"] / tokens["off"], 4),
-                                  "tokens_off": tokens["off"], "tokens_on": tokens["on"],
-                                  "update_s_off": round(off, 4), "update_s_on": round(on, 4), "speedup": round(off / on, 3),
-                                  "logprob_max_diff": float((lp["on"] - lp["off"]).abs()[mask].max())})
-        actor.cfg.shared_prefix = "off"
+            best = {m: min(seconds[m][1:]) for m in modes}
+            point = {"prompt": plen, "response": rlen, "shared_fraction": round(1 - tokens["on"] / tokens["off"], 4),
+                     "tokens_off": tokens["off"], "tokens_on": tokens["on"],
+                     "update_s_off": round(best["off"], 4), "update_s_on": round(best["on"], 4),
+                     "speedup": round(best["off"] / best["on"], 3),
+                     "logprob_max_diff": float((lp["on"] - lp["off"]).abs()[mask].max())}
+            if "flex" in modes:
+                point.update(update_s_flex=round(best["flex"], 4), speedup_flex=round(best["off"] / best["flex"], 3),
+                             logprob_max_diff_flex=float((lp["flex"] - lp["off"]).abs()[mask].max()))
+            out["points"].append(point)
+            print(f"[gpu_smoke] shared_prefix point: {point}", file=sys.stderr, flush=True)
+        use(actor, "off")
         del actor
     free_memory(ctx)
-    worst = max(p["logprob_max_diff"] for p in out["points"])
+    worst = max(max(p["logprob_max_diff"], p.get("logprob_max_diff_flex", 0.0)) for p in out["points"])
     if not worst < BF16_LOGPROB_TOL:
         raise AssertionError(f"packed and unpacked logprobs differ by {worst:.3g} nats in bf16: {out}")
     return out

@@ -78,6 +78,29 @@ def test_packed_logprobs_and_gradients_equal_the_unpacked_ones_in_fp32(attn: str
         assert torch.allclose(g0[n], g1[n], atol=1e-5 * scale, rtol=0), (n, (g0[n] - g1[n]).abs().max())
 
 
+def test_flex_attention_takes_the_packed_mask_as_a_block_mask():
+    """Flex attention (`actor.attn_implementation=flex_attention`, for GPUs: its kernel skips the
+    blocks a query never sees) over the packed rows' block mask equals sdpa over the dense mask. The
+    model-level check and its timing are the GPU smoke suite's `shared_prefix`: torch has no flex
+    backward on CPU, and the actor says so."""
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from engines.training.config import ActorConfig
+    from engines.training.prefix import flex_block_mask
+    from engines.training.torch_actor import TorchActor
+
+    batch = _ragged_batch()
+    mb = shared_micro_batch(batch, torch.tensor([3, 0, 4, 1, 5, 2, 6, 7, 8]))
+    n = mb.input_ids.shape[1]
+    q, k, v = torch.randn(3, 1, 2, n, 8, generator=torch.Generator().manual_seed(2)).unbind(0)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mb.attention_mask)
+    got = flex_attention(q, k, v, block_mask=flex_block_mask(mb.attention_mask))
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+    with pytest.raises(ValueError, match=r"flex_attention.*CUDA.*sdpa"):
+        TorchActor(ActorConfig(attn_implementation="flex_attention"), "tiny-llama", device=torch.device("cpu"))
+
+
 def test_packed_bf16_stays_within_bf16_rounding_of_fp32():
     """bf16 autocast: packed and unpacked each differ from fp32 by bf16 rounding (8 bits of
     mantissa, ~4e-3 relative per op); the packed one must be no further from fp32 than the

@@ -16,7 +16,8 @@ from engines.training.backends import ACTORS, actor_backend, with_feature
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHARED_PREFIX = ("off", "on", "auto")  # actor.shared_prefix
-ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2")  # HF attn_implementation names; auto = the model's
+# HF attn_implementation names; auto = the model's
+ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 
 
 def compute_dtype(name: str) -> torch.dtype:
@@ -146,7 +147,8 @@ class ActorConfig(UpdateConfig):
                              f"{'|'.join(with_feature('shared_prefix'))} actor; the {self.backend} actor's own model "
                              "takes no packed attention mask: set actor.shared_prefix=off")
         if self.shared_prefix != "off" and self.attn_implementation == "flash_attention_2":
-            raise ValueError("actor.shared_prefix needs an attention that takes a packed mask (sdpa or eager); "
+            raise ValueError("actor.shared_prefix needs an attention that takes a packed mask (sdpa, eager or "
+                             "flex_attention); "
                              "flash_attention_2 takes none: set actor.attn_implementation=sdpa or actor.shared_prefix=off")
         if self.max_tokens_per_micro_batch < 0:
             raise ValueError(f"actor.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= 0 "

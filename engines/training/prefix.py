@@ -23,7 +23,7 @@ import torch
 
 from engines.training.batch import Batch, MicroBatch
 
-MASK_ATTENTION = ("sdpa", "eager")  # attention implementations that take a 4D tensor mask as it is
+MASK_ATTENTION = ("sdpa", "eager", "flex_attention")  # attention implementations that take the packed mask
 
 
 def _sequences(batch: Batch, rows: torch.Tensor) -> list[torch.Tensor]:
@@ -89,16 +89,32 @@ def shared_micro_batch(batch: Batch, rows: torch.Tensor,
                       target_at=target_at)
 
 
-def model_mask(model: Any, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def model_mask(model: Any, mask: torch.Tensor, dtype: torch.dtype) -> Any:
     """The packed bool mask in the form `model`'s attention takes: bool for sdpa, additive in
-    `dtype` (the dtype attention computes in) for eager."""
+    `dtype` (the dtype attention computes in) for eager, a block mask for flex attention (whose
+    kernel then skips every block of keys that no query of a block of queries sees: a sibling's)."""
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
     if impl == "sdpa":
         return mask
     if impl == "eager":
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    if impl == "flex_attention":
+        return flex_block_mask(mask)
     raise ValueError(f"attention {impl!r} does not take a packed mask; actor.shared_prefix needs one of "
                      f"{MASK_ATTENTION} (actor.attn_implementation), or set actor.shared_prefix=off")
+
+
+def flex_block_mask(mask: torch.Tensor) -> Any:
+    """The packed [1, 1, n, n] bool mask as flex attention's `BlockMask` (the same mask, by lookup)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    dense = mask[0, 0]
+    n = dense.shape[0]
+
+    def sees(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return dense[q, kv]
+
+    return create_block_mask(sees, None, None, n, n, device=str(dense.device))
 
 
 def computed_tokens(batch: Batch, rows: torch.Tensor) -> int:

@@ -55,6 +55,9 @@ class TorchActor(ActorBase):
         self.rank, self.world = dist_info()
         self.dp_rank, self.dp_size = self.rank, self.world
         self.device = device or default_device()
+        if getattr(cfg, "attn_implementation", "auto") == "flex_attention" and self.device.type != "cuda":
+            raise ValueError(f"actor.attn_implementation=flex_attention trains on CUDA only (torch has no flex "
+                             f"attention backward on {self.device.type}); use sdpa or eager here")
         torch.manual_seed(seed)
         self.fsdp = cfg.sharding == "fsdp" and self.world > 1
         self.lora = cfg.lora  # LoraConfig | None: only a LoRA adapter trains
