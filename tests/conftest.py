@@ -102,13 +102,11 @@ SANDBOX_FILES = {"test_sandbox", "test_tools"}
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under `pytest -n N --dist loadgroup` (the README's test command) the tests of a file that use
     one of its module fixtures (engine servers, vLLM) are one group on one worker, so each fixture
-    starts once; every other test goes to whichever worker is free. Tests marked `slow` or `cold` are
-    handed out first (xdist keeps this order among single tests; groups of several go before them),
-    so neither worker is left alone with a long test at the end. `gpu` tests skip without CUDA."""
+    starts once; every other test goes to whichever worker is free (in collection order: handing the
+    slow tests out first was measured slower, 34 against 29 minutes on a clean clone, as two heavy
+    multi-process tests then share the 2 cores). `gpu` tests skip without CUDA."""
     import torch
 
-    if hasattr(config, "workerinput"):  # xdist: the long tests first, so that the run ends on short ones
-        items.sort(key=lambda item: not (item.get_closest_marker("slow") or item.get_closest_marker("cold")))
     for item in items:
         stem = item.path.stem
         if stem in SANDBOX_FILES:
