@@ -157,6 +157,12 @@ def learn(batch: Batch, actor: Any, ref: Any, algorithm: Any, actor_cfg: ActorCo
         adv = compute_advantages(algorithm.advantage, rewards, mask, group_index=batch.group_index,
                                  valid=batch.valid, **kwargs)
 
+    # the rows whose advantage is not 0 somewhere: the only ones the reward teaches (every group's rewards
+    # alike, as with a model that never solves its task, leaves none; KL and entropy terms still act)
+    taught = ((adv != 0) & (mask > 0)).any(1) & batch.valid.bool()
+    (n_taught, n_valid), _ = _over_ranks([float(taught.sum()), float(batch.valid.sum())], 0.0, batch.is_shard)
+    metrics["rollout/signal_fraction"] = n_taught / n_valid if n_valid else 0.0
+
     # 4. the update
     upd = actor.update(batch, adv, old_lp, ref_lp, loss)
     metrics["time/update_s"] = time.perf_counter() - t0

@@ -116,6 +116,7 @@ def summarize(logger: MetricsLogger, key: str, val_key: str | None = None) -> di
     summary["trajectories"] = int(sum(h.get("rollout/trajectories") or 0 for h in steps))
     summary["invalid"] = int(sum(h.get("rollout/invalid") or 0 for h in steps))
     summary["failed_steps"] = sum(1 for h in steps if h.get("step/failed"))
+    summary["no_signal_steps"] = sum(1 for h in steps if h.get("rollout/signal_fraction") == 0)
     reasons: dict[str, float] = {}
     for h in steps:
         for k, v in h.items():

@@ -25,7 +25,8 @@ from launch.config import Config, ConfigError, load_config  # noqa: E402
 
 REWARD_KEY = "rollout/reward_mean"
 VAL_KEY = "val/accuracy"
-CONSOLE_KEYS = (REWARD_KEY, VAL_KEY, "rollout/invalid", "rollout/tool_calls_per_trajectory", "rollout/response_length_mean", "drift/mean",
+CONSOLE_KEYS = (REWARD_KEY, VAL_KEY, "rollout/invalid", "rollout/signal_fraction", "rollout/tool_calls_per_trajectory",
+                "rollout/response_length_mean", "drift/mean",
                 "actor/pg_loss", "critic/vf_explained_var", "time/rollout_s", "time/update_s", "time/step_s")
 
 
@@ -195,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         close_process_group()  # in the launcher's own exit path, whatever ended the run
     if summary:
         print("SUMMARY " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+        if summary.get("no_signal_steps") and summary["no_signal_steps"] == summary.get("steps"):
+            print(f"warning: no step of this run had a learning signal: in every group all trajectories scored "
+                  f"alike (reward {summary.get('reward_last5', 0):.3g}), so every advantage was 0 and the reward "
+                  f"taught the policy nothing; check the reward (reward.*), make the task reachable for this model "
+                  f"(an SFT warm-up, sft.*), or raise rollout.n", file=sys.stderr)
     return 0
 
 

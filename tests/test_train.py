@@ -288,3 +288,6 @@ def test_a_run_given_only_a_model_trains_every_layer_of_it(tmp_path: Path):
                   "rollout.max_tokens=4", f"trainer.output_dir={tmp_path / 'run'}", "trainer.export_hf=false"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "training every parameter; 36 of 36 decoder layers" in proc.stdout, proc.stdout[-3000:]
+    # a random model scores 0 on every trajectory: no advantage, nothing learned from the reward, and it says so
+    assert "rollout/signal_fraction=0 " in proc.stdout and " no_signal_steps=1 " in proc.stdout, proc.stdout[-3000:]
+    assert "no step of this run had a learning signal" in proc.stderr, proc.stderr[-3000:]
