@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, result_line, write_result  # noqa: E402
+from common import ROOT, child_env, machine, result_line, write_result  # noqa: E402
 
 GB = 2.0**30
 RUNS = {"dp1": (1, "none"), "dp2_ddp": (2, "none"), "dp2_fsdp": (2, "fsdp"), "dp1_lora": (1, "none+lora"),
@@ -134,7 +133,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="actor-mem-") as tmp:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                    str(Path(__file__).resolve()), "--worker", model, sharding, tmp]
-            env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+            env = child_env(OMP_NUM_THREADS="1")
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise SystemExit(f"{key} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, result_line, write_result  # noqa: E402
+from common import ROOT, child_env, machine, result_line, write_result  # noqa: E402
 
 MODES = (0, 1, 2)
 
@@ -57,8 +57,7 @@ def run_mode(model: str, staleness: int, steps: int, prompts: int, max_tokens: i
     out = tmp / f"k{staleness}"
     cfg_path = tmp / f"k{staleness}.yaml"
     cfg_path.write_text(yaml.safe_dump(config(model, staleness, steps, out, prompts, max_tokens, median_s, p99_s)))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")])}
+    env = child_env(ROOT / "benchmarks")
     proc = subprocess.run([sys.executable, "launch/train.py", str(cfg_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True)
     if proc.returncode != 0:

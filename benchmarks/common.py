@@ -35,6 +35,15 @@ def machine() -> dict[str, Any]:
             "torch": torch.__version__, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
+def child_env(*paths: Path | str, **extra: str) -> dict[str, str]:
+    """The environment of a program a benchmark starts: this one's, with the repository (then `paths`)
+    ahead of the PYTHONPATH it already had (kept, not replaced), the hub offline, output unbuffered,
+    and `extra` on top."""
+    given = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), *map(str, paths), *given]), **extra}
+
+
 def gsm8k_file(path: str | None, split: str = "test") -> Path:
     p = Path(path) if path else GSM8K_BESIDE / f"{split}.jsonl"
     if not p.is_file():

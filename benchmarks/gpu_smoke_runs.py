@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from common import child_env
 from gpu_smoke_lib import Ctx, Skip, checkpoint_tensors, device_limits, gb, prompts, update_flops
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,8 +37,7 @@ def _train(ctx: Ctx, tag: str, extra: list[str], steps: int, ranks: int = 1, con
             "trainer.export_hf=false", f"trainer.save_every={steps}", *extra]  # one checkpoint: 13 GB at 1B
     if ctx.cuda:
         args += ["model.dtype=bfloat16", "rollout.engine_options.device=cuda"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    env = child_env()
     cmd = [sys.executable, "launch/train.py", *([config] if config else []), *args]
     if ranks > 1:
         args += ["rollout.placement=cpu"]
@@ -287,8 +287,7 @@ def check_weight_sync_bench(ctx: Ctx) -> dict[str, Any]:
                    "its CUDA branch")
     out = ctx.work / "weight_sync.json"
     log = ctx.work / "weight_sync_bench.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "")
-                                                                       .split(os.pathsep) if p])}
+    env = child_env()
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, "benchmarks/weight_sync.py", "--quick", "--model", ctx.model, "--out",
                                str(out)], cwd=REPO,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, result_line, write_result  # noqa: E402
+from common import ROOT, child_env, machine, result_line, write_result  # noqa: E402
 
 PROMPT = ("Solve the math word problem. Think step by step in a few short sentences, then end with the final "
           "number as \"#### <answer>\".")
@@ -185,7 +184,7 @@ def summarise(label: str, ends: list[float], rollout: list[float], update: list[
 
 def run_trl(py: str, rows: Path, out: Path, w: dict[str, Any], skip: int, flops: dict[str, float],
             retain: bool = False) -> dict[str, Any]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    env = child_env(TOKENIZERS_PARALLELISM="false")
     result = out / "trl.json"
     cmd = [py, "benchmarks/trl_grpo.py", str(rows), str(result), "--model", w["model"], "--steps", str(w["steps"]),
            "--prompts", str(w["prompts"]), "--n", str(w["n"]), "--max-tokens", str(w["max_tokens"]), "--lr", str(w["lr"]),
@@ -221,7 +220,7 @@ def run_switchyard(rows: Path, out: Path, w: dict[str, Any], engine: str, stalen
                    flops: dict[str, float], shared_prefix: str | None = None) -> dict[str, Any]:
     cfg = out / "config.yaml"
     cfg.write_text(yaml.safe_dump(switchyard_config(w, rows, out, engine, staleness, shared_prefix)))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    env = child_env()
     start = time.time()
     peak = _run([sys.executable, "launch/train.py", str(cfg)], env, f"switchyard ({engine}, staleness {staleness})",
                 w["timeout_s"])
