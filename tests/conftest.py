@@ -72,25 +72,40 @@ def _cold_start(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.fixture(scope="session")
-def tool_caller(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny llama taught to call the calculator (tests/tool_model.py), trained once per test run:
-    under xdist the workers share the run's base directory, the first trains it under a file lock
-    and the others load what it saved."""
-    import fcntl
+def tool_caller() -> Path:
+    """A tiny llama taught to call the calculator (tests/tool_model.py), trained once per machine
+    into the switchyard cache, as the built-in models are: keyed by what it is made of (its recipe's
+    source, the GSM8K rows it learns from, tiny-llama's weights, torch and transformers), so a change
+    to any of them trains a new one. Workers and runs at once: the first trains under a file lock,
+    the others wait and load it."""
+    import hashlib
+    import shutil
+
+    import torch
+    import transformers
+
+    from engines.models import cache_root, file_lock, resolve_model
 
     if not (GSM8K / "train.jsonl").exists():
         pytest.skip(f"GSM8K jsonl not found in {GSM8K}")
-    from tool_model import train_tool_caller
+    from tool_model import TRACE_ROWS, train_tool_caller
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # popen-gwN's parent: the run's
-    model = shared / "tool-caller" / "model"
+    key = hashlib.sha256()
+    key.update((Path(__file__).parent / "tool_model.py").read_bytes())
+    key.update("\n".join((GSM8K / "train.jsonl").read_text().splitlines()[:TRACE_ROWS]).encode())
+    for f in sorted(resolve_model("tiny-llama").glob("*.safetensors")):
+        key.update(f.read_bytes())
+    key.update(f"{torch.__version__} {transformers.__version__}".encode())
+    model = cache_root() / "test-models" / f"tool-caller-{key.hexdigest()[:16]}"
     model.parent.mkdir(parents=True, exist_ok=True)
-    with open(shared / "tool-caller.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with file_lock(model.parent / f"{model.name}.lock"):
         if not (model / "done").exists():
-            train_tool_caller(model, GSM8K / "train.jsonl")
-            (model / "done").write_text("")
+            part = model.with_name(model.name + ".part")
+            shutil.rmtree(part, ignore_errors=True)
+            train_tool_caller(part, GSM8K / "train.jsonl")
+            (part / "done").write_text("")
+            shutil.rmtree(model, ignore_errors=True)
+            part.rename(model)
     return model
 
 

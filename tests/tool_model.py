@@ -22,6 +22,9 @@ CALCULATOR_SCHEMA = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 
 
+TRACE_ROWS = 64  # the GSM8K rows the traces are made from
+
+
 def gsm8k_rows(path: Path, n: int, agent_name: str = "tool_agent") -> list[dict[str, Any]]:
     """The first `n` GSM8K rows in the verl format the loops take."""
     rows = []
@@ -57,7 +60,7 @@ def train_tool_caller(out: Path, gsm8k_path: Path, steps: int = 150, seed: int =
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     enc = ChatEncoder(tok)
     seqs: list[tuple[list[int], list[int]]] = []
-    for row in gsm8k_rows(gsm8k_path, 64):
+    for row in gsm8k_rows(gsm8k_path, TRACE_ROWS):
         call, value, final = _trace(row)
         ids, labels = enc.initial(row["prompt"]), []
         labels = [-100] * len(ids)
