@@ -56,13 +56,17 @@ def train(cfg: Config) -> dict[str, Any]:
                        show=rank == 0)
     invalids = InvalidGuard(cfg.trainer.max_invalid_fraction, show=rank == 0)
     try:
-        plane.start_engines(out)
+        beside = fleet.loads_beside_the_trainer  # engines loading since setup: the SFT warm-up runs meanwhile
+        if not beside:
+            plane.start_engines(out)
         if latest is None and cfg.sft.enabled:
             from launch.data.sft import warm_up
 
             turns = int(cfg.rollout.agent.get("tool_agent", {}).get("max_assistant_turns", 3))
             warm_up(actor, run.rows, run.tools, run.model_dir, cfg.sft, turns - 1, show=rank == 0)
             save_run(ckpt, 0, actor, stream, weights.version, rank, sharded, barrier, critic=run.critic)
+        if beside:  # an engine that failed to start fails the run here, its warm-up saved (a rerun resumes past it)
+            plane.start_engines(out)
         plane.start_workers()
         barrier()  # no node runs ahead (e.g. a resumed run with no steps left) while rank 0 connects
         if latest is not None or cfg.sft.enabled:  # engines start from the base model; bring them to the actor

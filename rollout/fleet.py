@@ -154,15 +154,20 @@ class EngineFleet:
             (run_dir / "placement.txt").write_text(text + "\n")
             (run_dir / "engines.json").write_text(json.dumps([asdict(e) for e in self.engines], indent=1) + "\n")
 
+    @property
+    def loads_beside_the_trainer(self) -> bool:
+        """Whether this run's engines are spawned at setup and load while the trainer works (`launch`);
+        the same answer on every rank, so every rank orders its collectives alike around `start`."""
+        colocated_gpu = self.placement == "colocated" and torch.cuda.is_available()
+        return not (self.cfg.engines or self.cfg.in_process or self.nodes > 1 or colocated_gpu)
+
     def launch(self, run_dir: Path, engine_options: dict[str, Any], check_room: Callable[[], None]) -> None:
         """One node, engines of its own on the CPU or on GPUs apart from the trainer's: their processes
         are spawned now and load while the trainer builds its actor (`start` then waits for them).
         Elsewhere (several nodes exchange keys first; colocated engines measure the GPU memory they
         find free, so the actor must hold its share first; in-process or attached engines) `start`
         does it all."""
-        colocated_gpu = self.placement == "colocated" and torch.cuda.is_available()
-        if (self.launched is not None or self.cfg.engines or self.cfg.in_process or self.nodes > 1
-                or self.local_rank != 0 or colocated_gpu):
+        if self.launched is not None or not self.loads_beside_the_trainer or self.local_rank != 0:
             return
         self.run_dir = run_dir
         check_room()

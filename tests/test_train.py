@@ -241,8 +241,8 @@ def test_default_config_runs_on_smollm2_with_vllm(tmp_path: Path):
     bound by reference into vLLM's engine core in the trainer's process, rollout.in_process=true,
     tied and untied, every parameter, some or a LoRA adapter trained: tests/test_fidelity.py.)"""
     out, path = tmp_path / "run", "shm"
-    proc = train(["trainer.steps=2", "sft.steps=2", "data.prompts_per_step=2", "rollout.n=2", f"trainer.output_dir={out}",
-                  "val.max_rows=4", "rollout.agent.tool_agent.max_turn_tokens=48",
+    proc = train(["trainer.steps=2", "sft.steps=1", "data.prompts_per_step=2", "rollout.n=2", f"trainer.output_dir={out}",
+                  "val.max_rows=2", "rollout.agent.tool_agent.max_turn_tokens=48",
                   "rollout.agent.tool_agent.max_response_tokens=128"], timeout=1200)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert [m["step"] for m in metrics(out)] == [0, 1, 2]  # step 0: the validation before the first step
