@@ -36,10 +36,12 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     path: str = "smollm2-135m-instruct"  # built-in name, local HF directory or hub id
+    # the actor's compute dtype (autocast over fp32 weights) and the engines': auto = bfloat16 where the
+    # trainer's device multiplies it natively, else float32 (engines/training/config.py resolve_dtype)
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        choice("model", "dtype", self.dtype, tuple(DTYPES), error=ConfigError)
+        choice("model", "dtype", self.dtype, ("auto", *DTYPES), error=ConfigError)
 
 
 @dataclass
@@ -239,8 +241,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
-# the demo's settings that only fit its model (cpu_demo.yaml trains SmolLM2's top 10 layers)
-DEMO_MODEL_ONLY = ("actor.trainable",)
+# the demo's settings that only fit its model and machine (cpu_demo.yaml trains SmolLM2's top 10 layers,
+# in bf16 where the CPU multiplies it natively): a run naming another model gets the defaults
+DEMO_MODEL_ONLY = {"actor.trainable": "[]", "model.dtype": ModelConfig.dtype}  # key: its default
 
 
 def _demo_defaults(path: str | Path | None, overrides: list[str]) -> list[str]:
@@ -252,7 +255,7 @@ def _demo_defaults(path: str | Path | None, overrides: list[str]) -> list[str]:
     lora = any(k == "actor.lora" or k.startswith("actor.lora.") for k in keys)
     if path or not (other_model or lora):
         return overrides
-    return [f"{k}=[]" for k in DEMO_MODEL_ONLY if k not in keys] + overrides
+    return [f"{k}={v}" for k, v in DEMO_MODEL_ONLY.items() if k not in keys] + overrides
 
 
 def _check_finite(node: Any, key: str) -> None:
@@ -280,6 +283,18 @@ def resolve_path(p: str | None) -> Path | None:
         return None
     path = Path(p)
     return path if path.is_absolute() or path.exists() else REPO / path
+
+
+def resolve_model_dtype(cfg: Config, show: bool) -> None:
+    """`model.dtype=auto` made concrete for the trainer's device on this machine (the line that says
+    which, printed when `show`), before any engine or actor is built from it."""
+    import torch
+
+    from engines.training.config import resolve_dtype
+
+    cfg.model.dtype, why = resolve_dtype(cfg.model.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    if show and why != "as configured":
+        print(why, flush=True)
 
 
 def validate(cfg: Config) -> None:

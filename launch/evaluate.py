@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
 
-from launch.config import Config, ConfigError, load_config, resolve_path  # noqa: E402
+from launch.config import Config, ConfigError, load_config, resolve_model_dtype, resolve_path  # noqa: E402
 
 
 def evaluate(cfg: Config, out: Path, checkpoint: Path | None = None) -> dict[str, Any]:
@@ -59,6 +59,7 @@ def evaluate(cfg: Config, out: Path, checkpoint: Path | None = None) -> dict[str
         raise ConfigError(f"--checkpoint {checkpoint} has no state.pt; give a directory such as "
                           "runs/NAME/checkpoints/step_000020")
     model_dir = str(resolve_model(cfg.model.path))
+    resolve_model_dtype(cfg, show=True)
     plane = RolloutPlane(r, model_dir, cfg.model.dtype, 0, 1, tools_path, inter_path)
     validator = Validator(rows, cfg.val, r.max_tokens, out, load_tokenizer(model_dir))
     try:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from launch.config import Config, ConfigError, check_world_size, resolve_path
+from launch.config import Config, ConfigError, check_world_size, resolve_model_dtype, resolve_path
 
 
 @dataclass
@@ -84,6 +84,7 @@ def setup(cfg: Config) -> Run:
     barrier()
     model_dir = str(resolve_model(cfg.model.path))
     rows, val_rows = _fitting(cfg, model_dir, rows, val_rows, show=rank == 0)
+    resolve_model_dtype(cfg, show=rank == 0)
     plane = RolloutPlane(r, model_dir, cfg.model.dtype, rank, world, tools_path, inter_path, reward=reward,
                          adapter_rank=cfg.actor.lora.rank if cfg.actor.lora is not None else 0)
     plane.launch_engines(Path(cfg.trainer.output_dir))  # they load while the actor is built

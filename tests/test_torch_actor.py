@@ -225,3 +225,29 @@ def test_attention_implementation_is_the_one_asked_for_and_scores_alike(tiny):
         assert torch.allclose(a, b, atol=1e-6), name
     with pytest.raises(ValueError, match="actor.attn_implementation='flash' is not allowed"):
         ActorConfig(attn_implementation="flash")
+
+
+def test_model_dtype_auto_is_bf16_where_the_device_multiplies_it_natively(tiny, monkeypatch, capsys):
+    """`model.dtype=auto` (the CPU demo's): bfloat16 autocast where the CPU has AMX or AVX-512 BF16
+    (or the GPU supports bf16), float32 elsewhere; resolved and said once, before engines and actor
+    are built from it; an actor given the result computes under bf16 autocast."""
+    from launch.config import ConfigError, load_config, resolve_model_dtype
+    from engines.training.config import native_bf16, resolve_dtype
+
+    here = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+                or getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+    assert bool(native_bf16("cpu")) == here
+    assert resolve_dtype("auto", "cpu")[0] == ("bfloat16" if here else "float32")
+    assert resolve_dtype("float32", "cpu") == ("float32", "as configured")
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):  # a CPU without bf16 units
+        monkeypatch.setattr(torch.cpu, probe, lambda: False, raising=False)
+    assert resolve_dtype("auto", "cpu") == ("float32", "model.dtype=auto: float32 (no native bf16 matrix units on cpu)")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    cfg = load_config(None, ["model.dtype=auto"])
+    resolve_model_dtype(cfg, show=True)
+    assert cfg.model.dtype == "bfloat16" and "AVX-512 BF16" in capsys.readouterr().out
+    actor = TorchActor(ActorConfig(), tiny, dtype=cfg.model.dtype)
+    with actor._autocast():
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
+    with pytest.raises(ConfigError, match="model.dtype"):
+        load_config(None, ["model.dtype=bf8"])
