@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -287,6 +288,21 @@ def host_memory_section(r: dict[str, Any]) -> list[str]:
             f"Retained vs returned, median of the per-pair ratios of update time: **{r['speedup_median']:.2f}x**."]
 
 
+def update_dtype_section(r: dict[str, Any]) -> list[str]:
+    lines = ["## Actor update: float32 vs bf16 autocast", "",
+             "`benchmarks/update_dtype.py`: the torch actor's update on the CPU demo's batch shape (32 trajectories, "
+             "prompts 60-180 tokens, responses 10-120, micro-batches of 8) in float32 and in bf16 autocast over fp32 "
+             f"weights, alternating from one state ({r['pairs']} pairs after a warm-up update each). What multiplies "
+             f"bf16 natively here: {r['native_bf16'] or 'nothing (`model.dtype=auto` keeps float32)'}.", "",
+             "| model | parameters | fp32 update s (median) | bf16 update s (median) | fp32 / bf16, median of pairs |",
+             "|---|---|---|---|---|"]
+    for name, m in r["models"].items():
+        fp32, bf16 = (statistics.median(m["update_s"][d]) for d in ("float32", "bfloat16"))
+        lines.append(f"| {name} | {m['parameters'] / 1e6:.1f}M | {fp32:.2f} | {bf16:.2f} | "
+                     f"**{m['fp32_over_bf16_median']:.2f}x** |")
+    return lines
+
+
 def vs_trl_section(r: dict[str, Any]) -> list[str]:
     w = r["workload"]
     lines = ["## switchyard vs TRL", "",
@@ -333,6 +349,7 @@ def main() -> None:
                 ["benchmarks/actor_memory.py", *quick],
                 ["benchmarks/micro_batches.py", *quick],
                 ["benchmarks/host_memory.py", *quick],
+                ["benchmarks/update_dtype.py", *quick],
                 ["benchmarks/async_rl.py", *quick],
                 ["benchmarks/gateway_overhead.py", *quick],
                 ["benchmarks/vs_trl.py", *quick]]
@@ -352,6 +369,7 @@ def main() -> None:
     lines += nodes_section(load("nodes")) + [""] + actor_memory_section(load("actor_memory")) + [""]
     lines += async_rl_section(load("async_rl")) + [""] + gateway_section(load("gateway_overhead")) + [""]
     lines += micro_batches_section(load("micro_batches")) + [""] + host_memory_section(load("host_memory")) + [""]
+    lines += update_dtype_section(load("update_dtype")) + [""]
     lines += vs_trl_section(load("vs_trl")) + [""]
     lines += kept_sections(Path(args.output), KEPT)
     Path(args.output).write_text("\n".join(lines))

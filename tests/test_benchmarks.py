@@ -123,6 +123,17 @@ def test_micro_batches_small_run(tmp_path):
     assert fixed["micro_batches"] == 4 and budget["micro_batches"] >= 1
 
 
+def test_update_dtype_small_run(tmp_path):
+    last, report = _run("benchmarks/update_dtype.py", ["--quick", "--pairs", "1"], tmp_path)
+    assert last.startswith("RESULT tiny_fp32_over_bf16=")
+    (run,) = report["models"].values()
+    assert [len(run["update_s"][d]) for d in ("float32", "bfloat16")] == [1, 1] and run["parameters"] > 1e6
+    assert run["fp32_over_bf16_median"] == pytest.approx(run["update_s"]["float32"][0] / run["update_s"]["bfloat16"][0])
+    from engines.training.config import native_bf16
+
+    assert report["native_bf16"] == native_bf16("cpu")
+
+
 def test_host_memory_small_run(tmp_path):
     last, report = _run("benchmarks/host_memory.py", ["--quick", "--pairs", "1", "--updates", "1",
                                                        "--trajectories", "8"], tmp_path)

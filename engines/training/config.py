@@ -35,8 +35,8 @@ def native_bf16(device: torch.device | str) -> str | None:
 
 def resolve_dtype(name: str, device: torch.device | str) -> tuple[str, str]:
     """`model.dtype` as the run uses it, and why: `auto` is bfloat16 where `device` multiplies bf16
-    natively (measured on an AVX-512 BF16 CPU, the torch actor's update 1.6x faster than fp32 on a
-    3M-parameter llama and 1.7x on SmolLM2-135M, benchmarks/RESULTS.md) and float32 elsewhere."""
+    natively (on an AVX-512 BF16 CPU the torch actor's update was 1.43x faster than fp32 on a
+    3M-parameter llama and 1.86x on SmolLM2-135M: benchmarks/update_dtype.py) and float32 elsewhere."""
     if name != "auto":
         return name, "as configured"
     unit = native_bf16(device)
