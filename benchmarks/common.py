@@ -73,19 +73,13 @@ def tool_model(base: str, train_file: Path, steps: int, lr: float, trainable: li
     """`base` after `steps` SFT steps on calculator traces of GSM8K train rows, built once and
     cached; the trained model calls the calculator in hermes format, imperfectly. `steps` = 0: `base`
     calls it already (a model made so elsewhere) and is used as it is."""
-    from engines.models import cache_root, file_lock, resolve_model
+    from engines.models import build_once, cache_root, resolve_model
 
     if steps == 0:
         return resolve_model(base)
-    name = f"{Path(base).name}-calculator-sft{steps}"
-    out = cache_root() / "benchmarks" / name
-    if (out / "config.json").exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(out.with_name(name + ".lock")):  # benchmarks started side by side build it once
-        if not (out / "config.json").exists():
-            _build_tool_model(base, train_file, steps, lr, trainable, out)
-    return out
+    out = cache_root() / "benchmarks" / f"{Path(base).name}-calculator-sft{steps}"
+    # benchmarks started side by side build it once
+    return build_once(out, lambda tmp: _build_tool_model(base, train_file, steps, lr, trainable, tmp), "config.json")
 
 
 def _build_tool_model(base: str, train_file: Path, steps: int, lr: float, trainable: list[str] | None,
@@ -117,9 +111,7 @@ def _build_tool_model(base: str, train_file: Path, steps: int, lr: float, traina
             if done >= steps:
                 break
         epoch += 1
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    actor.save_hf(tmp)
-    tmp.rename(out)
+    actor.save_hf(out)
 
 
 def calculator_workload(gsm8k_dir: str | None, base: str, steps: int, n: int) -> tuple[str, Any, list[dict[str, Any]]]:

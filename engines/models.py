@@ -174,19 +174,24 @@ def load_pretrained(path: str | Path, dtype: object, **kwargs: object) -> "PreTr
 
 def _ensure_built(name: str, root: Path) -> Path:
     """Build `name` into the cache once, however many processes ask at the same moment."""
-    models = root / "models"
-    target = models / name
-    if (target / "config.json").is_file():
+    return build_once(root / "models" / name, lambda tmp: _BUILDERS[name](tmp, root), "config.json")
+
+
+def build_once(target: Path, build: Callable[[Path], None], marker: str) -> Path:
+    """`target`, made by `build(tmp)` into a fresh directory beside it and renamed into place, once:
+    processes that ask together wait on one file lock, and a killed or failed build leaves no half
+    `target` (it exists when its file `marker` does)."""
+    if (target / marker).is_file():
         return target
-    models.mkdir(parents=True, exist_ok=True)
-    with file_lock(models / f".{name}.lock"):
-        if (target / "config.json").is_file():  # another process built it while we waited
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(target.parent / f".{target.name}.lock"):
+        if (target / marker).is_file():  # another process built it while we waited
             return target
-        for stale in [*models.glob(f".{name}.tmp-*"), target]:  # leftovers of killed builds
+        for stale in [*target.parent.glob(f".{target.name}.tmp-*"), target]:  # leftovers of killed builds
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=models))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            _BUILDERS[name](tmp, root)
+            build(tmp)
             for f in tmp.iterdir():  # mkdtemp makes 0700; a shared cache must be readable by all
                 f.chmod(0o644)
             tmp.chmod(0o755)

@@ -79,12 +79,11 @@ def tool_caller() -> Path:
     to any of them trains a new one. Workers and runs at once: the first trains under a file lock,
     the others wait and load it."""
     import hashlib
-    import shutil
 
     import torch
     import transformers
 
-    from engines.models import cache_root, file_lock, resolve_model
+    from engines.models import build_once, cache_root, resolve_model
 
     if not (GSM8K / "train.jsonl").exists():
         pytest.skip(f"GSM8K jsonl not found in {GSM8K}")
@@ -97,16 +96,7 @@ def tool_caller() -> Path:
         key.update(f.read_bytes())
     key.update(f"{torch.__version__} {transformers.__version__}".encode())
     model = cache_root() / "test-models" / f"tool-caller-{key.hexdigest()[:16]}"
-    model.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(model.parent / f"{model.name}.lock"):
-        if not (model / "done").exists():
-            part = model.with_name(model.name + ".part")
-            shutil.rmtree(part, ignore_errors=True)
-            train_tool_caller(part, GSM8K / "train.jsonl")
-            (part / "done").write_text("")
-            shutil.rmtree(model, ignore_errors=True)
-            part.rename(model)
-    return model
+    return build_once(model, lambda tmp: train_tool_caller(tmp, GSM8K / "train.jsonl"), "config.json")
 
 
 # files whose tests look at every sandboxed process on the box: they run on one worker, one at a time
