@@ -243,7 +243,7 @@ def test_default_config_runs_on_smollm2_with_vllm(tmp_path: Path):
     out, path = tmp_path / "run", "shm"
     # float32 (the shipped config's model.dtype=auto is bf16 on a CPU with bf16 units): the drift bound
     # below tells arrived weights from stale ones only at fp32's resolution (bf16 on this short run: ~0.04)
-    proc = train(["model.dtype=float32", "trainer.steps=2", "sft.steps=1", "data.prompts_per_step=2", "rollout.n=2", f"trainer.output_dir={out}",
+    proc = train(["model.dtype=float32", "trainer.steps=2", "sft.steps=1", "sft.batch_size=2", "data.prompts_per_step=2", "rollout.n=2", f"trainer.output_dir={out}",
                   "val.max_rows=2", "rollout.agent.tool_agent.max_turn_tokens=48",
                   "rollout.agent.tool_agent.max_response_tokens=128"], timeout=1200)
     assert proc.returncode == 0, proc.stderr[-6000:]
