@@ -101,21 +101,6 @@ def tool_caller() -> Path:
 
 # files whose tests look at every sandboxed process on the box: they run on one worker, one at a time
 SANDBOX_FILES = {"test_sandbox", "test_tools"}
-# files whose tests take a few seconds each at most (measured on a clean clone: about 130 s of the
-# suite's ~2900 s in all), handed out last: they fill the end of the run, so the worker that drew
-# the last long test (a minute or two) is not left running it alone while the other one idles.
-# Collection order put two long ones last (the default-config run, the vLLM bus test): 90 s of one
-# worker alone at the end of a clean-clone run.
-TAIL_FILES = {
-    "test_advantages", "test_bus", "test_bus_eager", "test_bus_wire", "test_chat", "test_checkpoint", "test_data",
-    "test_families", "test_feeder", "test_forced_calls_routes", "test_gateway_completions", "test_gateway_messages",
-    "test_gateway_responses", "test_gateway_surface", "test_guards", "test_gym_loop", "test_hf_engine",
-    "test_host_memory", "test_interactions", "test_langgraph", "test_layout", "test_losses", "test_mcp_tool",
-    "test_mesh", "test_parser_formats", "test_parser_formats_more", "test_parsers", "test_plan", "test_poison",
-    "test_protocol", "test_reward_model_engine", "test_rewards", "test_router", "test_sandbox",
-    "test_shared_prefix", "test_tool_agent_states", "test_tool_choice", "test_tool_guard", "test_tool_processes",
-    "test_tools", "test_warm", "test_weight_routes",
-}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
@@ -124,11 +109,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     one of its module fixtures (engine servers, vLLM) are one group on one worker, so each fixture
     starts once; every other test goes to whichever worker is free (in collection order: handing the
     slow tests out first was measured slower, 34 against 29 minutes on a clean clone, as two heavy
-    multi-process tests then share the 2 cores), except `TAIL_FILES`, which go last. `gpu` tests skip
-    without CUDA."""
+    multi-process tests then share the 2 cores). `gpu` tests skip without CUDA."""
     import torch
 
-    items[:] = [i for i in items if i.path.stem not in TAIL_FILES] + [i for i in items if i.path.stem in TAIL_FILES]
     for item in items:
         stem = item.path.stem
         if stem in SANDBOX_FILES:
