@@ -1,12 +1,13 @@
-"""The actor's update and old-logprob pass with `actor.shared_prefix` off, on and auto, side by side.
+"""The actor's update and old-logprob pass with `actor.shared_prefix` off, on and auto, side by side
+(and `on_runs`: on, attending by runs instead of the dense packed mask, `actor.packed_attention=runs`).
 
     python benchmarks/shared_prefix.py                    # SmolLM2-135M-Instruct, bf16 autocast, 3 rounds
     python benchmarks/shared_prefix.py --quick            # tiny-llama, 1 round
     python benchmarks/shared_prefix.py --dtype float32 --attn sdpa --group 4
 
 One process, one model, one GRPO-shaped batch: 32 trajectories (`--trajectories`) in groups of `--group` that share
-their prompt (prompts 60-180 tokens, responses 10-120, as the CPU demo's), micro-batches of 8 rows.
-The settings alternate in rounds (off, on, auto, off, ...), each after a warm-up; reported per setting:
+their prompt (prompts 60-180 tokens, responses 10-120, as the CPU demo's), micro-batches of 8 rows (`--micro-batch`).
+The settings alternate in rounds (off, on, auto, on_runs, off, ...), each after a warm-up; reported per setting:
 the median seconds of an update (forward and backward of every micro-batch, one optimizer step) and
 of a logprob pass, the tokens the forward computes, and the speed-up over off per round (median).
 """
@@ -23,7 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, result_line, write_result  # noqa: E402
 
-MODES = ("off", "on", "auto")
+MODES = ("off", "on", "auto", "on_runs")  # on_runs: on, attending by runs (engines/training/tree_attention.py)
 
 
 def grpo_batch(vocab: int, n: int = 32, group: int = 8, seed: int = 0) -> Any:
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=8, help="samples per GRPO group (sharing one prompt)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--trajectories", type=int, default=32)
+    ap.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch (32: the whole batch, several "
+                                                               "groups in one packed sequence)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -61,20 +64,27 @@ def main(argv: list[str] | None = None) -> int:
     from engines.models import resolve_model
     from engines.training.config import ActorConfig
     from engines.training.losses import LossConfig
-    from engines.training.prefix import computed_tokens
+    from engines.training.prefix import computed_tokens, shared_micro_batch
     from engines.training.torch_actor import TorchActor
 
     model = str(resolve_model(args.model or ("tiny-llama" if args.quick else "smollm2-135m-instruct")))
     rounds = 1 if args.quick else args.rounds
-    actors = {m: TorchActor(ActorConfig(shared_prefix=m, micro_batch_size=8, attn_implementation=args.attn,
-                                        trainable=[]), model, args.dtype, progress=False) for m in MODES}
+    actors = {m: TorchActor(ActorConfig(shared_prefix=m.removesuffix("_runs"), micro_batch_size=args.micro_batch,
+                                        attn_implementation=args.attn, trainable=[],
+                                        packed_attention="runs" if m.endswith("_runs") else "mask"),
+                            model, args.dtype, progress=False)
+              for m in MODES}
     vocab = actors["off"].module.config.vocab_size
     batch = grpo_batch(vocab, n=args.trajectories, group=args.group)
     adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))[:, None] * batch.response_mask
     rows = torch.arange(len(batch))
     padded = sum(len(m) * (int(batch.prompt_lengths[m].max() + batch.response_lengths[m].max()))
-                 for m in rows.split(8))
-    tokens = {"off": padded, "on": sum(computed_tokens(batch, m) for m in rows.split(8))}
+                 for m in rows.split(args.micro_batch))
+    tokens = {"off": padded, "on": sum(computed_tokens(batch, m) for m in rows.split(args.micro_batch))}
+    pairs = {"off": sum(len(m) * (int(batch.prompt_lengths[m].max() + batch.response_lengths[m].max())) ** 2
+                        for m in rows.split(args.micro_batch)),
+             "on": sum(computed_tokens(batch, m) ** 2 for m in rows.split(args.micro_batch)),
+             "on_runs": sum(shared_micro_batch(batch, m).prefix_tree.pairs() for m in rows.split(args.micro_batch))}
     times: dict[str, dict[str, list[float]]] = {m: {"update": [], "logprobs": []} for m in MODES}
     for r in range(rounds + 1):  # round 0 warms each up
         for m in MODES:
@@ -88,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
                 times[m]["logprobs"].append(t1 - t0)
                 times[m]["update"].append(t2 - t1)
     report: dict[str, Any] = {"machine": machine(), "model": Path(model).name, "dtype": args.dtype, "attn": args.attn,
-                              "group": args.group, "trajectories": len(batch), "rounds": rounds,
-                              "tokens_padded": tokens["off"], "tokens_packed": tokens["on"]}
+                              "group": args.group, "micro_batch": args.micro_batch, "trajectories": len(batch), "rounds": rounds,
+                              "tokens_padded": tokens["off"], "tokens_packed": tokens["on"],
+                              "attention_pairs": pairs}
     line: dict[str, float] = {}
     for m in MODES:
         for what in ("update", "logprobs"):
@@ -97,9 +108,12 @@ def main(argv: list[str] | None = None) -> int:
             if m != "off":
                 ratio = statistics.median(a / b for a, b in zip(times["off"][what], times[m][what]))
                 report[f"{m}_{what}_speedup"] = line[f"{m}_{what}_x"] = ratio
-    for k in ("off_update_s", "on_update_s", "auto_update_s"):
+    report["runs_vs_mask_update"] = line["runs_vs_mask_x"] = statistics.median(
+        a / b for a, b in zip(times["on"]["update"], times["on_runs"]["update"]))
+    for k in ("off_update_s", "on_update_s", "auto_update_s", "on_runs_update_s"):
         line[k] = report[k]
-    print(f"tokens computed per pass: {tokens['off']} padded, {tokens['on']} packed", flush=True)
+    print(f"tokens computed per pass: {tokens['off']} padded, {tokens['on']} packed; attention pairs: "
+          f"{pairs['off']} padded, {pairs['on']} packed (dense mask), {pairs['on_runs']} by runs", flush=True)
     print(f"wrote {write_result('shared_prefix', report, args.out)}", flush=True)
     print(result_line(line), flush=True)
     return 0

@@ -197,6 +197,8 @@ def test_soak_small_run(tmp_path):
 def test_shared_prefix_small_run(tmp_path):
     last, report = _run("benchmarks/shared_prefix.py", ["--quick", "--trajectories", "8", "--group", "4"], tmp_path)
     assert report["tokens_packed"] < report["tokens_padded"]  # each group's prompt once
-    for mode in ("off", "on", "auto"):
+    for mode in ("off", "on", "auto", "on_runs"):
         assert report[f"{mode}_update_s"] > 0 and report[f"{mode}_logprobs_s"] > 0
     assert report["on_update_speedup"] > 0 and last.startswith("RESULT on_update_x=")
+    pairs = report["attention_pairs"]  # by runs: fewer pairs than padded rows, and than the dense packed mask
+    assert pairs["on_runs"] < pairs["off"] and pairs["on_runs"] < pairs["on"] and report["runs_vs_mask_update"] > 0

@@ -13,6 +13,7 @@ from agent.loop import AgentLoopOutput
 from engines.training.batch import pad_outputs
 from engines.training.hf_model import micro_logprobs
 from engines.training.prefix import computed_tokens, layout, shared_micro_batch
+from engines.training.tree_attention import PrefixTree
 
 
 def _model(attn: str, tied: bool) -> torch.nn.Module:
@@ -50,15 +51,31 @@ def test_the_layout_computes_each_shared_prefix_once():
     paths, size = layout(seqs)
     assert size == 4 + 2 + 2 + 0
     assert paths[1].tolist() == [0, 1, 2, 4, 5] and paths[2].tolist() == [6, 7] and paths[3].tolist() == [0, 1]
+    # attention by runs (engines/training/tree_attention.py): each row's own tokens against its ancestors and
+    # themselves; the last row adds nothing of its own
+    tree = PrefixTree.from_paths(paths)
+    assert tree.runs == [(0, 4, []), (4, 6, [(0, 3)]), (6, 8, [])]
+    assert tree.pairs() == 4 * 4 + 2 * 5 + 2 * 2 < size * size
+    assert tree.mask(1, torch.device("cpu")).tolist() == [[True, True, True, True, False], [True] * 5]
     batch = _ragged_batch()
     rows = torch.arange(len(batch))
     unshared = int((batch.prompt_lengths + batch.response_lengths).sum())
     assert computed_tokens(batch, rows) < unshared - 20  # the prompts and the shared turn once each
 
 
+@pytest.mark.parametrize("kernel", ["mask", "runs"])
 @pytest.mark.parametrize("attn,tied", [("eager", False), ("sdpa", True)])
-def test_packed_logprobs_and_gradients_equal_the_unpacked_ones_in_fp32(attn: str, tied: bool):
+def test_packed_logprobs_and_gradients_equal_the_unpacked_ones_in_fp32(attn: str, tied: bool, kernel: str, monkeypatch):
+    """The dense packed mask, and attention by runs (actor.packed_attention=runs, tree_attention.py)."""
+    from engines.training import tree_attention
+
+    runs = []  # by runs: the packed forward attends by runs (not the dense mask), in every layer
+    for name in ("_run_sdpa", "_run_eager"):
+        real = getattr(tree_attention, name)
+        monkeypatch.setattr(tree_attention, name, lambda *a, real=real: runs.append(1) or real(*a))
     model = _model(attn, tied)
+    if kernel == "runs":
+        assert tree_attention.install(model) and tree_attention.by_runs(model)
     batch = _ragged_batch()
     rows = torch.tensor([3, 0, 4, 1, 5, 2, 6, 7, 8])  # groups interleaved, as a shuffled mini-batch has them
     got = {}
@@ -69,6 +86,8 @@ def test_packed_logprobs_and_gradients_equal_the_unpacked_ones_in_fp32(attn: str
         ((lp * weights).sum() + 0.1 * ent.sum()).backward()
         got[name] = (lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
     (lp0, ent0, g0), (lp1, ent1, g1) = got["plain"], got["packed"]
+    tree = shared_micro_batch(batch, rows).prefix_tree
+    assert len(runs) == (len(tree.runs) * model.config.num_hidden_layers if kernel == "runs" else 0)
     mask = batch.micro_batch(rows).target_mask
     assert lp0.shape == lp1.shape and (lp1[~mask] == 0).all()
     assert torch.allclose(lp0, lp1, atol=1e-5, rtol=0), (lp0 - lp1).abs().max()
@@ -131,14 +150,19 @@ def test_the_actor_learns_the_same_with_shared_prefix_on_off_and_auto(kw):
     batch = make_batch(1000, n=8, group=4, shared_prompts=True, prompt=30)
     adv = advantages_for(batch)
     got, computed = {}, {}
-    for mode in ("off", "on", "auto"):
-        actor = TorchActor(ActorConfig(shared_prefix=mode, lr=1.0, grad_clip=1e9, **kw), tiny)
+    for mode in ("off", "on", "auto", "on_runs"):  # on_runs: actor.packed_attention=runs
+        runs = mode.endswith("_runs")
+        actor = TorchActor(ActorConfig(shared_prefix=mode.removesuffix("_runs"), lr=1.0, grad_clip=1e9,
+                                       packed_attention="runs" if runs else "mask", **kw), tiny)
+        from engines.training.tree_attention import by_runs
+
+        assert by_runs(actor.module) == runs
         actor.optimizer = torch.optim.SGD(actor.params, lr=1.0)
         micro = actor._micro_batches(batch, torch.arange(len(batch)))
         packed = [mb.target_at is not None for mb in micro]
         if mode == "on":
             micro_on = micro
-        assert all(packed) if mode == "on" else not any(packed) if mode == "off" else True, (mode, packed)
+        assert all(packed) if mode.startswith("on") else not any(packed) if mode == "off" else True, (mode, packed)
         old, ent = actor.compute_logprobs(batch)
         m = actor.update(batch, adv, old, None, LossConfig())
         got[mode] = (old, ent, {k: v.clone() for k, v in actor.module.state_dict().items()})
@@ -148,7 +172,7 @@ def test_the_actor_learns_the_same_with_shared_prefix_on_off_and_auto(kw):
     assert computed["on"] == float(sum(mb.tokens for mb in micro_on)) <= computed["off"], computed
     assert computed["on"] < computed["off"] or "max_tokens_per_micro_batch" in kw, computed  # (a budget of 60: one row each)
     base_lp, base_ent, base = got["off"]
-    for mode in ("on", "auto"):
+    for mode in ("on", "auto", "on_runs"):
         lp, ent, state = got[mode]
         assert torch.allclose(lp, base_lp, atol=1e-5) and torch.allclose(ent, base_ent, atol=1e-5), mode
         for k in base:
@@ -161,6 +185,15 @@ def test_the_actor_learns_the_same_with_shared_prefix_on_off_and_auto(kw):
     for mode in ("on", "auto"):  # the reference packs as the actor does, rows back in their order
         got_ref = TorchReference(tiny, micro_batch_size=3, shared_prefix=mode).compute_logprobs(mixed)
         assert torch.allclose(got_ref, want, atol=1e-5), mode
+
+
+def test_packed_attention_runs_needs_sdpa_or_eager():
+    from engines.training.config import ActorConfig
+
+    with pytest.raises(ValueError, match="packed_attention=runs stands in for sdpa or eager"):
+        ActorConfig(packed_attention="runs", attn_implementation="flex_attention")
+    with pytest.raises(ValueError, match="packed_attention='dense' is not allowed"):
+        ActorConfig(packed_attention="dense")
 
 
 def test_the_critic_values_the_same_packed():

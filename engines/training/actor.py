@@ -239,7 +239,8 @@ class ActorBase:
             return [batch.micro_batch(mb) for mb in parts]
         rows = prefix.by_group(batch, rows)
         parts = prefix.budget_rows(batch, rows, budget) if budget else self._micro_rows(rows)
-        return [prefix.micro_batch(batch, mb, mode, self._pair_cost, self.device) for mb in parts]
+        runs = getattr(self.cfg, "packed_attention", "mask") == "runs"
+        return [prefix.micro_batch(batch, mb, mode, self._pair_cost, self.device, runs) for mb in parts]
 
     @property
     def _pair_cost(self) -> float:

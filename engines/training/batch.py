@@ -54,6 +54,7 @@ class MicroBatch:
     target_mask: torch.Tensor  # [b, k] bool
     pixel_values: torch.Tensor | None = None  # [n, C, H, W]: the rows' images, in the order of their image tokens
     target_at: torch.Tensor | None = None  # [b, k] packed positions whose logits score the targets
+    prefix_tree: Any = None  # packed: its runs (engines/training/tree_attention.py PrefixTree)
 
     @property
     def tokens(self) -> int:
@@ -68,7 +69,7 @@ class MicroBatch:
         pv = None if self.pixel_values is None else self.pixel_values.to(device)
         at = None if self.target_at is None else self.target_at.to(device)
         return MicroBatch(self.rows, self.input_ids.to(device), self.attention_mask.to(device), pos, self.first,
-                          self.targets.to(device), self.target_mask.to(device), pv, at)
+                          self.targets.to(device), self.target_mask.to(device), pv, at, self.prefix_tree)
 
     def model_inputs(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Inputs beyond the token ids a forward pass takes: the images of a vision-language model

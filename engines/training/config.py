@@ -107,6 +107,11 @@ class UpdateConfig:
     # auto (the default: packed where a FLOP count of tokens and attention pairs says it saves,
     # prefix.packing_pays; off where the actor or its attention takes no packed mask)
     shared_prefix: str = "auto"
+    # how a packed micro-batch attends: mask (the dense [n, n] mask, in the model's sdpa or eager
+    # attention) or runs (each row's own tokens against its ancestors and themselves, fewer pairs:
+    # engines/training/tree_attention.py). runs measured no faster on the CPU at the demo's lengths
+    # (0.90-1.01x, benchmarks/RESULTS.md); written for long shared prompts and GPUs, not run on one
+    packed_attention: str = "mask"
     ppo_mini_batch_size: int = 0
     ppo_epochs: int = 1
     gradient_checkpointing: bool = False
@@ -175,6 +180,11 @@ class ActorConfig(UpdateConfig):
             raise ValueError("actor.shared_prefix needs an attention that takes a packed mask (sdpa, eager or "
                              "flex_attention); "
                              "flash_attention_2 takes none: set actor.attn_implementation=sdpa or actor.shared_prefix=off")
+        if self.packed_attention not in ("mask", "runs"):
+            raise ValueError(f"actor.packed_attention={self.packed_attention!r} is not allowed; choose mask or runs")
+        if self.packed_attention == "runs" and self.attn_implementation not in ("auto", "sdpa", "eager"):
+            raise ValueError(f"actor.packed_attention=runs stands in for sdpa or eager attention, not "
+                             f"actor.attn_implementation={self.attn_implementation}; set packed_attention=mask")
         if self.max_tokens_per_micro_batch < 0:
             raise ValueError(f"actor.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= 0 "
                              "(0 = actor.micro_batch_size rows per micro-batch)")

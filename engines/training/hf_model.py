@@ -44,12 +44,15 @@ def target_outputs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
                      logits_to_keep=s - mb.first, use_cache=False, **mb.model_inputs(_dtype(model))).logits[:, :k]
     from engines.training.prefix import model_mask
+    from engines.training.tree_attention import by_runs
 
     device = mb.input_ids.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else _dtype(model)
     first = int(mb.target_at[mb.target_mask].min()) if bool(mb.target_mask.any()) else s - 1
+    # actor.packed_attention=runs: attended by runs (tree_attention.py); the dense mask too, for layers that need it
+    tree = {"prefix_tree": mb.prefix_tree} if mb.prefix_tree is not None and by_runs(model) else {}
     out = model(input_ids=mb.input_ids, attention_mask=model_mask(model, mb.attention_mask, dtype),
-                position_ids=mb.position_ids, logits_to_keep=s - first, use_cache=False).logits[0]
+                position_ids=mb.position_ids, logits_to_keep=s - first, use_cache=False, **tree).logits[0]
     return out[(mb.target_at - first).clamp(min=0)]
 
 

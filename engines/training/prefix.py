@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from engines.training.batch import Batch, MicroBatch
+from engines.training.tree_attention import PrefixTree, base_of
 
 MASK_ATTENTION = ("sdpa", "eager", "flex_attention")  # attention implementations that take the packed mask
 
@@ -86,14 +87,14 @@ def shared_micro_batch(batch: Batch, rows: torch.Tensor,
         target_at[i, :n] = path[plen - 1:plen - 1 + n]  # the logit at token t-1 scores token t
     return MicroBatch(rows=rows, input_ids=ids[None], attention_mask=mask[None, None], position_ids=pos[None],
                       first=0, targets=batch.responses[rows, :k], target_mask=torch.arange(k)[None, :] < rlen[:, None],
-                      target_at=target_at)
+                      target_at=target_at, prefix_tree=PrefixTree.from_paths(paths))
 
 
 def model_mask(model: Any, mask: torch.Tensor, dtype: torch.dtype) -> Any:
     """The packed bool mask in the form `model`'s attention takes: bool for sdpa, additive in
     `dtype` (the dtype attention computes in) for eager, a block mask for flex attention (whose
     kernel then skips every block of keys that no query of a block of queries sees: a sibling's)."""
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+    impl = base_of(getattr(getattr(model, "config", None), "_attn_implementation", None)) or "sdpa"
     if impl == "sdpa":
         return mask
     if impl == "eager":
@@ -190,24 +191,27 @@ def _laid_out(batch: Batch, rows: torch.Tensor) -> tuple[list[torch.Tensor], lis
     return (seqs, *layout(seqs))
 
 
-def packing_pays(batch: Batch, rows: torch.Tensor, pair: float, n: int | None = None, least: float = MIN_SAVING["cpu"]
-                 ) -> bool:
+def packing_pays(batch: Batch, rows: torch.Tensor, pair: float, n: int | None = None, least: float = MIN_SAVING["cpu"],
+                 pairs: int | None = None) -> bool:
     """Whether packing `rows` saves at least `least` (`min_saving`) of the FLOPs: tokens plus attention pairs
     weighted by `pair` (`pair_cost`), padded (rows x width, each row's square) against packed (the
-    tokens computed, and every pair of them: a dense mask computes them all)."""
+    tokens computed, and the attention pairs: `pairs` where attention goes by runs (`PrefixTree.pairs`),
+    else every pair of them, as a dense mask computes them all)."""
     width = int(batch.prompt_lengths[rows].max() + batch.response_lengths[rows].max())
     padded = len(rows) * (width + pair * width * width)
     n = computed_tokens(batch, rows) if n is None else n  # `n`: the packed size, when already known
-    return n + pair * n * n <= (1 - least) * padded
+    return n + pair * (n * n if pairs is None else pairs) <= (1 - least) * padded
 
 
-def micro_batch(batch: Batch, rows: torch.Tensor, mode: str, pair: float, device: torch.device | None = None
-                ) -> MicroBatch:
+def micro_batch(batch: Batch, rows: torch.Tensor, mode: str, pair: float, device: torch.device | None = None,
+                runs: bool = False) -> MicroBatch:
     """`rows` as one micro-batch by `actor.shared_prefix` `mode`: packed (on; auto where
     `packing_pays` with `pair` the saving `min_saving(device)` asks) or padded (off, or rows with images)."""
     if mode == "off" or has_images(batch, rows):
         return batch.micro_batch(rows)
     laid = _laid_out(batch, rows)  # once, for the decision and the packing
-    if mode == "auto" and not packing_pays(batch, rows, pair, laid[2], min_saving(device)):
-        return batch.micro_batch(rows)
+    if mode == "auto":  # `runs`: the model attends by runs (actor.packed_attention), fewer pairs than the mask
+        pairs = PrefixTree.from_paths(laid[1]).pairs() if runs else None
+        if not packing_pays(batch, rows, pair, laid[2], min_saving(device), pairs):
+            return batch.micro_batch(rows)
     return shared_micro_batch(batch, rows, laid)

@@ -88,6 +88,12 @@ class TorchActor(ActorBase):
         attention = getattr(self.cfg, "attn_implementation", "auto")  # a critic keeps the model's default
         if attention != "auto":
             module.set_attn_implementation(attention)
+        if getattr(self.cfg, "packed_attention", "mask") == "runs":
+            from engines.training.tree_attention import install
+
+            if not install(module):
+                raise ValueError("actor.packed_attention=runs stands in for sdpa or eager attention; this model's is "
+                                 f"{module.config._attn_implementation}: set actor.packed_attention=mask")
         if self.cfg.gradient_checkpointing:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.cfg.lora is not None:
