@@ -109,8 +109,8 @@ class UpdateConfig:
     shared_prefix: str = "auto"
     # how a packed micro-batch attends: mask (the dense [n, n] mask, in the model's sdpa or eager
     # attention) or runs (each row's own tokens against its ancestors and themselves, fewer pairs:
-    # engines/training/tree_attention.py). runs measured no faster on the CPU at the demo's lengths
-    # (0.90-1.01x, benchmarks/RESULTS.md); written for long shared prompts and GPUs, not run on one
+    # engines/training/tree_attention.py). On the CPU, 0.90-1.01x of the mask at the demo's shapes and
+    # 1.22x with replies as long as the prompt and two groups per micro-batch (benchmarks/RESULTS.md); GPUs: not run
     packed_attention: str = "mask"
     ppo_mini_batch_size: int = 0
     ppo_epochs: int = 1

@@ -11,9 +11,10 @@ ancestors' keys and its own, so the pairs computed are those of the padded rows 
 padding and without a shared prefix's square repeated per row. The gradient reaching a shared key
 or value is the sum over the runs that read it, as in the dense computation.
 
-Used with `actor.packed_attention=runs`; the default is the dense mask: on the CPU at the demo's
-lengths this measured 0.90-1.01x of it (the attention is a small part of the update there); it
-computes far fewer pairs where a long shared prompt or several groups fill a packed sequence.
+Used with `actor.packed_attention=runs`; the default is the dense mask. On the CPU this measured
+0.90-1.01x of it at the demo's shapes (the attention a small part of the update there) and 1.22x
+where replies are as long as the prompt and two groups share a packed sequence (the mask then
+computes 2.4x the padded rows' pairs); not run on a GPU.
 The model is a Hugging Face causal LM, unmodified: its attention is switched once to
 `switchyard_tree_sdpa` or `switchyard_tree_eager` (`install`), registered with transformers'
 attention and mask interfaces. Given a `prefix_tree` (passed with the forward's keyword arguments,
