@@ -62,7 +62,8 @@ def layout(seqs: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
 
 
 def shared_micro_batch(batch: Batch, rows: torch.Tensor,
-                       laid: tuple[list[torch.Tensor], list[torch.Tensor], int] | None = None) -> MicroBatch:
+                       laid: tuple[list[torch.Tensor], list[torch.Tensor], int] | None = None,
+                       tree: PrefixTree | None = None) -> MicroBatch:
     """`rows` of `batch` packed as a prefix tree into one sequence (see the module's docstring);
     the targets, their mask and `rows` are those `batch.micro_batch(rows)` has."""
     if has_images(batch, rows):
@@ -87,7 +88,7 @@ def shared_micro_batch(batch: Batch, rows: torch.Tensor,
         target_at[i, :n] = path[plen - 1:plen - 1 + n]  # the logit at token t-1 scores token t
     return MicroBatch(rows=rows, input_ids=ids[None], attention_mask=mask[None, None], position_ids=pos[None],
                       first=0, targets=batch.responses[rows, :k], target_mask=torch.arange(k)[None, :] < rlen[:, None],
-                      target_at=target_at, prefix_tree=PrefixTree.from_paths(paths))
+                      target_at=target_at, prefix_tree=tree or PrefixTree.from_paths(paths))
 
 
 def model_mask(model: Any, mask: torch.Tensor, dtype: torch.dtype) -> Any:
@@ -210,8 +211,8 @@ def micro_batch(batch: Batch, rows: torch.Tensor, mode: str, pair: float, device
     if mode == "off" or has_images(batch, rows):
         return batch.micro_batch(rows)
     laid = _laid_out(batch, rows)  # once, for the decision and the packing
-    if mode == "auto":  # `runs`: the model attends by runs (actor.packed_attention), fewer pairs than the mask
-        pairs = PrefixTree.from_paths(laid[1]).pairs() if runs else None
-        if not packing_pays(batch, rows, pair, laid[2], min_saving(device), pairs):
-            return batch.micro_batch(rows)
-    return shared_micro_batch(batch, rows, laid)
+    tree = PrefixTree.from_paths(laid[1])
+    # auto: `runs`, the model attends by runs (actor.packed_attention), fewer pairs than the mask
+    if mode == "auto" and not packing_pays(batch, rows, pair, laid[2], min_saving(device), tree.pairs() if runs else None):
+        return batch.micro_batch(rows)
+    return shared_micro_batch(batch, rows, laid, tree)

@@ -111,8 +111,6 @@ def install(model: torch.nn.Module) -> bool:
 def by_runs(model: torch.nn.Module) -> bool:
     """Whether `model`'s attention was switched to the tree attention (`install`)."""
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if impl is None and hasattr(model, "module"):  # a wrapper (a DeepSpeed engine)
-        impl = getattr(getattr(model.module, "config", None), "_attn_implementation", None)
     return isinstance(impl, str) and impl.startswith(PREFIX)
 
 
