@@ -4,8 +4,9 @@ of groups runs on the current weights, nothing runs while the trainer updates, a
 starts once the new weights are in the engines. k >= 1 is asynchronous RL: rollout runs on through
 the updates, at most k batches ahead.
 
-On rank 0 a feeder thread keeps at most (k + 1) batches' worth of groups outstanding (running,
-finished, or being taken, and not yet trained). Rows come from the stream a batch at a time
+On rank 0 a feeder thread keeps at most (k + 1) batches' worth of groups outstanding (running or
+finished, and not yet trained; at k >= 1 the groups a waiting `take()` has already picked make room
+for new ones until the batch is complete: see `_outstanding`). Rows come from the stream a batch at a time
 (`stream.next_batch`, so a curriculum's schedule advances per step). Finished groups wait in a
 buffer; `take()` hands the trainer the first `prompts_per_step` of them whose every model token
 was produced by weights no older than `version - k` (`Batch.version_segments`, recorded per token
@@ -113,7 +114,7 @@ class RolloutFeeder:
         try:
             while not self._stop.is_set():
                 with self.cond:
-                    while len(self.running) + len(self.ready) + self.taking < self._allowed():
+                    while self._outstanding() < self._allowed():
                         self._submit_one()
                 done = self.manager.poll(timeout_s=0.2)
                 with self.cond:
@@ -137,6 +138,17 @@ class RolloutFeeder:
                 self.error = e
                 self.cond.notify_all()
 
+    def _outstanding(self) -> int:
+        """Groups counted against `_allowed()`. At k = 0 every group not yet trained, the ones a
+        `take()` is picking included: synchronous, nothing more starts. At k >= 1 the picked ones of
+        a take still waiting for the rest of its batch are not counted until the batch is complete:
+        the trainer is idle then, waiting on rollout, and more groups in flight shorten its wait. A
+        group started in that window can end up older than the bound by the time it is trained; the
+        bound itself is kept by `take()`, which never trains such a group (it is generated again).
+        Faster and more groups generated again than counting them (benchmarks/RESULTS.md,
+        asynchronous RL)."""
+        return len(self.running) + len(self.ready) + (self.taking if self.k == 0 else 0)
+
     def _allowed(self) -> int:
         """Groups that may be outstanding now. A group started on engine version u must be trained
         by version u + k: with batches in order that holds when at most k + 1 batches are outstanding
@@ -150,6 +162,7 @@ class RolloutFeeder:
         with self.cond:
             self.untrained = max(0, self.untrained - 1)
             self.version = int(version)
+        self.manager.wake()  # the feeder thread submits the rows this frees now, not at its next poll
 
     def _submit_one(self) -> None:
         """One group: a row to redo first, else the stream's next row (caller holds the lock)."""
@@ -222,6 +235,7 @@ class RolloutFeeder:
                     if oldest is not None and oldest < version - self.k:
                         self.counts["dropped_stale_groups"] += 1
                         self.again.append((group.row_id, group.row))
+                        self.manager.wake()  # generated again at once
                         continue
                     outputs = [o for o in group.outputs if o is not None]
                     if self.record is not None:
@@ -232,6 +246,8 @@ class RolloutFeeder:
                         continue
                     picked.append(group)
                     self.taking += 1
+                    if self.k:
+                        self.manager.wake()  # it made room for another group (`_outstanding`)
                 self.untrained += 1
                 counts, self.counts = self.counts, collections.Counter()
                 buffered, running = len(self.ready), len(self.running)

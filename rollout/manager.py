@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import queue
 import signal
 import threading
@@ -78,6 +79,7 @@ class AgentLoopManager:
         self._inbox: queue.Queue = queue.Queue()  # streaming results of the in-process worker
         self._inproc_calls: dict[int, Any] = {}  # call id -> the in-process worker's future of it
         self._broken: str | None = None
+        self._wake: tuple[int, int] | None = None  # a pipe: wake() makes a poll() waiting on the workers return
 
     @property
     def worker_pids(self) -> list[int]:
@@ -128,6 +130,9 @@ class AgentLoopManager:
             self._procs.append(proc)
             self._tasks.append(task_w)
             self._results.append(res_r)
+        self._wake = os.pipe()  # after the workers start: no forked worker holds it
+        for fd in self._wake:
+            os.set_blocking(fd, False)
         waiting = set(range(len(self._procs)))
         deadline = time.monotonic() + self.cfg.ready_timeout_s + 120  # + process start and imports
         while waiting:
@@ -136,8 +141,21 @@ class AgentLoopManager:
                     raise RuntimeError(f"agent worker {w} failed to start:\n{msg['error']}")
                 waiting.discard(w)
 
-    def _receive(self, workers: set[int], deadline: float, what: str) -> list[tuple[int, dict[str, Any]]]:
-        """Messages from `workers`, waiting at most 1 s; a dead worker or the deadline raises."""
+    def wake(self) -> None:
+        """Make a `poll()` that is waiting return now (another thread has work for its caller)."""
+        if self._inproc is not None:
+            self._inbox.put({"op": "wake"})
+            return
+        if self._wake is not None:
+            try:
+                os.write(self._wake[1], b"w")
+            except OSError:  # full: a wake is pending anyway
+                pass
+
+    def _receive(self, workers: set[int], deadline: float, what: str,
+                 wait_s: float = 1.0) -> list[tuple[int, dict[str, Any]]]:
+        """Messages from `workers`, waiting at most `wait_s` (or until `wake()`); a dead worker or
+        the deadline raises."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"agent workers {sorted(workers)} did not finish {what} in time; check their "
@@ -147,8 +165,16 @@ class AgentLoopManager:
         sentinels = {self._procs[w].sentinel: w for w in workers}
         got: list[tuple[int, dict[str, Any]]] = []
         dead: set[int] = set()
-        for obj in wait([*conns, *sentinels], timeout=min(1.0, left)):
-            if obj in conns:
+        wake = [self._wake[0]] if self._wake is not None else []
+        for obj in wait([*conns, *sentinels, *wake], timeout=min(wait_s, left)):
+            if obj in wake:
+                assert self._wake is not None
+                try:
+                    while os.read(self._wake[0], 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif obj in conns:
                 w = conns[obj]
                 try:
                     while obj.poll():
@@ -185,6 +211,10 @@ class AgentLoopManager:
         for conn in [*self._tasks, *self._results]:
             conn.close()
         self._procs, self._tasks, self._results = [], [], []
+        if self._wake is not None:
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
         if self._inproc is not None:
             worker, loop, thread = self._inproc
             self._inproc = None
@@ -320,7 +350,7 @@ class AgentLoopManager:
                                            f"{fut.exception()!r}") from fut.exception()
         else:
             msgs = self._receive(set(range(len(self._procs))), time.monotonic() + max(timeout_s, 1e-3) + 3600,
-                                 "a streaming rollout")
+                                 "a streaming rollout", wait_s=max(timeout_s, 1e-3))
         out = []
         for w, msg in msgs:
             if msg["op"] == "call_failed":

@@ -36,6 +36,10 @@ class ScriptedManager:
         self.release: set[str] = set()  # row texts allowed to finish; "*" = all
         self.lock = threading.Lock()
         self.weights: list[Any] = []  # the weight version each submit asked the engines for
+        self.wakes = 0
+
+    def wake(self) -> None:
+        self.wakes += 1
 
     def submit(self, rows: list[dict[str, Any]], weight_version: Any = None, n: int = 2) -> int:
         with self.lock:
@@ -84,6 +88,29 @@ def test_outstanding_groups_are_bounded_by_staleness_and_pushes():
         _wait(lambda: len(mgr.calls) == 6)
     finally:
         buf.close()
+
+
+def test_a_waiting_take_lets_its_picked_groups_make_room_above_staleness_0():
+    for k, room in ((1, 1), (0, 0)):
+        mgr = ScriptedManager()
+        buf = RolloutFeeder(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=k)
+        buf.start()
+        try:
+            _wait(lambda: len(mgr.calls) == 2 * (k + 1))
+            mgr.release.add("q0")  # the take picks one group and waits for its second
+            got: list[Any] = []
+            taker = threading.Thread(target=lambda: got.append(buf.take(version=0)))
+            taker.start()
+            _wait(lambda: buf.taking == 1)
+            time.sleep(0.1)
+            assert len(mgr.calls) == 2 * (k + 1) + room  # k >= 1: one more group while the trainer waits
+            mgr.release.add("*")
+            taker.join(timeout=5)
+            assert got and got[0].row_ids == ["0", "1"]
+            time.sleep(0.1)  # the batch is taken: counted again until it is trained
+            assert len(mgr.calls) == 2 * (k + 1) + room
+        finally:
+            buf.close()
 
 
 def test_staleness_0_is_synchronous_one_batch_on_the_current_weights_in_draw_order():

@@ -138,6 +138,12 @@ def test_two_workers_two_servers_mixed_agents(servers, tool_caller, tmp_path):
         assert server_log(srv.request_logs) == {}  # refused before anything was dispatched
         outs = mgr.generate_outputs(rows)
         pad_id = mgr.pad_id
+        # poll() waits as long as asked and no longer, and wake() from another thread ends the wait
+        t0 = time.monotonic()
+        assert mgr.poll(timeout_s=0.05) == [] and time.monotonic() - t0 < 0.5
+        threading.Timer(0.2, mgr.wake).start()
+        t0 = time.monotonic()
+        assert mgr.poll(timeout_s=60) == [] and time.monotonic() - t0 < 5
     assert len(outs) == len(rows) * n
     from engines.models import load_tokenizer
 
