@@ -53,7 +53,8 @@ def target_outputs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     tree = {"prefix_tree": mb.prefix_tree} if mb.prefix_tree is not None and by_runs(model) else {}
     out = model(input_ids=mb.input_ids, attention_mask=model_mask(model, mb.attention_mask, dtype),
                 position_ids=mb.position_ids, logits_to_keep=s - first, use_cache=False, **tree).logits[0]
-    return out[(mb.target_at - first).clamp(min=0)]
+    at = (mb.target_at - first).clamp(min=0)
+    return out.index_select(0, at.flatten()).view(*at.shape, out.shape[-1])  # its backward adds, unlike indexing's
 
 
 def micro_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float,

@@ -8,13 +8,16 @@ causally. The dense [n, n] mask that says so makes sdpa and eager attention comp
 the packed sequence, most of them masked: a GRPO group of 8 replies after one prompt computes each
 reply against every sibling. Here each run is attended on its own: its queries against its
 ancestors' keys and its own, so the pairs computed are those of the padded rows without their
-padding and without a shared prefix's square repeated per row. The gradient reaching a shared key
-or value is the sum over the runs that read it, as in the dense computation.
+padding and without a shared prefix's square repeated per row. Runs of similar length go in one
+kernel call (`Plan`: gathered by index into [runs, heads, length, dim], padded to the bucket's
+longest run, at most `BUCKET_WASTE` query slots per token), so a GRPO group's replies are one call
+per layer, not one each. The gradient reaching a shared key or value is the sum over the runs that
+read it (the gathers' backward adds), as in the dense computation.
 
-Used with `actor.packed_attention=runs`; the default is the dense mask. On the CPU this measured
-0.90-1.01x of it at the demo's shapes (the attention a small part of the update there) and 1.22x
-where replies are as long as the prompt and two groups share a packed sequence (the mask then
-computes 2.4x the padded rows' pairs); not run on a GPU.
+Used with `actor.packed_attention=runs`; the default is the dense mask. Measured on CPUs only
+(benchmarks/RESULTS.md): where replies are as long as the prompt and two groups share a packed
+sequence (vs_trl.py's shape, the mask then computing 2.4x the padded rows' pairs) 1.22-1.30x the
+update of `shared_prefix=off`; at the demo's shapes about the mask's speed.
 The model is a Hugging Face causal LM, unmodified: its attention is switched once to
 `switchyard_tree_sdpa` or `switchyard_tree_eager` (`install`), registered with transformers'
 attention and mask interfaces. Given a `prefix_tree` (passed with the forward's keyword arguments,
@@ -49,6 +52,7 @@ class PrefixTree:
 
     runs: list[tuple[int, int, list[tuple[int, int]]]]
     _masks: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    _plans: dict[str, "Plan"] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_paths(cls, paths: list[torch.Tensor]) -> "PrefixTree":
@@ -76,8 +80,75 @@ class PrefixTree:
         return self._masks[key]
 
     def pairs(self) -> int:
-        """Query-key pairs the runs compute (each run's queries x its ancestors and itself)."""
+        """Query-key pairs the runs need (each run's queries x its ancestors and itself)."""
         return sum((e - s) * (sum(b - a for a, b in anc) + e - s) for s, e, anc in self.runs)
+
+    def plan(self, device: torch.device) -> "Plan":
+        """The runs batched for the kernel (`Plan`), made once per device."""
+        key = str(device)
+        if key not in self._plans:
+            self._plans[key] = Plan.of(self, device)
+        return self._plans[key]
+
+
+BUCKET_WASTE = 1.25  # a bucket of runs padded to its longest may compute at most this many query slots per token
+
+
+@dataclass
+class Bucket:
+    """Runs of similar length attended in one call: `queries` [R * F] and `keys` [R * K] packed
+    positions gathered (padding points at position 0 and is masked), `mask` [R, 1, F, K], and
+    `real` the [R * F] slots that are tokens, in packed order."""
+
+    rows: int
+    queries: torch.Tensor
+    keys: torch.Tensor
+    mask: torch.Tensor
+    real: torch.Tensor
+
+
+@dataclass
+class Plan:
+    """A tree's runs in buckets (`Bucket`), and `order`: for each packed position, its place in
+    the buckets' real slots laid end to end."""
+
+    buckets: list[Bucket]
+    order: torch.Tensor
+
+    @classmethod
+    def of(cls, tree: PrefixTree, device: torch.device) -> "Plan":
+        runs = sorted(range(len(tree.runs)), key=lambda i: tree.runs[i][1] - tree.runs[i][0])
+        groups: list[list[int]] = []
+        for i in runs:  # ascending fresh length: each bucket is padded to its last (longest) run
+            f = tree.runs[i][1] - tree.runs[i][0]
+            if groups and f * (len(groups[-1]) + 1) <= BUCKET_WASTE * (
+                    f + sum(tree.runs[j][1] - tree.runs[j][0] for j in groups[-1])):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        buckets, placed = [], []
+        for g in groups:
+            spans = [(tree.runs[i], sum(b - a for a, b in tree.runs[i][2])) for i in g]
+            f_max = max(e - s for (s, e, _), _a in spans)
+            k_max = max(a + e - s for (s, e, _), a in spans)
+            q = torch.zeros(len(g), f_max, dtype=torch.long)
+            k = torch.zeros(len(g), k_max, dtype=torch.long)
+            mask = torch.zeros(len(g), 1, f_max, k_max, dtype=torch.bool)
+            mask[:, 0, :, 0] = True  # padding queries see position 0 (their output is dropped): no empty row
+            real = torch.zeros(len(g), f_max, dtype=torch.bool)
+            for r, (i, ((s, e, anc), a)) in enumerate(zip(g, spans)):
+                f = e - s
+                q[r, :f] = torch.arange(s, e)
+                k[r, :a + f] = torch.cat([torch.arange(x, y) for x, y in anc] + [torch.arange(s, e)])
+                mask[r, 0, :f] = False
+                mask[r, 0, :f, :a + f] = tree.mask(i, torch.device("cpu"))
+                real[r, :f] = True
+                placed.append(q[r, :f])
+            buckets.append(Bucket(len(g), q.flatten().to(device), k.flatten().to(device), mask.to(device),
+                                  real.flatten().nonzero().flatten().to(device)))
+        order = torch.empty(sum(len(p) for p in placed), dtype=torch.long)
+        order[torch.cat(placed)] = torch.arange(len(order))
+        return cls(buckets, order.to(device))
 
 
 def _ranges(positions: torch.Tensor) -> list[tuple[int, int]]:
@@ -164,27 +235,23 @@ def _tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         v = v.repeat_interleave(q.shape[0] // v.shape[0], 0)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     run = _run_sdpa if base == "sdpa" else _run_eager
+    h, d = q.shape[0], q.shape[-1]
     outs = []
-    for i, (start, end, anc) in enumerate(tree.runs):
-        ks = torch.cat([k[:, s:e] for s, e in anc] + [k[:, start:end]], 1) if anc else k[:, start:end]
-        vs = torch.cat([v[:, s:e] for s, e in anc] + [v[:, start:end]], 1) if anc else v[:, start:end]
-        outs.append(run(q[:, start:end], ks, vs, tree.mask(i, q.device) if anc else None, scale))
-    out = torch.cat(outs, 1) if len(outs) > 1 else outs[0]  # [heads, n, d]
+    for b in tree.plan(q.device).buckets:  # [R, heads, F or K, d] gathered; keys shared by runs get summed gradients
+        qb = q.index_select(1, b.queries).view(h, b.rows, -1, d).transpose(0, 1)
+        kb = k.index_select(1, b.keys).view(h, b.rows, -1, d).transpose(0, 1)
+        vb = v.index_select(1, b.keys).view(h, b.rows, -1, d).transpose(0, 1)
+        outs.append(run(qb, kb, vb, b.mask, scale).transpose(0, 1).reshape(h, -1, d).index_select(1, b.real))
+    out = (torch.cat(outs, 1) if len(outs) > 1 else outs[0]).index_select(1, tree.plan(q.device).order)
     return out.transpose(0, 1)[None].contiguous(), None
 
 
-def _run_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-              ) -> torch.Tensor:
-    f = torch.nn.functional.scaled_dot_product_attention
-    return f(q, k, v, is_causal=True, scale=scale) if mask is None else f(q, k, v, attn_mask=mask, scale=scale)
+def _run_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def _run_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-               ) -> torch.Tensor:
+def _run_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """As transformers' eager attention: scores in the compute dtype, softmax in float32."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if mask is None:
-        n = q.shape[-2]
-        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril_()
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
