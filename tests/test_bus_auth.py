@@ -42,8 +42,8 @@ async def _raw(address: str, msg: P.Message, curve: ClientKeys | None, timeout_s
     if curve is not None:
         curve.apply(s)
     s.connect(address)
-    try:
-        await s.send_multipart(msg.encode())
+    try:  # the send too has a deadline: with no connected pipe (a handshake refused, the reconnect not yet made) it waits
+        await asyncio.wait_for(s.send_multipart(msg.encode()), timeout_s)
         return P.decode(await asyncio.wait_for(s.recv_multipart(), timeout_s))
     except asyncio.TimeoutError:
         return None
