@@ -236,13 +236,13 @@ def _tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     run = _run_sdpa if base == "sdpa" else _run_eager
     h, d = q.shape[0], q.shape[-1]
-    outs = []
-    for b in tree.plan(q.device).buckets:  # [R, heads, F or K, d] gathered; keys shared by runs get summed gradients
+    plan, outs = tree.plan(q.device), []
+    for b in plan.buckets:  # [R, heads, F or K, d] gathered; keys shared by runs get summed gradients
         qb = q.index_select(1, b.queries).view(h, b.rows, -1, d).transpose(0, 1)
         kb = k.index_select(1, b.keys).view(h, b.rows, -1, d).transpose(0, 1)
         vb = v.index_select(1, b.keys).view(h, b.rows, -1, d).transpose(0, 1)
         outs.append(run(qb, kb, vb, b.mask, scale).transpose(0, 1).reshape(h, -1, d).index_select(1, b.real))
-    out = (torch.cat(outs, 1) if len(outs) > 1 else outs[0]).index_select(1, tree.plan(q.device).order)
+    out = (torch.cat(outs, 1) if len(outs) > 1 else outs[0]).index_select(1, plan.order)
     return out.transpose(0, 1)[None].contiguous(), None
 
 
