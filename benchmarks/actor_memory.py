@@ -16,7 +16,9 @@ per parameter; with `model.dtype=bfloat16` the unsharded LoRA actor holds it in 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -31,6 +33,9 @@ GB = 2.0**30
 RUNS = {"dp1": (1, "none"), "dp2_ddp": (2, "none"), "dp2_fsdp": (2, "fsdp"), "dp1_lora": (1, "none+lora"),
         "dp2_fsdp_lora": (2, "fsdp+lora")}
 LORA_RANK = 16  # the projection's adapter: every Linear layer of the decoder at this rank
+DEADLINE_S = {True: 150.0, False: 900.0}  # one torchrun configuration (--quick or not): it takes 3-10 s / minutes
+COLLECTIVE_TIMEOUT_S = 90.0  # a stuck collective raises, naming itself...
+STACKS_BEFORE_S = 30.0  # ...and every rank prints its threads' stacks this long before the deadline
 # (hidden, intermediate, layers, key/value width) of the projected shapes: Llama-2-7B, Llama-3-70B
 SHAPES = {7: (4096, 11008, 32, 4096), 70: (8192, 28672, 80, 1024)}
 
@@ -61,7 +66,8 @@ def worker(model: str, sharding: str, out: Path) -> None:
     from engines.training.torch_actor import TorchActor
     from parallel.mesh import init_distributed
 
-    rank, world = init_distributed()
+    faulthandler.dump_traceback_later(float(os.environ["STACKS_AFTER_S"]))  # a stuck rank shows where it is
+    rank, world = init_distributed(timeout_s=COLLECTIVE_TIMEOUT_S)
     sharding, lora = sharding.split("+")[0], LoraConfig(rank=8) if sharding.endswith("+lora") else None
     actor = TorchActor(ActorConfig(lr=1e-5, micro_batch_size=2, sharding=sharding, lora=lora), model, progress=False)
     batch = _batch(int(actor.module.config.vocab_size))
@@ -83,6 +89,7 @@ def worker(model: str, sharding: str, out: Path) -> None:
     if world > 1:  # nobody tears its group down while the other rank still talks (gloo aborts then)
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def project(params: float, dp: int, sharded: bool) -> float:
@@ -115,6 +122,31 @@ def project_megatron_bf16(params: float, dp: int, tp: int = 1) -> float:
     return (2 + 4 + 12 / dp) * params / tp / GB
 
 
+def _configuration(key: str, model: str, ranks: int, sharding: str, deadline_s: float) -> list[dict] | None:
+    """One configuration under torchrun: each rank's report, or None when it did not finish within
+    `deadline_s` (its ranks are killed; their stacks, dumped by each rank before then, are printed)."""
+    with tempfile.TemporaryDirectory(prefix="actor-mem-") as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+               str(Path(__file__).resolve()), "--worker", model, sharding, tmp]
+        env = child_env(OMP_NUM_THREADS="1", STACKS_AFTER_S=str(deadline_s - STACKS_BEFORE_S))
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            import psutil
+
+            for p in [*psutil.Process(proc.pid).children(recursive=True), proc]:  # torchrun starts each rank
+                p.kill()  # in a session of its own
+            stdout, stderr = proc.communicate()
+            print(f"{key}: no result within {deadline_s:.0f}s, its ranks killed:\n{stdout[-2000:]}\n{stderr[-6000:]}",
+                  flush=True)
+            return None
+        if proc.returncode != 0:
+            raise SystemExit(f"{key} failed:\n{stdout[-2000:]}\n{stderr[-4000:]}")
+        return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -130,14 +162,12 @@ def main() -> None:
     model = str(resolve_model(name))
     report: dict[str, Any] = {"machine": machine(), "model": name, "runs": {}}
     for key, (ranks, sharding) in RUNS.items():
-        with tempfile.TemporaryDirectory(prefix="actor-mem-") as tmp:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                   str(Path(__file__).resolve()), "--worker", model, sharding, tmp]
-            env = child_env(OMP_NUM_THREADS="1")
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise SystemExit(f"{key} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-            ranks_out = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(ranks)]
+        ranks_out = _configuration(key, model, ranks, sharding, DEADLINE_S[args.quick])
+        if ranks_out is None:  # stuck (the ranks' stacks are above): measured once more, and the report says so
+            report.setdefault("stuck_runs", []).append(key)
+            ranks_out = _configuration(key, model, ranks, sharding, DEADLINE_S[args.quick])
+        if ranks_out is None:
+            raise SystemExit(f"{key} got stuck twice; the ranks' stacks are above")
         report["runs"][key] = {"ranks": ranks, "sharding": sharding, "per_rank": ranks_out}
         print(f"{key}: " + ", ".join(f"rank {r['rank']}: held {r['total_gb'] * 1024:.0f} MiB, peak RSS "
                                      f"{r['peak_rss_gb'] * 1024:.0f} MiB" for r in ranks_out), flush=True)

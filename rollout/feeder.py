@@ -62,6 +62,12 @@ def _order(row_id: str) -> tuple[int, str]:
     return (int(row_id), "") if row_id.isdigit() else (1 << 62, row_id)
 
 
+def _mixed(out: Any) -> bool:
+    """The trajectory's model tokens come from more than one weight version (a generation preempted
+    by a weight push and continued, or turns on either side of one)."""
+    return len({v for v, n in out.version_segments if n}) > 1
+
+
 @dataclass
 class Taken:
     """What `take()` returns: a batch's groups in draw order and the feeder's numbers for the step."""
@@ -125,6 +131,7 @@ class RolloutFeeder:
                                 self.aside[call][index] = out
                             continue
                         group.outputs[index] = out
+                        self.counts["mixed_version_done"] += int(out is not None and _mixed(out))
                         if all(o is not None for o in group.outputs):
                             group.finished_t = time.time()
                             del self.running[call]
@@ -258,7 +265,7 @@ class RolloutFeeder:
         staleness = [version - v if v is not None else 0 for v in (g.oldest_version() for g in picked)]
         outputs = [o for g in picked for o in g.outputs if o is not None]
         # by a preempted generation or by turns on either side of a weight push
-        mixed = sum(1 for o in outputs if len({v for v, n in o.version_segments if n}) > 1)
+        mixed = sum(1 for o in outputs if _mixed(o))
         tokens: collections.Counter = collections.Counter()  # model tokens per producing weight version
         for o in outputs:
             for v, n in o.version_segments:

@@ -39,7 +39,9 @@ def test_staleness_1_overlaps_rollout_with_updates_within_the_bound(tmp_path: Pa
         versions_seen |= set(produced)
     # a weight push preempted running generations, which went on with the next version's weights
     assert sum(v for r in rows for k, v in r.items() if k.endswith("/preemptions")) > 0
-    assert sum(r["async/mixed_version_trajectories"] for r in rows) > 0
+    # (counted as they finish: whether such a trajectory is then trained or dropped as too old for the
+    # bound depends on when the push fell, so the trained count may be 0 in a short run)
+    assert sum(r.get("async/mixed_version_done", 0) for r in rows) > 0
     assert any(len(r["async/token_versions"]) > 1 for r in rows)
     # the engines generated through the updates (the synchronous loop leaves them idle then)
     busy = [r["time/engine_busy_in_update"] for r in rows[1:]]
