@@ -134,17 +134,38 @@ def _configuration(key: str, model: str, ranks: int, sharding: str, deadline_s: 
         try:
             stdout, stderr = proc.communicate(timeout=deadline_s)
         except subprocess.TimeoutExpired:
-            import psutil
-
-            for p in [*psutil.Process(proc.pid).children(recursive=True), proc]:  # torchrun starts each rank
-                p.kill()  # in a session of its own
-            stdout, stderr = proc.communicate()
+            _end(proc)
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:  # a rank that outlived the kill keeps the pipes open
+                stdout, stderr = "", "(the output could not be read: a rank still holds it)"
             print(f"{key}: no result within {deadline_s:.0f}s, its ranks killed:\n{stdout[-2000:]}\n{stderr[-6000:]}",
                   flush=True)
             return None
         if proc.returncode != 0:
             raise SystemExit(f"{key} failed:\n{stdout[-2000:]}\n{stderr[-4000:]}")
         return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Stop torchrun and its ranks: TERM first (torchrun passes it to its ranks, and so does a process
+    that only stands in for the real one, as under the test suite's warm starts), KILL what is left."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in tree:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    for p in psutil.wait_procs(tree, timeout=15)[1]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def main() -> None:

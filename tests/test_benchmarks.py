@@ -25,8 +25,12 @@ def test_bus_vs_ray_small_run(tmp_path):
 
 def _run(script: str, args: list[str], tmp_path: Path) -> tuple[str, dict]:
     out = tmp_path / f"{Path(script).stem}.json"
-    proc = subprocess.run([sys.executable, script, *args, "--out", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)
+    try:  # inside the test's own limit, so that what it printed is shown
+        proc = subprocess.run([sys.executable, script, *args, "--out", str(out)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=780)
+    except subprocess.TimeoutExpired as e:
+        text = lambda b: (b.decode(errors="replace") if isinstance(b, bytes) else b or "")  # noqa: E731
+        pytest.fail(f"{script} did not finish within 780 s:\n{text(e.stdout)[-3000:]}\n{text(e.stderr)[-5000:]}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout.strip().splitlines()[-1], json.loads(out.read_text())
 

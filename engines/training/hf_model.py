@@ -48,12 +48,12 @@ def target_outputs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
 
     device = mb.input_ids.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else _dtype(model)
-    first = int(mb.target_at[mb.target_mask].min()) if bool(mb.target_mask.any()) else s - 1
+    # the head runs only at the positions that score a target (the packed sequence's later prompts have none)
+    keep, at = torch.unique(mb.target_at.clamp(0, s - 1), return_inverse=True)
     # actor.packed_attention=runs: attended by runs (tree_attention.py); the dense mask too, for layers that need it
     tree = {"prefix_tree": mb.prefix_tree} if mb.prefix_tree is not None and by_runs(model) else {}
     out = model(input_ids=mb.input_ids, attention_mask=model_mask(model, mb.attention_mask, dtype),
-                position_ids=mb.position_ids, logits_to_keep=s - first, use_cache=False, **tree).logits[0]
-    at = (mb.target_at - first).clamp(min=0)
+                position_ids=mb.position_ids, logits_to_keep=keep, use_cache=False, **tree).logits[0]
     return out.index_select(0, at.flatten()).view(*at.shape, out.shape[-1])  # its backward adds, unlike indexing's
 
 
