@@ -22,7 +22,7 @@ the installed torch; `--trl-python` uses another interpreter that has TRL.
 
     python benchmarks/vs_trl.py --quick               # tiny-llama, hf engine, 3 short steps each, 1 round
     python benchmarks/vs_trl.py                       # SmolLM2-135M, 8 steps each, 2 rounds + extra rows
-    python benchmarks/vs_trl.py --dtype bfloat16 --packed-attention runs --extra-rows prefix_off --rounds 1
+    python benchmarks/vs_trl.py --dtype bfloat16 --micro-batch-tokens 2600 --extra-rows prefix_off --rounds 1
 """
 
 from __future__ import annotations
@@ -202,7 +202,8 @@ def run_trl(py: str, rows: Path, out: Path, w: dict[str, Any], skip: int, flops:
 def switchyard_config(w: dict[str, Any], rows: Path, out: Path, engine: str, staleness: int,
                       shared_prefix: str | None = None) -> dict[str, Any]:
     actor = {"lr": w["lr"], "micro_batch_size": 8, "attn_implementation": w.get("attn", "auto"),
-             "packed_attention": w.get("packed_attention", "mask")}
+             "packed_attention": w.get("packed_attention", "auto"),
+             "max_tokens_per_micro_batch": w.get("micro_batch_tokens", 0)}
     if shared_prefix is not None:
         actor["shared_prefix"] = shared_prefix
     return {
@@ -252,8 +253,11 @@ def main() -> None:
                     help="both systems: fp32, or bf16 autocast over fp32 weights (TRL's bf16=True, switchyard's "
                          "model.dtype=bfloat16, which also serves the engine in bf16)")
     ap.add_argument("--attn", default="auto", help="switchyard's actor.attn_implementation (auto, sdpa, eager)")
-    ap.add_argument("--packed-attention", default="mask", choices=["mask", "runs"],
+    ap.add_argument("--packed-attention", default="auto", choices=["auto", "mask", "runs"],
                     help="switchyard's actor.packed_attention (how a micro-batch packed by shared prefix is attended)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=0,
+                    help="switchyard's actor.max_tokens_per_micro_batch (0: 8 rows per micro-batch); a budget counts "
+                         "the tokens a micro-batch computes, so packed ones hold more rows")
     ap.add_argument("--trl-python", default=None, help="a python with TRL; default: a venv made in the cache")
     ap.add_argument("--trl-version", default="1.16.0")
     ap.add_argument("--out", default=None)
@@ -262,7 +266,7 @@ def main() -> None:
     w = {"model": "tiny-llama" if quick else "smollm2-135m-instruct", "steps": args.steps or (3 if quick else 8),
          "prompts": 2 if quick else 8, "n": 4, "max_tokens": 16 if quick else 96, "lr": 5e-5,
          "timeout_s": 900 if quick else 3600, "dtype": args.dtype, "attn": args.attn,
-         "packed_attention": args.packed_attention}
+         "packed_attention": args.packed_attention, "micro_batch_tokens": args.micro_batch_tokens}
     rounds = args.rounds or (1 if quick else 2)
     args.engine = args.engine or ("hf" if quick else "vllm")
     skip = min(args.skip, w["steps"] - 2) if quick else args.skip

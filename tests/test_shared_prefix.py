@@ -63,18 +63,21 @@ def test_the_layout_computes_each_shared_prefix_once():
     assert computed_tokens(batch, rows) < unshared - 20  # the prompts and the shared turn once each
 
 
-@pytest.mark.parametrize("kernel", ["mask", "runs"])
+@pytest.mark.parametrize("kernel", ["mask", "runs", "runs_sdpa"])
 @pytest.mark.parametrize("attn,tied", [("eager", False), ("sdpa", True)])
 def test_packed_logprobs_and_gradients_equal_the_unpacked_ones_in_fp32(attn: str, tied: bool, kernel: str, monkeypatch):
-    """The dense packed mask, and attention by runs (actor.packed_attention=runs, tree_attention.py)."""
+    """The dense packed mask, and attention by runs (actor.packed_attention=runs, tree_attention.py),
+    through its scores kernel (every eager model; sdpa ones on CPU) and through sdpa (sdpa ones on GPUs)."""
     from engines.training import tree_attention
 
     runs = []  # by runs: the packed forward attends by runs (not the dense mask), in every layer
-    for name in ("_run_sdpa", "_run_eager"):
+    for name in ("_run_sdpa", "_run_scores"):
         real = getattr(tree_attention, name)
-        monkeypatch.setattr(tree_attention, name, lambda *a, real=real: runs.append(1) or real(*a))
+        monkeypatch.setattr(tree_attention, name, lambda *a, real=real, name=name: runs.append(name) or real(*a))
+    if kernel == "runs_sdpa":
+        monkeypatch.setattr(tree_attention, "_by_scores", lambda base, device: False)
     model = _model(attn, tied)
-    if kernel == "runs":
+    if kernel != "mask":
         assert tree_attention.install(model) and tree_attention.by_runs(model)
     batch = _ragged_batch()
     rows = torch.tensor([3, 0, 4, 1, 5, 2, 6, 7, 8])  # groups interleaved, as a shuffled mini-batch has them
@@ -89,7 +92,8 @@ def test_packed_logprobs_and_gradients_equal_the_unpacked_ones_in_fp32(attn: str
     tree = shared_micro_batch(batch, rows).prefix_tree
     buckets = tree.plan(torch.device("cpu")).buckets  # runs of similar length batched: one kernel call each
     assert len(buckets) < len(tree.runs) and sum(b.rows for b in buckets) == len(tree.runs)
-    assert len(runs) == (len(buckets) * model.config.num_hidden_layers if kernel == "runs" else 0)
+    assert len(runs) == (len(buckets) * model.config.num_hidden_layers if kernel != "mask" else 0)
+    assert set(runs) <= {"_run_sdpa" if kernel == "runs_sdpa" else "_run_scores"}
     mask = batch.micro_batch(rows).target_mask
     assert lp0.shape == lp1.shape and (lp1[~mask] == 0).all()
     assert torch.allclose(lp0, lp1, atol=1e-5, rtol=0), (lp0 - lp1).abs().max()
@@ -152,13 +156,14 @@ def test_the_actor_learns_the_same_with_shared_prefix_on_off_and_auto(kw):
     batch = make_batch(1000, n=8, group=4, shared_prompts=True, prompt=30)
     adv = advantages_for(batch)
     got, computed = {}, {}
-    for mode in ("off", "on", "auto", "on_runs"):  # on_runs: actor.packed_attention=runs
-        runs = mode.endswith("_runs")
+    for mode in ("off", "on", "auto", "on_runs"):  # on: the dense mask; auto: the default attention (by runs)
+        runs = mode in ("auto", "on_runs")
+        attention = {"on": {"packed_attention": "mask"}, "on_runs": {"packed_attention": "runs"}}.get(mode, {})
         actor = TorchActor(ActorConfig(shared_prefix=mode.removesuffix("_runs"), lr=1.0, grad_clip=1e9,
-                                       packed_attention="runs" if runs else "mask", **kw), tiny)
+                                       **attention, **kw), tiny)
         from engines.training.tree_attention import by_runs
 
-        assert by_runs(actor.module) == runs
+        assert by_runs(actor.module) == runs == actor.by_runs, mode
         actor.optimizer = torch.optim.SGD(actor.params, lr=1.0)
         micro = actor._micro_batches(batch, torch.arange(len(batch)))
         packed = [mb.target_at is not None for mb in micro]

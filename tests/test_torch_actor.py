@@ -214,7 +214,10 @@ def test_attention_implementation_is_the_one_asked_for_and_scores_alike(tiny):
     default (sdpa) within float32 rounding of a different summation order."""
     batch = make_batch(1000, n=6)
     default, eager = _actor(tiny, micro_batch_size=3), _actor(tiny, micro_batch_size=3, attn_implementation="eager")
-    assert eager.module.config._attn_implementation == "eager" != default.module.config._attn_implementation
+    from engines.training.tree_attention import base_of  # (attended by runs where it packs, standing in for them)
+
+    impl = lambda a: base_of(a.module.config._attn_implementation)  # noqa: E731
+    assert impl(eager) == "eager" != impl(default)
     lp_d, _ = default.compute_logprobs(batch)
     lp_e, _ = eager.compute_logprobs(batch)
     assert torch.allclose(lp_d, lp_e, atol=1e-5)

@@ -108,6 +108,7 @@ class ActorBase:
     dp_rank: int
     dp_size: int
     dp_group: Any = None
+    by_runs: bool = False  # a packed micro-batch is attended by runs (engines/training/tree_attention.py)
 
     def __init__(self, cfg: ActorConfig, model: str, dtype: str = "float32", temperature: float = 1.0,
                  seed: int = 0, progress: bool = True) -> None:
@@ -239,8 +240,7 @@ class ActorBase:
             return [batch.micro_batch(mb) for mb in parts]
         rows = prefix.by_group(batch, rows)
         parts = prefix.budget_rows(batch, rows, budget) if budget else self._micro_rows(rows)
-        runs = getattr(self.cfg, "packed_attention", "mask") == "runs"
-        return [prefix.micro_batch(batch, mb, mode, self._pair_cost, self.device, runs) for mb in parts]
+        return [prefix.micro_batch(batch, mb, mode, self._pair_cost, self.device, self.by_runs) for mb in parts]
 
     @property
     def _pair_cost(self) -> float:

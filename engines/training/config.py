@@ -108,10 +108,11 @@ class UpdateConfig:
     # prefix.packing_pays; off where the actor or its attention takes no packed mask)
     shared_prefix: str = "auto"
     # how a packed micro-batch attends: mask (the dense [n, n] mask, in the model's sdpa or eager
-    # attention) or runs (each row's own tokens against its ancestors and themselves, fewer pairs:
-    # engines/training/tree_attention.py). On the CPU, 0.90-1.01x of the mask at the demo's shapes and
-    # 1.22x with replies as long as the prompt and two groups per micro-batch (benchmarks/RESULTS.md); GPUs: not run
-    packed_attention: str = "mask"
+    # attention), runs (each row's own tokens against its ancestors and themselves, fewer pairs:
+    # engines/training/tree_attention.py), or auto (the default: runs where the model's attention is sdpa
+    # or eager, else the mask). On the CPU runs took 0.90-0.96x the mask's time at the demo's shapes and
+    # a quarter of it with replies as long as the prompt (benchmarks/RESULTS.md); on GPUs not yet measured
+    packed_attention: str = "auto"
     ppo_mini_batch_size: int = 0
     ppo_epochs: int = 1
     gradient_checkpointing: bool = False
@@ -180,8 +181,8 @@ class ActorConfig(UpdateConfig):
             raise ValueError("actor.shared_prefix needs an attention that takes a packed mask (sdpa, eager or "
                              "flex_attention); "
                              "flash_attention_2 takes none: set actor.attn_implementation=sdpa or actor.shared_prefix=off")
-        if self.packed_attention not in ("mask", "runs"):
-            raise ValueError(f"actor.packed_attention={self.packed_attention!r} is not allowed; choose mask or runs")
+        if self.packed_attention not in ("auto", "mask", "runs"):
+            raise ValueError(f"actor.packed_attention={self.packed_attention!r} is not allowed; choose auto, mask or runs")
         if self.packed_attention == "runs" and self.attn_implementation not in ("auto", "sdpa", "eager"):
             raise ValueError(f"actor.packed_attention=runs stands in for sdpa or eager attention, not "
                              f"actor.attn_implementation={self.attn_implementation}; set packed_attention=mask")

@@ -77,10 +77,11 @@ def _dtype(model: torch.nn.Module) -> torch.dtype:
 
 
 def response_logprobs(model: torch.nn.Module, batch: Batch, rows: torch.Tensor, temperature: float,
-                      device: torch.device, shared_prefix: str = "off", pair: float = 0.0) -> torch.Tensor:
+                      device: torch.device, shared_prefix: str = "off", pair: float = 0.0,
+                      runs: bool = False) -> torch.Tensor:
     """[len(rows), R] logprobs of the rows' response tokens (0 past each response), on the CPU;
-    `shared_prefix`, `pair`: packed as `engines.training.prefix.micro_batch` decides."""
+    `shared_prefix`, `pair`, `runs`: packed as `engines.training.prefix.micro_batch` decides."""
     from engines.training.prefix import micro_batch
 
-    lp, _ = micro_logprobs(model, micro_batch(batch, rows, shared_prefix, pair, device).to(device), temperature)
+    lp, _ = micro_logprobs(model, micro_batch(batch, rows, shared_prefix, pair, device, runs).to(device), temperature)
     return torch.nn.functional.pad(lp.float().cpu(), (0, batch.responses.shape[1] - lp.shape[1]))

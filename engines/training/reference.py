@@ -32,16 +32,21 @@ class TorchReference:
         self.shared_prefix = shared_prefix  # as the actor's (actor.shared_prefix)
         self.pair = pair_cost(model) if shared_prefix == "auto" else 0.0
         self.module = load_causal_lm(model, compute_dtype(dtype), self.device).eval().requires_grad_(False)
+        if shared_prefix != "off":  # packed micro-batches attended by runs, as the actor's by default
+            from engines.training.tree_attention import install
+
+            install(self.module)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         from engines.training.prefix import by_group
+        from engines.training.tree_attention import by_runs
 
         rows = torch.arange(len(batch))
         local = rows if batch.is_shard else torch.tensor_split(rows, self.world)[self.rank]
         order = by_group(batch, local) if self.shared_prefix != "off" else local  # a group's rows together
-        out = [response_logprobs(self.module, batch, mb, self.temperature, self.device, self.shared_prefix, self.pair)
-               for mb in order.split(self.micro_batch_size)]
+        out = [response_logprobs(self.module, batch, mb, self.temperature, self.device, self.shared_prefix, self.pair,
+                                 by_runs(self.module)) for mb in order.split(self.micro_batch_size)]
         lp = torch.cat(out) if out else torch.zeros(0, batch.responses.shape[1])
         if self.shared_prefix != "off":  # back in the order of `local`
             at = torch.empty(len(batch), dtype=torch.long)

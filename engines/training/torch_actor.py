@@ -88,10 +88,12 @@ class TorchActor(ActorBase):
         attention = getattr(self.cfg, "attn_implementation", "auto")  # a critic keeps the model's default
         if attention != "auto":
             module.set_attn_implementation(attention)
-        if getattr(self.cfg, "packed_attention", "mask") == "runs":
+        packed = getattr(self.cfg, "packed_attention", "auto")  # a critic: by runs where it packs
+        if packed == "runs" or (packed == "auto" and getattr(self.cfg, "shared_prefix", "off") != "off"):
             from engines.training.tree_attention import install
 
-            if not install(module):
+            self.by_runs = install(module)  # auto: runs where the model's attention is sdpa or eager
+            if not self.by_runs and packed == "runs":
                 raise ValueError("actor.packed_attention=runs stands in for sdpa or eager attention; this model's is "
                                  f"{module.config._attn_implementation}: set actor.packed_attention=mask")
         if self.cfg.gradient_checkpointing:

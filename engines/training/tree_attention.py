@@ -105,6 +105,14 @@ class Bucket:
     keys: torch.Tensor
     mask: torch.Tensor
     real: torch.Tensor
+    _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as an additive bias [R, 1, F, K] in `dtype` (0 where seen, the dtype's lowest elsewhere)."""
+        if dtype not in self._bias:
+            self._bias[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
+                ~self.mask, torch.finfo(dtype).min)
+        return self._bias[dtype]
 
 
 @dataclass
@@ -230,28 +238,40 @@ def _tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         return _base_attention(module, base)(module, query, key, value, attention_mask, dropout=dropout,
                                              scaling=scaling, **kwargs)
     q, k, v = query[0], key[0], value[0]  # [heads, n, d]; keys and values may have fewer heads (GQA)
-    if k.shape[0] != q.shape[0]:
-        k = k.repeat_interleave(q.shape[0] // k.shape[0], 0)
-        v = v.repeat_interleave(q.shape[0] // v.shape[0], 0)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    run = _run_sdpa if base == "sdpa" else _run_eager
-    h, d = q.shape[0], q.shape[-1]
+    h, kv, d = q.shape[0], k.shape[0], q.shape[-1]
+    scale = scaling if scaling is not None else d ** -0.5
+    scores = _by_scores(base, q.device)
     plan, outs = tree.plan(q.device), []
-    for b in plan.buckets:  # [R, heads, F or K, d] gathered; keys shared by runs get summed gradients
-        qb = q.index_select(1, b.queries).view(h, b.rows, -1, d).transpose(0, 1)
-        kb = k.index_select(1, b.keys).view(h, b.rows, -1, d).transpose(0, 1)
-        vb = v.index_select(1, b.keys).view(h, b.rows, -1, d).transpose(0, 1)
-        outs.append(run(qb, kb, vb, b.mask, scale).transpose(0, 1).reshape(h, -1, d).index_select(1, b.real))
+    for b in plan.buckets:  # gathered head-major, [kv, heads per kv, R, F or K, d]: no transposes, each key
+        # and value gathered once per kv head (their gradients summed by the gathers' backward)
+        qb = q.index_select(1, b.queries).view(kv, h // kv, b.rows, -1, d)
+        kb = k.index_select(1, b.keys).view(kv, 1, b.rows, -1, d)
+        vb = v.index_select(1, b.keys).view(kv, 1, b.rows, -1, d)
+        o = _run_scores(qb, kb, vb, b.bias(qb.dtype), scale) if scores else _run_sdpa(qb, kb, vb, b.mask, scale)
+        outs.append(o.reshape(h, -1, d).index_select(1, b.real))
     out = (torch.cat(outs, 1) if len(outs) > 1 else outs[0]).index_select(1, plan.order)
     return out.transpose(0, 1)[None].contiguous(), None
 
 
+def _by_scores(base: str, device: torch.device) -> bool:
+    """Whether the runs are attended by `_run_scores` (else sdpa): always for an eager model, and on
+    CPU for an sdpa one too, where sdpa's kernel with a mask took 2-3x as long as the two matmuls in
+    bf16 at a GRPO group's shapes and no less in fp32 (benchmarks/RESULTS.md)."""
+    return base == "eager" or device.type == "cpu"
+
+
 def _run_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    """[kv, rep, R, F, d] queries against [kv, 1, R, K, d] keys and values, `mask` [R, 1, F, K]."""
+    kv, rep, r, f, d = q.shape
+    k, v = (t.expand(kv, rep, *t.shape[2:]).reshape(kv * rep, r, -1, d) for t in (k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q.reshape(kv * rep, r, f, d), k, v, attn_mask=mask[:, 0],
+                                                           scale=scale)
+    return out.view(kv, rep, r, f, d)
 
 
-def _run_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """As transformers' eager attention: scores in the compute dtype, softmax in float32."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+def _run_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """As transformers' eager attention: scores in the compute dtype with the mask added, softmax
+    (accumulated in float32 for bf16 on CPU and CUDA alike) rounded to the compute dtype, in place
+    where autograd allows (neither the scaling nor the bias is needed by the backward)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).add_(bias[:, 0])  # bias [R, F, K] over heads
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
