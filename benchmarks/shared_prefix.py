@@ -1,12 +1,14 @@
 """The actor's update and old-logprob pass with `actor.shared_prefix` off, on and auto, side by side
-(and `on_runs`: on, attending by runs instead of the dense packed mask, `actor.packed_attention=runs`).
+(`on`: attending over the dense packed mask, `actor.packed_attention=mask`; `on_runs` and `auto`: by runs, the default).
 
     python benchmarks/shared_prefix.py                    # SmolLM2-135M-Instruct, bf16 autocast, 3 rounds
     python benchmarks/shared_prefix.py --quick            # tiny-llama, 1 round
     python benchmarks/shared_prefix.py --dtype float32 --attn sdpa --group 4
+    python benchmarks/shared_prefix.py --group 4 --prompt-tokens 100,120 --reply-tokens 80,96 --micro-batch-tokens 2600
 
 One process, one model, one GRPO-shaped batch: 32 trajectories (`--trajectories`) in groups of `--group` that share
-their prompt (prompts 60-180 tokens, responses 10-120, as the CPU demo's), micro-batches of 8 rows (`--micro-batch`).
+their prompt (prompts 60-180 tokens, responses 10-120, as the CPU demo's: `--prompt-tokens`, `--reply-tokens`),
+micro-batches of 8 rows (`--micro-batch`) or of a token budget (`--micro-batch-tokens`).
 The settings alternate in rounds (off, on, auto, on_runs, off, ...), each after a warm-up; reported per setting:
 the median seconds of an update (forward and backward of every micro-batch, one optimizer step) and
 of a logprob pass, the tokens the forward computes, and the speed-up over off per round (median).
@@ -27,8 +29,10 @@ from common import machine, result_line, write_result  # noqa: E402
 MODES = ("off", "on", "auto", "on_runs")  # on_runs: on, attending by runs (engines/training/tree_attention.py)
 
 
-def grpo_batch(vocab: int, n: int = 32, group: int = 8, seed: int = 0) -> Any:
-    """`n` trajectories in groups of `group` sharing their prompt, lengths as the CPU demo's."""
+def grpo_batch(vocab: int, n: int = 32, group: int = 8, seed: int = 0, prompt_tokens: tuple[int, int] = (60, 180),
+               reply_tokens: tuple[int, int] = (10, 120)) -> Any:
+    """`n` trajectories in groups of `group` sharing their prompt, lengths drawn from the given ranges
+    (by default the CPU demo's)."""
     import torch
 
     from agent.loop import AgentLoopOutput
@@ -38,8 +42,9 @@ def grpo_batch(vocab: int, n: int = 32, group: int = 8, seed: int = 0) -> Any:
     outs, prompt = [], []
     for i in range(n):
         if i % group == 0:
-            prompt = torch.randint(3, vocab, (int(torch.randint(60, 181, (1,), generator=g)),), generator=g).tolist()
-        r = int(torch.randint(10, 121, (1,), generator=g))
+            size = int(torch.randint(prompt_tokens[0], prompt_tokens[1] + 1, (1,), generator=g))
+            prompt = torch.randint(3, vocab, (size,), generator=g).tolist()
+        r = int(torch.randint(reply_tokens[0], reply_tokens[1] + 1, (1,), generator=g))
         outs.append(AgentLoopOutput(prompt_ids=prompt, response_ids=torch.randint(3, vocab, (r,), generator=g).tolist(),
                                     response_mask=[1] * r, response_logprobs=[-1.0] * r, reward=float(i % 2),
                                     num_turns=1, termination="stop"))
@@ -56,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trajectories", type=int, default=32)
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch (32: the whole batch, several "
                                                                "groups in one packed sequence)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=0, help="actor.max_tokens_per_micro_batch for every "
+                    "setting (0: --micro-batch rows); it counts the tokens computed, so packed micro-batches hold more rows")
+    ap.add_argument("--prompt-tokens", default="60,180", help="prompt lengths drawn from LOW,HIGH (the demo's)")
+    ap.add_argument("--reply-tokens", default="10,120", help="reply lengths drawn from LOW,HIGH (vs_trl.py's: 80,96 "
+                    "after prompts of 100,120)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -64,27 +74,28 @@ def main(argv: list[str] | None = None) -> int:
     from engines.models import resolve_model
     from engines.training.config import ActorConfig
     from engines.training.losses import LossConfig
-    from engines.training.prefix import computed_tokens, shared_micro_batch
     from engines.training.torch_actor import TorchActor
 
     model = str(resolve_model(args.model or ("tiny-llama" if args.quick else "smollm2-135m-instruct")))
     rounds = 1 if args.quick else args.rounds
+    attention = {"on": "mask", "on_runs": "runs"}  # off and auto: the default (auto: by runs where it packs)
     actors = {m: TorchActor(ActorConfig(shared_prefix=m.removesuffix("_runs"), micro_batch_size=args.micro_batch,
+                                        max_tokens_per_micro_batch=args.micro_batch_tokens,
                                         attn_implementation=args.attn, trainable=[],
-                                        packed_attention="runs" if m.endswith("_runs") else "mask"),
+                                        packed_attention=attention.get(m, "auto")),
                             model, args.dtype, progress=False)
               for m in MODES}
     vocab = actors["off"].module.config.vocab_size
-    batch = grpo_batch(vocab, n=args.trajectories, group=args.group)
+    lengths = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+    batch = grpo_batch(vocab, n=args.trajectories, group=args.group, prompt_tokens=lengths(args.prompt_tokens),
+                       reply_tokens=lengths(args.reply_tokens))
     adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))[:, None] * batch.response_mask
     rows = torch.arange(len(batch))
-    padded = sum(len(m) * (int(batch.prompt_lengths[m].max() + batch.response_lengths[m].max()))
-                 for m in rows.split(args.micro_batch))
-    tokens = {"off": padded, "on": sum(computed_tokens(batch, m) for m in rows.split(args.micro_batch))}
-    pairs = {"off": sum(len(m) * (int(batch.prompt_lengths[m].max() + batch.response_lengths[m].max())) ** 2
-                        for m in rows.split(args.micro_batch)),
-             "on": sum(computed_tokens(batch, m) ** 2 for m in rows.split(args.micro_batch)),
-             "on_runs": sum(shared_micro_batch(batch, m).prefix_tree.pairs() for m in rows.split(args.micro_batch))}
+    micro = {m: actors[m]._micro_batches(batch, rows) for m in ("off", "on", "on_runs")}  # as each update forms them
+    tokens = {"off": sum(mb.input_ids.numel() for mb in micro["off"]), "on": sum(mb.input_ids.numel() for mb in micro["on"])}
+    pairs = {"off": sum(mb.input_ids.shape[0] * mb.input_ids.shape[1] ** 2 for mb in micro["off"]),
+             "on": sum(mb.input_ids.shape[1] ** 2 for mb in micro["on"]),
+             "on_runs": sum(mb.prefix_tree.pairs() for mb in micro["on_runs"])}
     times: dict[str, dict[str, list[float]]] = {m: {"update": [], "logprobs": []} for m in MODES}
     for r in range(rounds + 1):  # round 0 warms each up
         for m in MODES:
@@ -99,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                 times[m]["update"].append(t2 - t1)
     report: dict[str, Any] = {"machine": machine(), "model": Path(model).name, "dtype": args.dtype, "attn": args.attn,
                               "group": args.group, "micro_batch": args.micro_batch, "trajectories": len(batch), "rounds": rounds,
+                              "micro_batch_tokens": args.micro_batch_tokens, "prompt_tokens": args.prompt_tokens,
+                              "reply_tokens": args.reply_tokens,
                               "tokens_padded": tokens["off"], "tokens_packed": tokens["on"],
                               "attention_pairs": pairs}
     line: dict[str, float] = {}

@@ -9,15 +9,20 @@ the packed sequence, most of them masked: a GRPO group of 8 replies after one pr
 reply against every sibling. Here each run is attended on its own: its queries against its
 ancestors' keys and its own, so the pairs computed are those of the padded rows without their
 padding and without a shared prefix's square repeated per row. Runs of similar length go in one
-kernel call (`Plan`: gathered by index into [runs, heads, length, dim], padded to the bucket's
-longest run, at most `BUCKET_WASTE` query slots per token), so a GRPO group's replies are one call
-per layer, not one each. The gradient reaching a shared key or value is the sum over the runs that
+kernel call (`Plan`: gathered by index into [kv heads, heads per kv head, runs, length, dim],
+padded to the bucket's longest run, at most `BUCKET_WASTE` query slots per token), so a GRPO
+group's replies are one call per layer, not one each. The gradient reaching a shared key or value is the sum over the runs that
 read it (the gathers' backward adds), as in the dense computation.
 
-Used with `actor.packed_attention=runs`; the default is the dense mask. Measured on CPUs only
-(benchmarks/RESULTS.md): where replies are as long as the prompt and two groups share a packed
-sequence (vs_trl.py's shape, the mask then computing 2.4x the padded rows' pairs) 1.22-1.30x the
-update of `shared_prefix=off`; at the demo's shapes about the mask's speed.
+Runs of a bucket are gathered head-major, once per key/value head (a GQA model's query heads share
+them without copies of the whole sequence), and attended by two matmuls around a softmax on CPUs,
+where sdpa's kernel with a mask took 2-3x as long in bf16 at these shapes; sdpa on GPUs.
+`actor.packed_attention=auto` (the default) attends by runs where the model's attention is sdpa or
+eager; `mask` keeps the dense mask. Measured on CPUs only (benchmarks/RESULTS.md): at the demo's
+shapes 0.90-0.96x of the mask's update time; with replies as long as the prompt (vs_trl.py's shape,
+where the dense mask gains little or nothing over `shared_prefix=off`) 0.78x of it with sdpa, a quarter
+with eager attention.
+
 The model is a Hugging Face causal LM, unmodified: its attention is switched once to
 `switchyard_tree_sdpa` or `switchyard_tree_eager` (`install`), registered with transformers'
 attention and mask interfaces. Given a `prefix_tree` (passed with the forward's keyword arguments,
