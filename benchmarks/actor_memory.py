@@ -122,9 +122,9 @@ def project_megatron_bf16(params: float, dp: int, tp: int = 1) -> float:
     return (2 + 4 + 12 / dp) * params / tp / GB
 
 
-def _configuration(key: str, model: str, ranks: int, sharding: str, deadline_s: float) -> list[dict] | None:
-    """One configuration under torchrun: each rank's report, or None when it did not finish within
-    `deadline_s` (its ranks are killed; their stacks, dumped by each rank before then, are printed)."""
+def _configuration(key: str, model: str, ranks: int, sharding: str, deadline_s: float) -> list[dict] | str:
+    """One configuration under torchrun: each rank's report, or what it printed when it did not finish
+    within `deadline_s` (its ranks are killed; their stacks, dumped by each rank before then, included)."""
     with tempfile.TemporaryDirectory(prefix="actor-mem-") as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                str(Path(__file__).resolve()), "--worker", model, sharding, tmp]
@@ -139,9 +139,9 @@ def _configuration(key: str, model: str, ranks: int, sharding: str, deadline_s: 
                 stdout, stderr = proc.communicate(timeout=30)
             except subprocess.TimeoutExpired:  # a rank that outlived the kill keeps the pipes open
                 stdout, stderr = "", "(the output could not be read: a rank still holds it)"
-            print(f"{key}: no result within {deadline_s:.0f}s, its ranks killed:\n{stdout[-2000:]}\n{stderr[-6000:]}",
-                  flush=True)
-            return None
+            stuck = f"{key}: no result within {deadline_s:.0f}s, its ranks killed:\n{stdout[-2000:]}\n{stderr[-6000:]}"
+            print(stuck, flush=True)
+            return stuck
         if proc.returncode != 0:
             raise SystemExit(f"{key} failed:\n{stdout[-2000:]}\n{stderr[-4000:]}")
         return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(ranks)]
@@ -184,10 +184,10 @@ def main() -> None:
     report: dict[str, Any] = {"machine": machine(), "model": name, "runs": {}}
     for key, (ranks, sharding) in RUNS.items():
         ranks_out = _configuration(key, model, ranks, sharding, DEADLINE_S[args.quick])
-        if ranks_out is None:  # stuck (the ranks' stacks are above): measured once more, and the report says so
-            report.setdefault("stuck_runs", []).append(key)
+        if isinstance(ranks_out, str):  # stuck: measured once more; the report keeps what it printed
+            report.setdefault("stuck_runs", []).append({"run": key, "output": ranks_out})
             ranks_out = _configuration(key, model, ranks, sharding, DEADLINE_S[args.quick])
-        if ranks_out is None:
+        if isinstance(ranks_out, str):
             raise SystemExit(f"{key} got stuck twice; the ranks' stacks are above")
         report["runs"][key] = {"ranks": ranks, "sharding": sharding, "per_rank": ranks_out}
         print(f"{key}: " + ", ".join(f"rank {r['rank']}: held {r['total_gb'] * 1024:.0f} MiB, peak RSS "

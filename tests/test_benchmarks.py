@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,8 @@ def test_async_rl_small_run(tmp_path):
 @pytest.mark.slow
 def test_actor_memory_small_run(tmp_path):
     last, report = _run("benchmarks/actor_memory.py", ["--quick"], tmp_path)
+    for stuck in report.get("stuck_runs", []):  # measured again and passed: shown (with the ranks' stacks)
+        warnings.warn(f"actor_memory {stuck['run']} got stuck once under the suite:\n{stuck['output']}")
     assert last.startswith("RESULT fsdp_dp2_vs_dp1=")
     assert 0.45 <= report["held_ratio_fsdp_vs_dp1"] <= 0.55  # FSDP over 2 ranks: half of everything per rank
     assert report["held_ratio_ddp_vs_dp1"] == pytest.approx(1.0, rel=0.02)  # DDP: a full replica each
