@@ -102,7 +102,7 @@ BUCKET_WASTE = 1.25  # a bucket of runs padded to its longest may compute at mos
 @dataclass
 class Bucket:
     """Runs of similar length attended in one call: `queries` [R * F] and `keys` [R * K] packed
-    positions gathered (padding points at position 0 and is masked), `mask` [R, 1, F, K], and
+    positions gathered (padding points at position 0 and is masked), `mask` [R, F, K], and
     `real` the [R * F] slots that are tokens, in packed order."""
 
     rows: int
@@ -113,7 +113,7 @@ class Bucket:
     _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """The mask as an additive bias [R, 1, F, K] in `dtype` (0 where seen, the dtype's lowest elsewhere)."""
+        """The mask as an additive bias [R, F, K] in `dtype` (0 where seen, the dtype's lowest elsewhere)."""
         if dtype not in self._bias:
             self._bias[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
                 ~self.mask, torch.finfo(dtype).min)
@@ -146,15 +146,15 @@ class Plan:
             k_max = max(a + e - s for (s, e, _), a in spans)
             q = torch.zeros(len(g), f_max, dtype=torch.long)
             k = torch.zeros(len(g), k_max, dtype=torch.long)
-            mask = torch.zeros(len(g), 1, f_max, k_max, dtype=torch.bool)
-            mask[:, 0, :, 0] = True  # padding queries see position 0 (their output is dropped): no empty row
+            mask = torch.zeros(len(g), f_max, k_max, dtype=torch.bool)
+            mask[:, :, 0] = True  # padding queries see position 0 (their output is dropped): no empty row
             real = torch.zeros(len(g), f_max, dtype=torch.bool)
             for r, (i, ((s, e, anc), a)) in enumerate(zip(g, spans)):
                 f = e - s
                 q[r, :f] = torch.arange(s, e)
                 k[r, :a + f] = torch.cat([torch.arange(x, y) for x, y in anc] + [torch.arange(s, e)])
-                mask[r, 0, :f] = False
-                mask[r, 0, :f, :a + f] = tree.mask(i, torch.device("cpu"))
+                mask[r, :f] = False
+                mask[r, :f, :a + f] = tree.mask(i, torch.device("cpu"))
                 real[r, :f] = True
                 placed.append(q[r, :f])
             buckets.append(Bucket(len(g), q.flatten().to(device), k.flatten().to(device), mask.to(device),
@@ -266,10 +266,10 @@ def _by_scores(base: str, device: torch.device) -> bool:
 
 
 def _run_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """[kv, rep, R, F, d] queries against [kv, 1, R, K, d] keys and values, `mask` [R, 1, F, K]."""
+    """[kv, rep, R, F, d] queries against [kv, 1, R, K, d] keys and values, `mask` [R, F, K]."""
     kv, rep, r, f, d = q.shape
     k, v = (t.expand(kv, rep, *t.shape[2:]).reshape(kv * rep, r, -1, d) for t in (k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(q.reshape(kv * rep, r, f, d), k, v, attn_mask=mask[:, 0],
+    out = torch.nn.functional.scaled_dot_product_attention(q.reshape(kv * rep, r, f, d), k, v, attn_mask=mask,
                                                            scale=scale)
     return out.view(kv, rep, r, f, d)
 
@@ -278,5 +278,5 @@ def _run_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.T
     """As transformers' eager attention: scores in the compute dtype with the mask added, softmax
     (accumulated in float32 for bf16 on CPU and CUDA alike) rounded to the compute dtype, in place
     where autograd allows (neither the scaling nor the bias is needed by the backward)."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).add_(bias[:, 0])  # bias [R, F, K] over heads
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).add_(bias)  # bias [R, F, K], the same for every head
     return torch.matmul(torch.softmax(scores, dim=-1), v)
