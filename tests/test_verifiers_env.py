@@ -24,11 +24,9 @@ that environment.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -160,38 +158,11 @@ def _run(cmd: list[str], timeout: int = 900, **kw) -> subprocess.CompletedProces
 
 
 def verifiers_python() -> Path:
-    """The python of a venv with verifiers (and uv) over the main environment's packages; built once
-    per verifiers and Python version (a lock keeps parallel sessions from building it twice)."""
-    import torch
+    """The python of a venv with verifiers (and uv) over the main environment's packages
+    (`python -m launch.venv`, the README's recipe), built once per machine."""
+    from venvs import cached_venv
 
-    from engines.models import cache_root
-
-    root = cache_root() / "test-venvs"
-    root.mkdir(parents=True, exist_ok=True)
-    venv = root / f"verifiers-{VERIFIERS}-py{sys.version_info[0]}{sys.version_info[1]}-overlay"
-    python, ready = venv / "bin" / "python", venv / ".switchyard-ready"
-    with open(root / f"{venv.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if ready.exists() and python.exists():
-            return python
-        shutil.rmtree(venv, ignore_errors=True)
-        made = _run([sys.executable, "-m", "launch.venv", venv])  # the README's recipe, as a user runs it
-        assert made.returncode == 0, made.stderr[-2000:]
-        pins = venv / "constraints.txt"
-        pins.write_text(f"torch=={torch.__version__.split('+')[0]}\n")  # never replace the main torch
-        got = _run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", pins,
-                    f"verifiers=={VERIFIERS}", "uv"])
-        if got.returncode != 0:
-            probe = _run([python, "-m", "pip", "download", "-q", "--no-deps", "-d", venv / "probe",
-                          f"verifiers=={VERIFIERS}"], timeout=300)
-            shutil.rmtree(venv, ignore_errors=True)
-            if probe.returncode != 0:
-                pytest.skip(f"cannot build the verifiers venv: the package index is unreachable "
-                            f"({probe.stderr.strip()[-300:]})")
-            pytest.fail(f"pip could not install verifiers=={VERIFIERS} beside the main environment:\n"
-                        f"{got.stderr[-3000:]}")
-        ready.write_text(VERIFIERS + "\n")
-    return python
+    return cached_venv("verifiers", [f"verifiers=={VERIFIERS}", "uv"], overlay=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,137 @@
+"""Each agent framework's own structured-output path, run by tests/test_framework_venvs.py in a venv
+that has that framework and nothing of switchyard (no torch), as a user's agent is:
+
+    python framework_clients.py FRAMEWORK BASE_URL '{"case": "api key", ...}'
+
+prints one JSON line: each case's object (a pydantic model dumped, an int as it is), or the refusal
+a case expects. One API key per case, so each case is one gateway session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Annotated, Any, Literal
+
+import pydantic
+
+ASK = "Is 2+3 equal to 5?"
+MAX_TOKENS = 160
+
+
+class Verdict(pydantic.BaseModel):  # bounded: a model's object ends within the budget
+    verdict: Literal["yes", "no"]
+    confident: bool
+    score: int = pydantic.Field(ge=0, le=99)
+
+
+Small = Annotated[int, pydantic.Field(ge=0, le=999)]
+
+
+def dump(value: Any) -> Any:
+    return value.model_dump() if isinstance(value, pydantic.BaseModel) else value
+
+
+async def openai_cases(url: str, keys: dict[str, str]) -> dict[str, Any]:
+    """The `openai` package: `.parse()` with a pydantic model, `json_object` (whole, or cut at the token budget), the Responses API's
+    `text.format`, and `response_format` beside tools refused with a 400 naming it."""
+    import openai
+
+    got: dict[str, Any] = {}
+    ask = [{"role": "user", "content": ASK}]
+    async with openai.AsyncOpenAI(base_url=url, api_key=keys["openai_parse"], max_retries=0) as oa:
+        parsed = await oa.chat.completions.parse(model="switchyard", messages=ask, response_format=Verdict,
+                                                 max_tokens=MAX_TOKENS, seed=1, logprobs=True)
+        choice = parsed.choices[0]
+        assert choice.logprobs.content, "no logprobs came back"
+        got["openai_parse"] = dump(choice.message.parsed)
+    async with openai.AsyncOpenAI(base_url=url, api_key=keys["openai_json_object"], max_retries=0) as oa:
+        loose = await oa.chat.completions.create(model="switchyard", messages=ask, max_tokens=MAX_TOKENS, seed=2,
+                                                  response_format={"type": "json_object"})
+        text, finish = loose.choices[0].message.content, loose.choices[0].finish_reason
+        # any object: the model may spend its budget inside a string, so a cut one is what it wrote so far
+        got["openai_json_object"] = {"finish_reason": finish, "object": json.loads(text) if finish == "stop" else text}
+    async with openai.AsyncOpenAI(base_url=url, api_key=keys["openai_responses"], max_retries=0) as oa:
+        resp = await oa.responses.create(model="switchyard", input=ASK, max_output_tokens=MAX_TOKENS, text={
+            "format": {"type": "json_schema", "name": "verdict", "schema": Verdict.model_json_schema()}})
+        got["openai_responses"] = dump(Verdict.model_validate_json(resp.output_text))
+    async with openai.AsyncOpenAI(base_url=url, api_key="sy-refused", max_retries=0) as oa:
+        try:
+            await oa.chat.completions.create(model="switchyard", messages=ask, response_format={"type": "json_object"},
+                                             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+            got["refused"] = None
+        except openai.BadRequestError as e:
+            got["refused"] = str(e)
+    return got
+
+
+async def pydantic_ai_cases(url: str, keys: dict[str, str]) -> dict[str, Any]:
+    """pydantic-ai's `output_type` (a forced `final_result` call) with a model and with an int, and
+    `NativeOutput` (response_format json_schema)."""
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    def model(case: str) -> OpenAIChatModel:
+        return OpenAIChatModel("switchyard", provider=OpenAIProvider(base_url=url, api_key=keys[case]))
+
+    return {"pydantic_ai_model": dump((await Agent(model("pydantic_ai_model"), output_type=Verdict,
+                                                   retries=0).run(ASK)).output),
+            "pydantic_ai_int": (await Agent(model("pydantic_ai_int"), output_type=Small, retries=0).run(ASK)).output,
+            "pydantic_ai_native": dump((await Agent(model("pydantic_ai_native"), output_type=NativeOutput(Verdict),
+                                                    retries=0).run(ASK)).output)}
+
+
+async def langchain_cases(url: str, keys: dict[str, str]) -> dict[str, Any]:
+    """LangChain's `with_structured_output` by json_schema and by function calling (a named
+    `tool_choice` with `parallel_tool_calls=false`)."""
+    from langchain_openai import ChatOpenAI
+
+    got = {}
+    for method in ("json_schema", "function_calling"):
+        llm = ChatOpenAI(model="switchyard", base_url=url, api_key=keys[f"langchain_{method}"], max_retries=0,
+                         max_tokens=MAX_TOKENS)
+        got[f"langchain_{method}"] = dump(await llm.with_structured_output(Verdict, method=method).ainvoke(ASK))
+    return got
+
+
+async def agents_cases(url: str, keys: dict[str, str]) -> dict[str, Any]:
+    """The Agents SDK's `output_type` (Responses `text.format`)."""
+    import agents
+    import openai
+
+    agents.set_tracing_disabled(True)
+    async with openai.AsyncOpenAI(base_url=url, api_key=keys["agents_sdk"], max_retries=0) as oa:
+        agent = agents.Agent(name="judge", instructions="Answer.", output_type=Verdict,
+                             model=agents.OpenAIResponsesModel(model="switchyard", openai_client=oa))
+        return {"agents_sdk": dump((await agents.Runner.run(agent, ASK, max_turns=1)).final_output)}
+
+
+async def anthropic_cases(url: str, keys: dict[str, str]) -> dict[str, Any]:
+    """The Anthropic SDK's `output_config.format` and a forced tool (`disable_parallel_tool_use`)."""
+    import anthropic
+
+    base, schema, ask = url.removesuffix("/v1"), Verdict.model_json_schema(), [{"role": "user", "content": ASK}]
+    got = {}
+    async with anthropic.AsyncAnthropic(base_url=base, api_key=keys["anthropic"], max_retries=0) as an:
+        msg = await an.messages.create(model="switchyard", max_tokens=MAX_TOKENS, messages=ask,
+                                       output_config={"format": {"type": "json_schema", "schema": schema}})
+        got["anthropic"] = dump(Verdict.model_validate_json(msg.content[0].text))
+    async with anthropic.AsyncAnthropic(base_url=base, api_key=keys["anthropic_tool"], max_retries=0) as an:
+        msg = await an.messages.create(
+            model="switchyard", max_tokens=MAX_TOKENS, messages=ask,
+            tools=[{"name": "judge", "description": "Record the verdict.", "input_schema": schema}],
+            tool_choice={"type": "tool", "name": "judge", "disable_parallel_tool_use": True})
+        [use] = [b for b in msg.content if b.type == "tool_use"]
+        assert use.name == "judge" and msg.stop_reason == "tool_use", msg
+        got["anthropic_tool"] = dump(Verdict.model_validate(use.input))
+    return got
+
+
+FRAMEWORKS = {"openai": openai_cases, "pydantic_ai": pydantic_ai_cases, "langchain": langchain_cases,
+              "agents": agents_cases, "anthropic": anthropic_cases}
+
+if __name__ == "__main__":
+    framework, url, keys = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    print(json.dumps(asyncio.run(FRAMEWORKS[framework](url, keys))))
