@@ -35,8 +35,8 @@ def _train(ctx: Ctx, tag: str, extra: list[str], steps: int, ranks: int = 1, con
             "data.val_path=null", f"data.prompts_per_step={ctx.size(2, 8)}", f"rollout.n={ctx.size(2, 4)}",
             f"rollout.max_tokens={ctx.size(16, 128)}", f"trainer.output_dir={out_dir}", "trainer.resume=false",
             "trainer.export_hf=false", f"trainer.save_every={steps}", *extra]  # one checkpoint: 13 GB at 1B
-    if ctx.cuda:
-        args += ["model.dtype=bfloat16", "rollout.engine_options.device=cuda"]
+    # bf16 on the GPU; on a CPU float32 whatever it multiplies natively, so drift is checked at fp32's resolution
+    args += ["model.dtype=bfloat16", "rollout.engine_options.device=cuda"] if ctx.cuda else ["model.dtype=float32"]
     env = child_env()
     cmd = [sys.executable, "launch/train.py", *([config] if config else []), *args]
     if ranks > 1:

@@ -38,7 +38,7 @@ class ModelConfig:
     path: str = "smollm2-135m-instruct"  # built-in name, local HF directory or hub id
     # the actor's compute dtype (autocast over fp32 weights) and the engines': auto = bfloat16 where the
     # trainer's device multiplies it natively, else float32 (engines/training/config.py resolve_dtype)
-    dtype: str = "float32"
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         choice("model", "dtype", self.dtype, ("auto", *DTYPES), error=ConfigError)
@@ -241,9 +241,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
-# the demo's settings that only fit its model and machine (cpu_demo.yaml trains SmolLM2's top 10 layers,
-# in bf16 where the CPU multiplies it natively): a run naming another model gets the defaults
-DEMO_MODEL_ONLY = {"actor.trainable": "[]", "model.dtype": ModelConfig.dtype}  # key: its default
+# the demo's settings that only fit its model (cpu_demo.yaml trains SmolLM2's top 10 layers): a run
+# naming another model gets the defaults
+DEMO_MODEL_ONLY = {"actor.trainable": "[]"}  # key: its default
 
 
 def _demo_defaults(path: str | Path | None, overrides: list[str]) -> list[str]:

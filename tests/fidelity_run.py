@@ -38,7 +38,8 @@ def _config(engine: str, model_dir: str, out: Path, mode: str):
     from launch.config import load_config
 
     return load_config(None, [
-        f"model.path={model_dir}", f"rollout.engine={engine.removesuffix('_inproc')}",
+        f"model.path={model_dir}", "model.dtype=float32",  # exact to fp32 rounding: bf16 would hide a bad tensor
+        f"rollout.engine={engine.removesuffix('_inproc')}",
         f"rollout.in_process={engine.endswith('_inproc')}", "rollout.n=4",
         "rollout.max_tokens=12", "data.agent_name=single_turn_agent", "data.prompts_per_step=2", "data.val_path=null",
         "sft.enabled=false", "actor.lr=2e-3", "actor.micro_batch_size=8", f"trainer.output_dir={out}",

@@ -62,7 +62,8 @@ def test_a_run_attaches_to_engines_it_did_not_start_and_survives_a_restart(tmp_p
     out = tmp_path / "run"
     try:
         train = subprocess.Popen(
-            [sys.executable, "launch/train.py", *TINY, "trainer.steps=60", "trainer.save_every=1000", f"trainer.output_dir={out}",
+            [sys.executable, "launch/train.py", *TINY, "model.dtype=float32",  # the services' dtype
+             "trainer.steps=60", "trainer.save_every=1000", f"trainer.output_dir={out}",
              f"rollout.engines=[{','.join(addresses)}]", f"rollout.engine_keys={keys_file}"],
             cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 600

@@ -87,8 +87,8 @@ def test_a_push_that_skips_a_tensor_is_named_at_once_and_max_drift_stops_the_run
     """The in-process route broken on purpose: one tensor never reaches the engine. The push of step 1
     is followed by a warning naming that tensor; at step 2 the drift guard names it again, and with
     trainer.max_drift the run stops, exit 1."""
-    args = ["model.path=tiny-llama", "rollout.engine=hf", "rollout.in_process=true", "rollout.n=4",
-            "rollout.max_tokens=12", "data.agent_name=single_turn_agent", "data.prompts_per_step=2",
+    args = ["model.path=tiny-llama", "model.dtype=float32", "rollout.engine=hf", "rollout.in_process=true",
+            "rollout.n=4", "rollout.max_tokens=12", "data.agent_name=single_turn_agent", "data.prompts_per_step=2",
             "data.val_path=null", "sft.enabled=false", "actor.trainable=[]", "actor.lr=2e-2", "trainer.steps=3",
             "trainer.export_hf=false", f"trainer.output_dir={tmp_path}", "trainer.max_drift=1e-4",
             f"reward.function={HERE / 'fidelity_run.py'}:compute_score"]

@@ -217,7 +217,7 @@ def test_bad_weights_are_refused_by_name_and_leave_the_model_intact(reference: A
     unknown = ("model.layers.9.mlp.up_proj.weight", torch.zeros(128, 64))
 
     async def body(engine: HFEngine) -> None:
-        for bad, words in [(wrong_shape, "shape (3, 3)"), (wrong_dtype, "torch.bfloat16"), (unknown, "unknown")]:
+        for bad, words in [(wrong_shape, "shape (3, 3)"), (wrong_dtype, "has dtype bfloat16, this engine holds float32: the trainer sends its model.dtype"), (unknown, "unknown")]:
             with pytest.raises(ValueError) as err:
                 await engine.update_weights([good, bad])
             assert repr(bad[0]) in str(err.value) and words in str(err.value)

@@ -282,7 +282,7 @@ def test_a_run_sends_only_the_adapter_to_the_hf_engine_resumes_and_exports(tmp_p
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    common = ["model.path=tiny-llama", "rollout.engine=hf", f"trainer.output_dir={out}",
+    common = ["model.path=tiny-llama", "model.dtype=float32", "rollout.engine=hf", f"trainer.output_dir={out}",
               "algorithm.loss.kl_coef=0.01", "actor.lora.export_merged=true"]
     first = train([*common, "trainer.steps=2"], tmp_path)
     assert "LoRA rank 8" in first.stdout
@@ -332,7 +332,7 @@ def test_a_run_sends_only_the_adapter_to_vllm(tmp_path: Path):
     AutoModelForCausalLM.from_config(config).save_pretrained(model)
     tok.save_pretrained(model)
     out = tmp_path / "run"
-    train([f"model.path={model}", "rollout.engine=vllm", "rollout.engine_options.max_model_len=1024",
+    train([f"model.path={model}", "model.dtype=float32", "rollout.engine=vllm", "rollout.engine_options.max_model_len=1024",
            f"trainer.output_dir={out}", "trainer.steps=2"], tmp_path)
     for m in metrics(out):
         assert m["sync/gb"] * 1e9 == ADAPTER_BYTES and m["drift/max"] < 1e-4, m

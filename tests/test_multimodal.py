@@ -157,7 +157,8 @@ def test_one_grpo_step_of_a_vlm_with_an_image_tool_through_train_py(tmp_path: Pa
     tools.write_text(json.dumps({"tools": [{"class_name": "agent.tools.chart.BarChartTool", "config": {},
                                             "tool_schema": CHART_SCHEMA}]}))
     out = tmp_path / "run"
-    proc = train(["model.path=tiny-vlm", "data.val_path=null", "rollout.engine=hf", "rollout.in_process=true",
+    proc = train(["model.path=tiny-vlm", "model.dtype=float32", "data.val_path=null", "rollout.engine=hf",
+                  "rollout.in_process=true",
                   "sft.enabled=false", "data.task=rows", f"data.train_path={rows}", "data.prompts_per_step=2",
                   "rollout.n=2", "rollout.max_tokens=48",
                   "trainer.steps=2", f"rollout.tools_config={tools}",
@@ -215,7 +216,8 @@ def test_two_fsdp_ranks_train_a_vlm_with_the_images_handed_to_both(tmp_path: Pat
                                             "tool_schema": CHART_SCHEMA}]}))
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "launch/train.py",
-           "model.path=tiny-vlm", "data.val_path=null", "rollout.engine=hf", "sft.enabled=false", "data.task=rows",
+           "model.path=tiny-vlm", "model.dtype=float32", "data.val_path=null", "rollout.engine=hf", "sft.enabled=false",
+           "data.task=rows",
            f"data.train_path={_image_rows(tmp_path / 'rows.jsonl', 4)}", "data.prompts_per_step=2", "rollout.n=2",
            "rollout.max_tokens=48", "trainer.steps=1", f"rollout.tools_config={tools}", "actor.sharding=fsdp",
            "rollout.agent_loops.vlm_tool_agent=vlm_agent.ShortReplyToolAgent",

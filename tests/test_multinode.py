@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["model.path=tiny-llama", "data.val_path=null", "rollout.engine=hf", "data.prompts_per_step=4", "rollout.n=2",
+TINY = ["model.path=tiny-llama", "model.dtype=float32", "data.val_path=null", "rollout.engine=hf", "data.prompts_per_step=4", "rollout.n=2",
         "rollout.max_tokens=24", "sft.enabled=false", "rollout.num_workers=0"]
 pytestmark = pytest.mark.slow
 

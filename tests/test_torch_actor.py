@@ -230,8 +230,8 @@ def test_attention_implementation_is_the_one_asked_for_and_scores_alike(tiny):
         ActorConfig(attn_implementation="flash")
 
 
-def test_model_dtype_auto_is_bf16_where_the_device_multiplies_it_natively(tiny, monkeypatch, capsys):
-    """`model.dtype=auto` (the CPU demo's): bfloat16 autocast where the CPU has AMX or AVX-512 BF16
+def test_model_dtype_auto_is_bf16_where_the_device_multiplies_it_natively(tiny, monkeypatch, capsys, tmp_path):
+    """`model.dtype=auto` (every run's default): bfloat16 autocast where the CPU has AMX or AVX-512 BF16
     (or the GPU supports bf16), float32 elsewhere; resolved and said once, before engines and actor
     are built from it; an actor given the result computes under bf16 autocast."""
     from launch.config import ConfigError, load_config, resolve_model_dtype
@@ -246,7 +246,10 @@ def test_model_dtype_auto_is_bf16_where_the_device_multiplies_it_natively(tiny, 
         monkeypatch.setattr(torch.cpu, probe, lambda: False, raising=False)
     assert resolve_dtype("auto", "cpu") == ("float32", "model.dtype=auto: float32 (no native bf16 matrix units on cpu)")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
-    cfg = load_config(None, ["model.dtype=auto"])
+    own = tmp_path / "own.yaml"  # a config of the user's own that names no dtype: the default
+    own.write_text("model:\n  path: tiny-llama\n")
+    cfg = load_config(own, [])
+    assert cfg.model.dtype == "auto" and load_config(None, ["model.path=tiny-llama"]).model.dtype == "auto"
     resolve_model_dtype(cfg, show=True)
     assert cfg.model.dtype == "bfloat16" and "AVX-512 BF16" in capsys.readouterr().out
     actor = TorchActor(ActorConfig(), tiny, dtype=cfg.model.dtype)

@@ -131,7 +131,8 @@ def test_drift_is_tiny_with_fp32_hf_engine_after_every_shared_memory_sync(tmp_pa
     # the on-policy path (the update's forward) and the explicit old-logprob pass (2 epochs)
     for extra, path in (([], "shm"), (["rollout.weight_path=bus", "actor.ppo_epochs=2"], "bus"),
                         (["rollout.in_process=true", "rollout.placement=colocated"], "in_process")):
-        proc = train([*TINY, *warm, "trainer.steps=2", f"trainer.output_dir={out}", "trainer.resume=false", *extra])
+        proc = train([*TINY, "model.dtype=float32", *warm, "trainer.steps=2", f"trainer.output_dir={out}",
+                      "trainer.resume=false", *extra])
         assert proc.returncode == 0, proc.stderr[-4000:]
         rows = metrics(out)
         assert [m["step"] for m in rows] == [1, 2] and rows[-1]["rollout/model_tokens_mean"] > 0
@@ -156,7 +157,7 @@ def test_vllm_in_the_trainers_process_needs_one_trainer_process(tmp_path: Path):
 
 def test_too_little_shared_memory_falls_back_to_the_bus_with_a_warning(tmp_path: Path):
     out = tmp_path / "run"  # two 64 GiB buckets fit no shared-memory directory here
-    proc = train([*TINY, "trainer.steps=1", "sft.enabled=false", f"trainer.output_dir={out}",
+    proc = train([*TINY, "model.dtype=float32", "trainer.steps=1", "sft.enabled=false", f"trainer.output_dir={out}",
                   "rollout.weight_bucket_mb=65536"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "weights go over the bus instead" in proc.stderr and "--shm-size" in proc.stderr
