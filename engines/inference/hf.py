@@ -416,11 +416,9 @@ class HFEngine(QueuedEngine):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
                                  f"{tuple(want.shape)}; reshard it to the HF layout before sending")
             if tensor.dtype != want.dtype:
-                sent, held = str(tensor.dtype).removeprefix("torch."), str(want.dtype).removeprefix("torch.")
+                sent, held = (str(t.dtype).removeprefix("torch.") for t in (tensor, want))
                 raise ValueError(f"weight {name!r} has dtype {sent}, this engine holds {held}: the trainer sends its "
-                                 f"model.dtype, which must be the engine's; set model.dtype={held} for the run (its "
-                                 f"default, auto, is bfloat16 where the device multiplies it natively), or start the "
-                                 f"engine with dtype {sent}")
+                                 f"model.dtype; set model.dtype={held} for the run, or start the engine with dtype {sent}")
         with torch.no_grad():
             for name, tensor in items:  # tied lm_head.weight is the embedding: copying either updates both
                 params[name].copy_(tensor)
