@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from typing import Annotated, Any, Literal
 
@@ -34,7 +35,7 @@ def dump(value: Any) -> Any:
 
 
 async def openai_cases(url: str, keys: dict[str, str]) -> dict[str, Any]:
-    """The `openai` package: `.parse()` with a pydantic model, `json_object` (whole, or cut at the token budget), the Responses API's
+    """The `openai` package: `.parse()` with a pydantic model, `json_object` (asked as the tool-calling model was taught), the Responses API's
     `text.format`, and `response_format` beside tools refused with a 400 naming it."""
     import openai
 
@@ -47,10 +48,13 @@ async def openai_cases(url: str, keys: dict[str, str]) -> dict[str, Any]:
         assert choice.logprobs.content, "no logprobs came back"
         got["openai_parse"] = dump(choice.message.parsed)
     async with openai.AsyncOpenAI(base_url=url, api_key=keys["openai_json_object"], max_retries=0) as oa:
-        loose = await oa.chat.completions.create(model="switchyard", messages=ask, max_tokens=MAX_TOKENS, seed=2,
+        # any object: asked as the tool-calling model was taught to write one (SY_SYSTEM: its system prompt)
+        taught = [{"role": "system", "content": os.environ.get("SY_SYSTEM", "")},
+                  {"role": "user", "content": "What is 17 * 23? Use the calculator."}]
+        loose = await oa.chat.completions.create(model="switchyard", messages=taught, max_tokens=MAX_TOKENS, seed=2,
                                                   response_format={"type": "json_object"})
         text, finish = loose.choices[0].message.content, loose.choices[0].finish_reason
-        # any object: the model may spend its budget inside a string, so a cut one is what it wrote so far
+        # json_object bounds no length: a reply cut at the budget is returned as text, for the test to show
         got["openai_json_object"] = {"finish_reason": finish, "object": json.loads(text) if finish == "stop" else text}
     async with openai.AsyncOpenAI(base_url=url, api_key=keys["openai_responses"], max_retries=0) as oa:
         resp = await oa.responses.create(model="switchyard", input=ASK, max_output_tokens=MAX_TOKENS, text={
