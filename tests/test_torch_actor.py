@@ -151,6 +151,7 @@ def test_ppo_epochs_and_mini_batches_take_several_steps(tiny):
     old, _ = actor.compute_logprobs(batch)
     m = actor.update(batch, advantages_for(batch), old, None, LossConfig(clip_low=0.1, clip_high=0.1))
     assert m["optimizer_steps"] == 4
+    assert actor.optimizer.defaults["fused"]  # one pass per tensor on this device (engines/training/actor.py adamw)
     assert m["lr"] == pytest.approx(5e-4)  # warm-up: step 1 of 2
     assert m["ratio_mean"] != pytest.approx(1.0, abs=1e-9)  # later mini-batches saw a changed policy
 

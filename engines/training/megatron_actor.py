@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from engines.training.actor import ActorBase, LossFn
+from engines.training.actor import ActorBase, LossFn, adamw
 from engines.training.batch import MicroBatch
 from engines.training.config import ActorConfig
 from parallel.mesh import recv_tensor, send_tensor
@@ -154,7 +154,7 @@ class MegatronActor(ActorBase):
                                      m.groups["dp"], cfg.lr, cfg.weight_decay)
             self.optimizer = self.zero.optimizer  # this rank's shard: what set_lr and checkpoints see
         else:
-            self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+            self.optimizer = adamw(self.params, cfg.lr, cfg.weight_decay)
         self._sharded_optimizer = sharded
         if self.param_dtype != torch.float32:  # fp32 main grads: micro-batches accumulate without rounding
             for p in self.params:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from engines.training.actor import ActorBase, LossFn, dist_info, max_over_ranks
+from engines.training.actor import ActorBase, LossFn, adamw, dist_info, max_over_ranks
 from engines.training.batch import MicroBatch
 from engines.training.config import ActorConfig
 from engines.training.hf_model import default_device, load_causal_lm, micro_logprobs
@@ -77,7 +77,7 @@ class TorchActor(ActorBase):
 
             self.model = DistributedDataParallel(self.module, device_ids=[self.device] if self.device.type == "cuda"
                                                  else None)
-        self.optimizer = torch.optim.AdamW(self._param_groups(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = adamw(self._param_groups(), cfg.lr, cfg.weight_decay)
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """The optimizer's parameter groups: one; a group with an `lr_scale` gets `set_lr`'s rate times it."""

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engines.training.actor import adamw
+
 
 class ShardedAdamW:
     """`optimizer` is a plain AdamW over this rank's master ranges (its state_dict is this rank's
@@ -39,7 +41,7 @@ class ShardedAdamW:
             exact = p.dtype == torch.float32 and p.is_contiguous()
             masters.append(torch.nn.Parameter(flat[start:end] if exact else flat[start:end].float().clone()))
         self.masters = masters
-        self.optimizer = torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay)
+        self.optimizer = adamw(masters, lr, weight_decay)
 
     def refresh(self) -> None:
         """Re-take the master ranges from the parameters (after loading a checkpoint's weights)."""
