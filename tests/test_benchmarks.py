@@ -141,6 +141,13 @@ def test_update_dtype_small_run(tmp_path):
     assert report["native_bf16"] == native_bf16("cpu")
 
 
+def test_optimizer_step_small_run(tmp_path):
+    last, report = _run("benchmarks/optimizer_step.py", ["--quick", "--rounds", "1"], tmp_path)
+    assert last.startswith("RESULT loop_over_fused=")
+    assert set(report["step_s"]) == {"loop", "foreach", "fused"} and report["tensors"] > 10
+    assert report["max_abs_diff"] < 1e-6  # the three implement one update
+
+
 def test_host_memory_small_run(tmp_path):
     last, report = _run("benchmarks/host_memory.py", ["--quick", "--pairs", "1", "--updates", "1",
                                                        "--trajectories", "8"], tmp_path)

@@ -44,9 +44,13 @@ CLIENT_DEADLINE_S = 300
 
 @pytest.fixture(scope="module")
 def framework_pythons() -> dict[str, Path]:
+    from concurrent.futures import ThreadPoolExecutor
+
     from venvs import cached_venv
 
-    return {name: cached_venv(f"client-{name}", reqs) for name, reqs in REQUIREMENTS.items()}
+    with ThreadPoolExecutor(len(REQUIREMENTS)) as pool:  # five pips at once: their downloads overlap
+        built = {name: pool.submit(cached_venv, f"client-{name}", reqs) for name, reqs in REQUIREMENTS.items()}
+        return {name: future.result() for name, future in built.items()}
 
 
 def test_each_framework_in_its_own_venv_gets_valid_objects_token_exact(framework_pythons, servers, tool_caller):
