@@ -16,6 +16,7 @@ from agent.loop import AgentLoopOutput
 from engines.training.batch import equal_rewards, filter_overlong, pad_outputs
 from launch.data.rows import RowStream
 from rollout.feeder import RolloutFeeder
+from waiting import wait_until
 
 
 def _out(version: int, reward: float, termination: str = "stop") -> AgentLoopOutput:
@@ -64,28 +65,22 @@ def _rows(k: int) -> list[dict[str, Any]]:
     return [{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(k)]
 
 
-def _wait(pred: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
-
-
 def test_outstanding_groups_are_bounded_by_staleness_and_pushes():
     mgr = ScriptedManager()
     buf = RolloutFeeder(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1)
     buf.start()
     try:
-        _wait(lambda: len(mgr.calls) == 4)  # (k + 1) batches of 2 groups, nothing finished yet
-        time.sleep(0.1)
+        wait_until(lambda: len(mgr.calls) == 4)  # (k + 1) batches of 2 groups, nothing finished yet
+        time.sleep(0.1)  # a window in which no more groups may start
         assert len(mgr.calls) == 4
         mgr.release.add("*")
         taken = buf.take(version=0)
         assert taken.row_ids == ["0", "1"] and taken.group_index == [0, 0, 1, 1]
-        time.sleep(0.1)  # a taken batch not yet pushed: one batch of room fewer
+        wait_until(lambda: len(buf.ready) == 2, "the other batch's groups are collected")
+        time.sleep(0.1)  # a window in which nothing may start: a taken batch not yet pushed is one batch of room fewer
         assert len(mgr.calls) == 4 + 0 and len(buf.ready) == 2
         buf.trained(0)
-        _wait(lambda: len(mgr.calls) == 6)
+        wait_until(lambda: len(mgr.calls) == 6)
     finally:
         buf.close()
 
@@ -96,12 +91,12 @@ def test_a_waiting_take_lets_its_picked_groups_make_room_above_staleness_0():
         buf = RolloutFeeder(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=k)
         buf.start()
         try:
-            _wait(lambda: len(mgr.calls) == 2 * (k + 1))
+            wait_until(lambda: len(mgr.calls) == 2 * (k + 1))
             mgr.release.add("q0")  # the take picks one group and waits for its second
             got: list[Any] = []
             taker = threading.Thread(target=lambda: got.append(buf.take(version=0)))
             taker.start()
-            _wait(lambda: buf.taking == 1)
+            wait_until(lambda: buf.taking == 1)
             time.sleep(0.1)
             assert len(mgr.calls) == 2 * (k + 1) + room  # k >= 1: one more group while the trainer waits
             mgr.release.add("*")
@@ -119,21 +114,21 @@ def test_staleness_0_is_synchronous_one_batch_on_the_current_weights_in_draw_ord
     mgr.release.update({"q2", "q1"})  # finishing out of order
     buf.start()
     try:
-        _wait(lambda: len(mgr.calls) == 3)
-        time.sleep(0.1)
+        wait_until(lambda: len(mgr.calls) == 3)
+        time.sleep(0.1)  # a window in which no second batch may start
         assert len(mgr.calls) == 3  # one batch, not more
         done = threading.Event()
         got: list[Any] = []
         threading.Thread(target=lambda: (got.append(buf.take(version=0)), done.set()), daemon=True).start()
-        time.sleep(0.2)  # two groups taken, one running: nothing new starts meanwhile
+        time.sleep(0.2)  # a window: two groups taken, one running: nothing new starts meanwhile
         assert not done.is_set() and len(mgr.calls) == 3
         mgr.release.add("q0")
         assert done.wait(5)
         assert got[0].row_ids == ["0", "1", "2"]  # the order rows were drawn in, not the finishing order
-        time.sleep(0.2)  # the trainer updates: nothing runs
+        time.sleep(0.2)  # a window: the trainer updates, nothing runs
         assert len(mgr.calls) == 3
         buf.trained(5)
-        _wait(lambda: len(mgr.calls) == 6)
+        wait_until(lambda: len(mgr.calls) == 6)
         assert mgr.weights[3:] == [5, 5, 5]  # the next batch asks for the weights just pushed
         assert mgr.weights[:3] == [4, 4, 4]
     finally:
@@ -184,7 +179,7 @@ def test_stale_groups_are_generated_again_and_every_row_is_trained_once():
         second = buf.take(version=3)
         assert "0" not in second.row_ids and second.metrics["async/dropped_stale_groups"] >= 1
         assert second.metrics["async/staleness_max"] <= 1  # only groups within version - k
-        _wait(lambda: any(c["row"]["prompt"][0]["content"] == "q0" and c["version"] == 3 for c in mgr.calls.values()))
+        wait_until(lambda: any(c["row"]["prompt"][0]["content"] == "q0" and c["version"] == 3 for c in mgr.calls.values()))
         seen = first.row_ids + second.row_ids
         for _ in range(3):
             buf.trained(3)
@@ -213,7 +208,7 @@ def test_state_round_trips_ready_and_running_rows():
     mgr.release.add("q0")
     buf = RolloutFeeder(mgr, RowStream(_rows(50), shuffle=False), prompts_per_step=2, n=2, staleness=1)
     buf.start()
-    _wait(lambda: len(buf.ready) == 1 and len(mgr.calls) == 4)
+    wait_until(lambda: len(buf.ready) == 1 and len(mgr.calls) == 4)
     state = buf.state_dict()
     buf.close()
     assert [r for r, *_ in state["ready"]] == ["0"] and sorted(r for r, _ in state["pending"]) == ["1", "2", "3"]

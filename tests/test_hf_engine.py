@@ -16,6 +16,7 @@ from engines.inference import make_engine
 from engines.inference.base import Engine, GenerateOutput, SamplingParams
 from engines.inference.hf import HFEngine
 from engines.models import load_tokenizer, resolve_model, tiny_llama
+from waiting import until
 
 MODEL = "tiny-llama"
 
@@ -146,23 +147,23 @@ def test_abort_running_pending_and_not_yet_arrived() -> None:
     async def body(engine: HFEngine) -> None:
         running = asyncio.create_task(engine.generate("run", prompt_of(4), long))
         pending = asyncio.create_task(engine.generate("wait", prompt_of(5), long))
-        while engine.stats().running < 1:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
-        assert engine.stats().waiting == 1  # max_batch_size=1: the second waits for a slot
+        # max_batch_size=1: the second waits for a slot
+        await until(lambda: engine.stats().running == 1 and engine.stats().waiting == 1, "one runs, one waits")
+        # tokens count while their request runs (a load report that moves), not only when it ends
+        await until(lambda: engine.stats().generated_tokens > 0, "the running request's tokens are counted")
         await engine.abort("wait")
         out = await asyncio.wait_for(pending, 5)
         assert (out.token_ids, out.logprobs, out.finish_reason) == ([], [], "abort")
         await engine.abort("run")
         out = await asyncio.wait_for(running, 5)
         assert out.finish_reason == "abort" and 0 < len(out.token_ids) == len(out.logprobs) < long.max_tokens
+        assert engine.stats().generated_tokens == len(out.token_ids)  # each token once, none for the aborted wait
         await engine.abort("later")  # the abort can overtake its generate on the bus
         out = await engine.generate("later", prompt_of(4), long)
         assert (out.token_ids, out.finish_reason) == ([], "abort")
         assert engine.stats().running == 0 and engine.stats().waiting == 0
         gone = asyncio.create_task(engine.generate("gone", prompt_of(4), long))  # the caller is cancelled
-        while engine.stats().running < 1:
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.stats().running == 1, "the request runs")
         gone.cancel()
         out = await asyncio.wait_for(engine.generate("next", prompt_of(4), SamplingParams(max_tokens=3)), 5)
         assert len(out.token_ids) == 3  # the cancelled row freed the only slot
@@ -245,7 +246,8 @@ def test_sleep_pauses_and_wake_resumes() -> None:
         await engine.sleep()
         assert engine.stats().sleeping
         task = asyncio.create_task(engine.generate("r", prompt_of(4), SamplingParams(max_tokens=4)))
-        await asyncio.sleep(0.1)
+        await until(lambda: engine.stats().waiting == 1, "the request is queued")
+        await asyncio.sleep(0.1)  # a window in which the sleeping engine must not run it
         assert not task.done() and engine.stats().waiting == 1
         await engine.wake()
         assert len((await asyncio.wait_for(task, 5)).token_ids) > 0 and not engine.stats().sleeping

@@ -18,6 +18,7 @@ import pytest
 
 from agent.tools import BaseTool, ToolConfigError, ToolResponse, build_tools
 from agent.tools.mcp import McpTool, mcp_tools_from_server, render_content
+from waiting import until
 
 SERVER = str(Path(__file__).parent / "fixtures" / "mcp_server.py")
 NAMES = ["add", "echo", "fail", "meet", "picture", "pid", "sleep", "sleeping"]
@@ -44,17 +45,6 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
-
-
-async def until(check: Callable[[], bool | Awaitable[bool]], what: str, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not await _maybe_await(check()):
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        await asyncio.sleep(0.02)
-
-
-async def _maybe_await(value: bool | Awaitable[bool]) -> bool:
-    return await value if inspect.isawaitable(value) else value
 
 
 def run(test: Callable[[dict[str, McpTool]], Awaitable[None]], **kw: Any) -> None:

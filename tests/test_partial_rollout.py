@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from engines.models import load_tokenizer, resolve_model, tiny_llama
 from rollout.bus.client import GenerateClient
 from rollout.weights.bus import push_weights
+from waiting import until
 
 
 def _logprobs(model: torch.nn.Module, prompt: list[int], ids: list[int]) -> torch.Tensor:
@@ -32,10 +33,14 @@ def test_a_preempted_generation_continues_on_the_new_weights_with_its_first_segm
         async with GenerateClient(srv.addresses) as agent, GenerateClient(srv.addresses) as trainer:
             await agent.wait_ready(timeout_s=300)
             await trainer.wait_ready(timeout_s=300)
+            base = (await trainer.status(0)).stats["generated_tokens"]
+
+            async def some_tokens_on_the_old_weights() -> bool:
+                stats = (await trainer.status(0)).stats  # counted while the request runs
+                return stats["running"] == 1 and stats["generated_tokens"] >= base + 8
+
             running = asyncio.create_task(agent.generate(prompt, sampling, session_id="s0"))
-            while (await trainer.status(0)).stats.get("running", 0) == 0:  # the request is inside the engine
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.2)  # some tokens on the old weights
+            await until(some_tokens_on_the_old_weights, "the request has some tokens on the old weights", 120)
             report = await push_weights(trainer, new.state_dict().items(), version=1, preempt=True)
             assert not running.done()  # the update did not wait for the generation to finish
             result = await running

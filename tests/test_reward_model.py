@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agent.rewards.model import RewardModelConfig, question_of, verdict  # noqa: E402
+from waiting import until  # noqa: E402
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
@@ -96,7 +97,10 @@ def test_a_judge_engine_killed_mid_request_is_restarted_and_serves_the_request_i
                 before = await client.generate([1, 2, 3], {"max_tokens": 2}, session_id="a")
                 assert engines.revive() == []  # nothing died: nothing restarted
                 held = asyncio.create_task(client.generate([1, 2, 3], {"max_tokens": 2}, session_id="b"))
-                await asyncio.sleep(0.3)  # the request is inside the engine (it answers after 1 s)
+                async def inside() -> bool:  # the request is inside the engine (it answers after 1 s)
+                    return (await client.status(0)).stats["running"] == 1
+
+                await until(inside, "the held request is inside the engine")
                 first = engines.procs[0]
                 first.send_signal(signal.SIGKILL)
                 t0 = time.monotonic()

@@ -14,6 +14,7 @@ import pytest
 
 from agent.tools.base import ToolResponse
 from agent.tools.python_sandbox import PythonTool
+from waiting import wait_until
 
 SCHEMA = {"type": "function", "function": {"name": "python", "description": "run python",
                                             "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}}}
@@ -142,10 +143,10 @@ print('PIDS', *pids, flush=True)
     assert "fork refused after" in r.text, r.text
     pids = [int(p) for p in r.text.split("PIDS", 1)[1].split()]
     assert 0 < len(pids) < 12
-    time.sleep(0.2)
-    if tool.isolation != "bwrap":  # bwrap's pids are its own namespace's
-        assert not [p for p in pids if alive(p)], "children outlived the call"
-    assert not sandbox_processes(), "children outlived the call"
+    # killed when the call returns; gone once the kernel has torn them down (slower on a loaded box)
+    host_pids = pids if tool.isolation != "bwrap" else []  # bwrap's pids are its own namespace's
+    wait_until(lambda: not [p for p in host_pids if alive(p)] and not sandbox_processes(),
+               "the sandboxed children are gone", 10)
 
 
 def test_recursive_fork_bomb_ends_at_deadline() -> None:

@@ -14,6 +14,7 @@ import zmq.asyncio
 from garbage import garbage_frames
 from rollout.bus import protocol as P
 from rollout.bus.client import GenerateClient, RequestFailed
+from waiting import until
 
 N_GARBAGE = 10_000
 
@@ -92,7 +93,7 @@ def test_sleep_holds_requests_until_wake(servers):
             await client.wait_ready(timeout_s=60)
             await client.broadcast(P.Sleep())
             pending = asyncio.create_task(client.generate([1, 2], {"max_tokens": 2}))
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # a window in which the sleeping engine must hold it
             held = not pending.done()
             assert (await client.status(0)).stats["sleeping"] is True
             await client.broadcast(P.Wake())
@@ -153,15 +154,15 @@ def test_weight_update_bumps_version_and_changes_the_model(servers):
 def test_requests_waiting_for_a_weight_version_count_as_load_time_out_and_are_capped(servers):
     """A generate asking for a version the engine never loads waits at most --gate-timeout-s, is
     visible in the load reports while it waits, and one peer cannot park unbounded numbers."""
-    srv = servers(1, backend="echo", gate_timeout_s=1.5)
+    srv = servers(1, backend="echo", gate_timeout_s=3)
 
     async def main():
         async with GenerateClient(srv.addresses) as client:
             await client.wait_ready(timeout_s=120)
             parked = [asyncio.ensure_future(client.generate([1, 2, 3], {"max_tokens": 2}, min_weight_version=99))
                       for _ in range(5)]
-            await asyncio.sleep(0.5)
-            status = await client.status(0)
+            # every parked request shows in the load report while it waits (seen before the gate's timeout)
+            status = await until(lambda: _gated(client, 5), "the five parked requests are reported", 3)
             done = await asyncio.gather(*parked, return_exceptions=True)
             after = await client.status(0)
             fine = await client.generate([1, 2, 3], {"max_tokens": 2})  # the engine itself is fine
@@ -171,6 +172,12 @@ def test_requests_waiting_for_a_weight_version_count_as_load_time_out_and_are_ca
     assert status.stats["gated"] == 5 and status.load >= 5
     assert all(isinstance(d, RequestFailed) and d.code == "gate_timeout" and "version 99" in str(d) for d in done)
     assert after.stats["gated"] == 0 and fine.finish_reason in ("length", "stop")
+
+
+async def _gated(client: GenerateClient, n: int):
+    """The engine's status once it reports `n` requests waiting at its gate, else None."""
+    status = await client.status(0)
+    return status if status.stats["gated"] == n else None
 
 
 def test_one_peer_cannot_park_more_than_the_cap():
@@ -185,7 +192,7 @@ def test_one_peer_cannot_park_more_than_the_cap():
             await client.wait_ready(timeout_s=30)
             parked = [asyncio.ensure_future(client.generate([1, 2], {"max_tokens": 2}, min_weight_version=9))
                       for _ in range(3)]
-            await asyncio.sleep(0.3)
+            await until(lambda: server._status("s").stats["gated"] == 3, "the three parked requests arrived")
             with pytest.raises(RequestFailed, match="too_many_waiting"):
                 await client.generate([1, 2], {"max_tokens": 2}, min_weight_version=9)
             for p in parked:
@@ -293,11 +300,10 @@ def test_requests_of_a_peer_that_went_away_are_dropped():
         await peer.send_multipart(P.LoadRequest(rid="hb").encode())
         await peer.send_multipart(P.Generate(rid="g", prompt_ids=np.array([1, 2], np.int32), sampling={"max_tokens": 2},
                                              min_weight_version=5).encode())
-        await asyncio.sleep(0.3)
-        held = server._status("s").stats["gated"]
+        held = await until(lambda: server._status("s").stats["gated"], "the request is parked")
         peer.close(0)  # gone without a word
-        await asyncio.sleep(2.5)
-        after = server._status("s").stats
+        after = await until(lambda: (st := server._status("s").stats)["dropped_for_silence"] and st,
+                            "the silent peer's request is dropped")
         ctx.term()
         server.stop()
         await running

@@ -176,7 +176,11 @@ class GenerateOutput:
 
 @dataclass
 class EngineStats:
-    """Load and cache figures an engine reports; the router balances on `waiting + running`."""
+    """Load and cache figures an engine reports; the router balances on `waiting + running`.
+
+    `generated_tokens` counts every token sampled so far, those of requests still running included
+    (hf, vllm, the in-process vllm; sglang counts a reply when it ends): a load report that moves
+    while long replies decode."""
 
     waiting: int = 0
     running: int = 0

@@ -277,7 +277,6 @@ class HFEngine(QueuedEngine):
 
     def _finish(self, req: _Request) -> None:
         self._live.pop(req.request_id, None)
-        self._stats.generated_tokens += len(req.token_ids)
         if not req.future.done():
             req.future.set_result(req.output())
 
@@ -382,7 +381,7 @@ class HFEngine(QueuedEngine):
         tokens, logprobs, tops = sample(logits.float(), [r.params for r in b.rows],
                                         [r.generator or self._generator for r in b.rows], [r.token_ids for r in b.rows],
                                         matchers if any(m is not None for m in matchers) else None)
-        keep = []
+        keep, self._stats.generated_tokens = [], self._stats.generated_tokens + len(b.rows)
         for i, (r, t, lp) in enumerate(zip(b.rows, tokens.tolist(), logprobs.tolist())):
             r.token_ids.append(t)
             r.logprobs.append(lp)

@@ -86,7 +86,8 @@ DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more; a model with fewer p
 
 
 class _SchedulerTap:
-    """A per-engine vLLM stat logger that keeps only the last step's scheduler figures.
+    """A per-engine vLLM stat logger that keeps the last step's scheduler figures and counts the
+    tokens every step sampled.
 
     vLLM calls `record` from its output loop after every engine step, so `stats()` reads a
     field instead of asking the engine-core process anything.
@@ -95,6 +96,7 @@ class _SchedulerTap:
     def __init__(self) -> None:
         self.running = 0
         self.kv_cache_usage = 0.0
+        self.generated_tokens = 0
 
     def __call__(self, vllm_config: Any, engine_index: int = 0) -> "_SchedulerTap":
         return self  # vLLM builds loggers from factories; this one is its own factory
@@ -104,6 +106,8 @@ class _SchedulerTap:
         if scheduler_stats is not None:
             self.running = scheduler_stats.num_running_reqs
             self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+        if iteration_stats is not None:
+            self.generated_tokens += int(iteration_stats.num_generation_tokens)
 
     def log(self) -> None:
         pass
@@ -313,7 +317,6 @@ class VLLMEngine:
         top_logprobs (ids, logprobs) per token, when the request asked for them."""
         self._stats.prompt_tokens += n_prompt
         self._stats.cached_prompt_tokens += cached
-        self._stats.generated_tokens += len(ids)
         if finished and reason not in _FINISH:
             log.warning("request %s ended with vLLM finish_reason %r; reported as 'abort'", request_id, reason)
         return GenerateOutput(ids, lps, _FINISH.get(str(reason), "abort") if finished else "abort", cached,
@@ -441,6 +444,7 @@ class VLLMEngine:
         s.running = min(self._tap.running, self._in_flight)
         s.waiting = self._in_flight - s.running
         s.kv_cache_usage = self._tap.kv_cache_usage if self._in_flight else 0.0
+        s.generated_tokens = self._tap.generated_tokens
         s.sleeping = self._sleeping
         return s
 

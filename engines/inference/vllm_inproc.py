@@ -188,6 +188,7 @@ class VLLMInProcessEngine(VLLMEngine):
             reply.top[0].extend(top[0])
             reply.top[1].extend(top[1])
         reply.ids += ids
+        self._stats.generated_tokens += len(ids)
         reply.cached = max(reply.cached, int(getattr(out, "num_cached_tokens", 0) or 0))
         if out.finished:
             reply.done.set_result(self._finish(out.request_id, reply.n_prompt, reply.ids, reply.lps,
