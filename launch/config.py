@@ -27,6 +27,7 @@ from rollout.config import RolloutConfig
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "launch" / "configs" / "cpu_demo.yaml"
 TASKS = ("arithmetic", "gsm8k", "rows")
+RESUME_MODES = ("auto", "fresh")
 
 
 class ConfigError(ValueError):
@@ -151,7 +152,13 @@ class TrainerConfig:
     steps: int = 20
     output_dir: str = "runs/cpu_demo"
     save_every: int = 1
-    resume: bool = True  # continue from output_dir's last checkpoint when there is one
+    # auto: continue from output_dir's newest checkpoint that loads; when checkpoints are there and none
+    # loads, the run stops naming each and why. fresh: start at step 0; an earlier run's checkpoints and
+    # metrics are moved aside into output_dir/earlier/<its run id>/ (launch/resume.py)
+    resume: str = "auto"
+    # keys whose change on resume alters the run's meaning (actor.lr, model.dtype, rollout.n, ...) and
+    # that this resume accepts all the same, e.g. [actor.lr]; ["all"] accepts every change (launch/resume.py)
+    resume_changes: list[str] = field(default_factory=list)
     seed: int = 0
     wandb_project: str | None = None  # metrics go to wandb too when set
     export_hf: bool = True  # write output_dir/hf (safetensors) at the end
@@ -171,6 +178,10 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         positive("trainer", self, "steps", "save_every", error=ConfigError)
+        if self.resume not in RESUME_MODES:
+            raise ConfigError(f"trainer.resume={self.resume!r} is not allowed; choose one of {list(RESUME_MODES)} "
+                              "(auto: continue from the newest checkpoint that loads; fresh: start at step 0, the "
+                              "earlier run moved aside)")
         if not 0 < self.max_invalid_fraction <= 1:
             raise ConfigError(f"trainer.max_invalid_fraction={self.max_invalid_fraction} must be in (0, 1] (1: never "
                               "stop for failed trajectories)")

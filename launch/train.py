@@ -31,11 +31,22 @@ CONSOLE_KEYS = (REWARD_KEY, VAL_KEY, "rollout/invalid", "rollout/signal_fraction
 
 
 def train(cfg: Config) -> dict[str, Any]:
+    """One run; its rank 0 holds the output directory's lock (launch/run_lock.py) from start to exit."""
+    from launch.run_lock import RunLock
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return _train(cfg)
+    with RunLock(Path(cfg.trainer.output_dir)):
+        return _train(cfg)
+
+
+def _train(cfg: Config) -> dict[str, Any]:
     from engines.training.backends import ACTORS
     from launch.algorithm import learn
     from launch.guards import DriftGuard, InvalidGuard
     from launch.checkpoint import Checkpointer, load_run, save_run
     from launch.metrics import MetricsLogger, summarize
+    from launch.resume import choose, compare, flat_config, set_aside
     from launch.setup import setup
     from parallel.reduce import on_every_rank
 
@@ -44,10 +55,20 @@ def train(cfg: Config) -> dict[str, Any]:
     fleet, weights = plane.fleet, plane.weights
     out, start, rollout_state = Path(cfg.trainer.output_dir), 0, None
     sharded = cfg.actor.sharding in ACTORS[cfg.actor.backend].per_rank_checkpoint  # a checkpoint file per rank
-    ckpt = Checkpointer(out)
-    latest = ckpt.resumable(rank if sharded else None, on_every_rank, show=rank == 0) if cfg.trainer.resume else None
+    ckpt, config = Checkpointer(out), flat_config(cfg)  # the config as resolved (model.dtype made concrete)
+    try:
+        latest = choose(ckpt, cfg.trainer.resume, rank if sharded else None, on_every_rank, show=rank == 0)
+        if latest is None and rank == 0:
+            set_aside(out, show=True)  # an earlier run's checkpoints and metrics are kept, never overwritten
+        barrier()
+        if latest is not None:
+            start, weights.version, rollout_state = load_run(
+                ckpt, latest, actor, stream, rank, sharded, critic=run.critic,
+                check=lambda saved: compare(saved, config, cfg.trainer.resume_changes, latest, show=rank == 0))
+    except BaseException:
+        plane.close()
+        raise
     if latest is not None:
-        start, weights.version, rollout_state = load_run(ckpt, latest, actor, stream, rank, sharded, critic=run.critic)
         print(f"resuming from {latest} (step {start}, data position {stream.position})", flush=True)
     overlap = cfg.rollout.staleness > 0  # asynchronous RL: rollout runs on through updates
     logger = MetricsLogger(out, cfg.trainer.wandb_project, resume_step=start) if rank == 0 else None
@@ -64,7 +85,8 @@ def train(cfg: Config) -> dict[str, Any]:
 
             turns = int(cfg.rollout.agent.get("tool_agent", {}).get("max_assistant_turns", 3))
             warm_up(actor, run.rows, run.tools, run.model_dir, cfg.sft, turns - 1, show=rank == 0)
-            save_run(ckpt, 0, actor, stream, weights.version, rank, sharded, barrier, critic=run.critic)
+            save_run(ckpt, 0, actor, stream, weights.version, rank, sharded, barrier, critic=run.critic,
+                     config=config)
         if beside:  # an engine that failed to start fails the run here, its warm-up saved (a rerun resumes past it)
             plane.start_engines(out)
         plane.start_workers()
@@ -112,7 +134,7 @@ def train(cfg: Config) -> dict[str, Any]:
                 logger.log(step, metrics, console=CONSOLE_KEYS)
             if step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
                 save_run(ckpt, step, actor, stream, weights.version, rank, sharded, barrier,
-                         rollout=plane.rollout_state() if rank == 0 else None, critic=run.critic)
+                         rollout=plane.rollout_state() if rank == 0 else None, critic=run.critic, config=config)
             if not overlap and step < cfg.trainer.steps:  # the next rows start on the weights just pushed
                 plane.trained(weights.version)
             barrier()
@@ -177,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         _exit_with_launcher()
     from engines.models import ModelUnavailableError
+    from launch.checkpoint import CheckpointWriteError, ResumeError
     from launch.guards import DriftError, InvalidError
+    from launch.run_lock import RunLockError
     from rollout.bus.auth import AuthError
 
     try:
@@ -191,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     except AuthError as e:  # engines refused this run's keys (rollout.engines with another deployment's keys)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (DriftError, InvalidError) as e:  # the run did not do what it was asked: said, exit 1
+    # the run did not do what it was asked (a drift or invalid batches stopped it, the earlier run in its
+    # output_dir cannot be continued as configured, another trainer holds it, a checkpoint did not fit): said, exit 1
+    except (DriftError, InvalidError, ResumeError, RunLockError, CheckpointWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -4,8 +4,10 @@ skipped. No model: the state is what a run saves (tensors, optimizer-like dicts,
 
 from __future__ import annotations
 
+import errno
 import pickle
 import random
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -71,10 +73,83 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path: Path
         Path(f"{newest}.sha256").unlink()
     with pytest.raises(CheckpointError):  # never a bare EOFError or unpickling error
         ckpt.load(newest.parent)
-    chosen = ckpt.resumable()
+    chosen, skipped = ckpt.resumable()
+    assert skipped and skipped[0][0] == newest.parent
     assert chosen is not None and chosen.name == "step_000001" and ckpt.load(chosen)["version"] == 2
     why = {"truncated": "does not match its checksum", "empty": "does not match its checksum",
            "no checksum": "has no checksum beside it"}[damage]
     assert f"skipping checkpoint {newest.parent}: {newest} {why}" in capsys.readouterr().out
     # every rank must verify its own files: one that cannot makes all of them fall back alike
-    assert ckpt.resumable(agree=lambda ok: False) is None
+    assert ckpt.resumable(agree=lambda ok: False)[0] is None
+
+
+def test_checkpoints_none_of_which_loads_stop_the_resume_naming_each(tmp_path: Path):
+    """Both kept checkpoints damaged: never a quiet restart from step 0 (which would discard the run);
+    the error names each checkpoint and why. trainer.resume=fresh starts over with the earlier run
+    moved aside, its metrics kept."""
+    from launch.checkpoint import ResumeError
+    from launch.resume import choose, set_aside
+
+    ckpt = Checkpointer(tmp_path)
+    one = ckpt.save(1, state(1)) / "state.pt"
+    two = ckpt.save(2, state(2)) / "state.pt"
+    data = bytearray(two.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte flipped
+    two.write_bytes(bytes(data))
+    one.write_bytes(one.read_bytes()[:50])  # truncated
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    with pytest.raises(ResumeError) as e:
+        choose(ckpt, "auto", None, lambda ok: ok, show=False)
+    for path in (one, two):
+        assert f"{path.parent}: {path} does not match its checksum" in str(e.value)
+    assert "trainer.resume=fresh" in str(e.value)
+    assert choose(ckpt, "fresh", None, lambda ok: ok, show=False) is None
+    moved = set_aside(tmp_path, show=False)
+    assert moved is not None and moved.parent == tmp_path / "earlier"
+    assert (moved / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert sorted(p.name for p in (moved / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+    assert choose(ckpt, "auto", None, lambda ok: ok, show=False) is None  # nothing left: a first run
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    """A real 3 MB filesystem (tmpfs): mounting needs root and the capability to mount."""
+    where = tmp_path / "small"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(where)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); needs root")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_checkpoint_that_does_not_fit_says_so_and_keeps_the_last_one(small_fs: Path):
+    """On a 3 MB filesystem: a 1 MB checkpoint is written; one of ~4 MB is refused before a byte is
+    written, naming what it needs and the one that is intact; a write that runs out of space anyway
+    (the disk filled by another writer after the check) says `no space left on device`, never
+    torch's `basic_ios::clear: iostream error`, and leaves no partial files."""
+    from launch.checkpoint import CheckpointWriteError, _save
+
+    ckpt = Checkpointer(small_fs)
+    first = ckpt.save(1, {"actor": {"w": torch.zeros(256, 1024)}})  # 1 MB
+    big = {"actor": {"w": torch.zeros(1024, 1024)}}  # 4 MB
+    with pytest.raises(CheckpointWriteError) as e:
+        ckpt.save(2, big)
+    assert f"no space left on device: needed ~4.3 MB for the checkpoint at {small_fs / 'checkpoints' / 'step_000002'}" \
+        in str(e.value), str(e.value)
+    assert f"the last complete checkpoint, {first}, is intact" in str(e.value)
+    assert [p.name for p in (small_fs / "checkpoints").iterdir()] == ["step_000001"]
+    assert ckpt.resumable(show=False)[0] == first
+    # past the check: torch's writer itself hits the full disk
+    with pytest.raises(OSError) as e:
+        _save(big, small_fs / "state.pt")
+    assert e.value.errno == errno.ENOSPC and "no space left on device" in str(e.value), str(e.value)
+    (small_fs / "state.pt").unlink()
+    ckpt.preflight = lambda obj, final: 0  # as if the space was there when it was checked
+    with pytest.raises(CheckpointWriteError, match="no space left on device: writing the checkpoint at .*step_000002 failed"):
+        ckpt.save(2, big)
+    assert [p.name for p in (small_fs / "checkpoints").iterdir()] == ["step_000001"]  # the partial one removed

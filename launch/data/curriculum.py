@@ -185,7 +185,7 @@ class CurriculumStream:
         for key, mine in (("num_rows", len(self.rows)), ("seed", self.seed), ("curriculum", self.cfg.mode)):
             if state.get(key) != mine:
                 raise ValueError(f"data position was saved with {key}={state.get(key)!r} but this run has {key}={mine!r}; "
-                                 "resume with the same dataset, data seed and curriculum, or start a fresh run")
+                                 "resume with the same dataset, data seed and curriculum, or start over (trainer.resume=fresh)")
         self.steps = int(state["steps"])
         self.visits = [int(v) for v in state["visits"]]
         self.history = {int(i): [float(x) for x in h] for i, h in state["history"].items()}

@@ -347,7 +347,7 @@ class RowStream:
         for key, mine in (("num_rows", len(self.rows)), ("seed", self.seed), ("shuffle", self.shuffle)):
             if key in state and state[key] != mine:
                 raise ValueError(f"data position was saved with {key}={state[key]!r} but this run has {key}={mine!r}; "
-                                 "resume with the same dataset and data seed, or start a fresh run")
+                                 "resume with the same dataset and data seed, or start over (trainer.resume=fresh)")
         epoch, index = int(state["epoch"]), int(state["index"])
         if epoch < 0 or not 0 <= index <= len(self.rows):
             raise ValueError(f"bad data position epoch={epoch} index={index} for {len(self.rows)} rows")
