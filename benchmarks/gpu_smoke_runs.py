@@ -33,7 +33,7 @@ def _train(ctx: Ctx, tag: str, extra: list[str], steps: int, ranks: int = 1, con
     out_dir = ctx.work / tag
     args = [f"model.path={model or ctx.model}", "rollout.engine=hf", f"trainer.steps={steps}", "sft.enabled=false",
             "data.val_path=null", f"data.prompts_per_step={ctx.size(2, 8)}", f"rollout.n={ctx.size(2, 4)}",
-            f"rollout.max_tokens={ctx.size(16, 128)}", f"trainer.output_dir={out_dir}", "trainer.resume=false",
+            f"rollout.max_tokens={ctx.size(16, 128)}", f"trainer.output_dir={out_dir}", "trainer.resume=fresh",
             "trainer.export_hf=false", f"trainer.save_every={steps}", *extra]  # one checkpoint: 13 GB at 1B
     # bf16 on the GPU; on a CPU float32 whatever it multiplies natively, so drift is checked at fp32's resolution
     args += ["model.dtype=bfloat16", "rollout.engine_options.device=cuda"] if ctx.cuda else ["model.dtype=float32"]

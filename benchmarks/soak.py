@@ -74,7 +74,7 @@ def soak_training(steps: int, every_s: float, work: Path, quick: bool = False) -
     out = work / "run"
     cmd = [sys.executable, "launch/train.py", "model.path=tiny-llama", "rollout.engine=hf", f"trainer.steps={steps}",
            "data.val_path=null", "trainer.save_every=50", "trainer.export_hf=false", f"trainer.output_dir={out}",
-           "trainer.resume=false", *(QUICK if quick else [])]
+           "trainer.resume=fresh", *(QUICK if quick else [])]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     log = work / "train.log"
     samples: list[tuple[float, float, int]] = []

@@ -1,10 +1,12 @@
 """Where a run's numbers go: the console, a JSONL file (always), wandb (when configured), and a
-reward-curve PNG at the end. The JSONL file is appended to, so a resumed run continues it."""
+reward-curve PNG at the end. The JSONL file is appended to, so a resumed run continues it; steps it
+does again move their earlier lines to metrics.redone.jsonl."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -26,12 +28,19 @@ class MetricsLogger:
             self._wandb = wandb.init(project=wandb_project, config=config, dir=str(output_dir), resume="allow")
 
     def _drop_after(self, step: int) -> None:
-        """A run killed after logging step k but before its checkpoint redoes step k: keep one line per step."""
+        """A run killed after logging step k but before its checkpoint redoes step k: keep one line per
+        step in metrics.jsonl; the lines of steps done again go to metrics.redone.jsonl, never lost."""
         if not self.path.exists():
             return
         lines = [ln for ln in self.path.read_text().splitlines() if ln.strip()]
         keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
-        self.path.write_text("".join(ln + "\n" for ln in keep))
+        if len(keep) == len(lines):
+            return
+        with (self.path.parent / "metrics.redone.jsonl").open("a") as f:
+            f.write("".join(ln + "\n" for ln in lines if json.loads(ln).get("step", 0) > step))
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+        os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict[str, Any], console: tuple[str, ...] = ()) -> None:
         record = {"step": step, "time": round(time.time(), 3),

@@ -2,9 +2,10 @@
 
 `trainer.resume=auto` continues from the newest checkpoint whose files verify (launch/checkpoint.py);
 when checkpoints are there and none loads, the run stops, naming each and why: a restart from step 0
-would quietly discard the earlier run. `trainer.resume=fresh` starts at step 0. Whenever a run
-starts at step 0 where an earlier run left its checkpoints or metrics, they are moved aside into
-`output_dir/earlier/<that run's id>/`, never overwritten.
+would quietly discard the earlier run. `trainer.resume=fresh` starts at step 0, the earlier run's
+checkpoints and metrics moved aside into `output_dir/earlier/<that run's id>/`, never overwritten.
+(Steps a resumed run does again, logged after its checkpoint by a run that was killed, keep their
+first lines in `metrics.redone.jsonl`: launch/metrics.py.)
 
 A resumed run compares its config with the one its checkpoint was saved with and prints every
 change. A change that alters what the run means (the model, its dtype, the learning rate, the
@@ -40,7 +41,7 @@ HARMLESS = (
     "reward.timeout_s", "reward.processes", "reward.batch_size", "reward.batch_wait_s",
 )
 # what an earlier run leaves in its output directory that a run from step 0 would overwrite
-EARLIER_RUN = ("checkpoints", "metrics.jsonl", "val", "reward_curve.png", "hf")
+EARLIER_RUN = ("checkpoints", "metrics.jsonl", "metrics.redone.jsonl", "val", "reward_curve.png", "hf")
 
 
 def flat_config(cfg: Any) -> dict[str, Any]:
@@ -72,6 +73,10 @@ def compare(saved: dict[str, Any] | None, now: dict[str, Any], accepted: list[st
                   "checked against it", flush=True)
         return []
     lines, refused = [], []
+    unknown = [a for a in accepted if a != "all" and not any(_under(k, [a]) for k in set(saved) | set(now))]
+    if unknown and show:
+        print(f"WARNING: trainer.resume_changes names {unknown}, which are no config keys; it confirms nothing "
+              "for them", flush=True)
     for key in sorted(set(saved) | set(now)):
         before, after = saved.get(key, "<unset>"), now.get(key, "<unset>")
         if before == after:

@@ -58,7 +58,7 @@ def _train(cfg: Config) -> dict[str, Any]:
     ckpt, config = Checkpointer(out), flat_config(cfg)  # the config as resolved (model.dtype made concrete)
     try:
         latest = choose(ckpt, cfg.trainer.resume, rank if sharded else None, on_every_rank, show=rank == 0)
-        if latest is None and rank == 0:
+        if cfg.trainer.resume == "fresh" and rank == 0:
             set_aside(out, show=True)  # an earlier run's checkpoints and metrics are kept, never overwritten
         barrier()
         if latest is not None:

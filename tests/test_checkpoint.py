@@ -141,6 +141,7 @@ def test_a_checkpoint_that_does_not_fit_says_so_and_keeps_the_last_one(small_fs:
         ckpt.save(2, big)
     assert f"no space left on device: needed ~4.3 MB for the checkpoint at {small_fs / 'checkpoints' / 'step_000002'}" \
         in str(e.value), str(e.value)
+    assert "MB free on its filesystem" in str(e.value)  # the check before writing, not a failed write
     assert f"the last complete checkpoint, {first}, is intact" in str(e.value)
     assert [p.name for p in (small_fs / "checkpoints").iterdir()] == ["step_000001"]
     assert ckpt.resumable(show=False)[0] == first

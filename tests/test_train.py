@@ -62,6 +62,7 @@ BAD_CONFIGS = [
     (["algorithm.loss.off_policy=importance"], "off_policy='importance'"),
     (["val.n=4"], "val.n=4 greedy samples would all be the same"),
     (["trainer.val_every=-1"], "trainer.val_every=-1"),
+    (["trainer.resume=false"], "trainer.resume='False' is not allowed; choose one of ['auto', 'fresh']"),
     (["data.task=rows", "data.train_path=rows.jsonl"], "data.val_path=test means the task's own test split"),
     (["data.val_path=/nonexistent/val.jsonl"], "data.val_path='/nonexistent/val.jsonl'"),
     (["reward.model.system=Say: 'x' {"], "override \"reward.model.system=Say: 'x' {\" does not parse"),
@@ -132,7 +133,7 @@ def test_drift_is_tiny_with_fp32_hf_engine_after_every_shared_memory_sync(tmp_pa
     for extra, path in (([], "shm"), (["rollout.weight_path=bus", "actor.ppo_epochs=2"], "bus"),
                         (["rollout.in_process=true", "rollout.placement=colocated"], "in_process")):
         proc = train([*TINY, "model.dtype=float32", *warm, "trainer.steps=2", f"trainer.output_dir={out}",
-                      "trainer.resume=false", *extra])
+                      "trainer.resume=fresh", *extra])
         assert proc.returncode == 0, proc.stderr[-4000:]
         rows = metrics(out)
         assert [m["step"] for m in rows] == [1, 2] and rows[-1]["rollout/model_tokens_mean"] > 0
@@ -214,6 +215,8 @@ def test_kill_9_mid_step_resumes_exactly(tmp_path: Path):
     rows = metrics(out)
     assert [m["step"] for m in rows] == [1, 2, 3, 4]  # one line per step, none repeated or missing
     assert [m["data/index"] for m in rows] == [2, 4, 6, 8]  # 2 rows per step, continuing from the checkpoint
+    redone = [json.loads(line)["step"] for line in (out / "metrics.redone.jsonl").read_text().splitlines()]
+    assert redone[0] == 2 and set(redone) <= {2, 3}  # the first lines of the steps done again, kept
     # v1 after SFT, one per step; the resumed run loads the checkpoint (v3) into fresh engines as v3
     assert [m["weight_version"] for m in rows] == [2, 3, 4, 5]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000003", "step_000004"]
