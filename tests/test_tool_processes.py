@@ -1,5 +1,6 @@
 """Processes a trajectory's tools start end with the trajectory: one started by a tool call in its
-thread (with a child of its own), one from a thread the tool starts itself, one from a thread pool
+thread (with a child of its own, and one whose child leaves its session with setsid), one from a
+thread the tool starts itself, one from a thread pool
 it submits to, a raw os.fork child, and one started on the worker's event loop are gone once the
 trajectory's output is back; so are the processes its reward function forks and starts; a process
 started outside any trajectory lives on."""
@@ -32,6 +33,8 @@ class _Spawner(BaseTool):
         import threading
 
         p = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300"])  # a process with a child, never stopped
+        # one whose child leaves its group and session (setsid) while it waits for it
+        q = subprocess.Popen(["sh", "-c", "setsid sleep 300 & wait"])
         from_thread: list[int] = []
         t = threading.Thread(target=lambda: from_thread.append(_sleeper()))  # a thread of the tool's own
         t.start()
@@ -43,8 +46,10 @@ class _Spawner(BaseTool):
             os.execvp("sleep", ["sleep", "300"])  # as Python would keep every fd it inherited, among them the
             # pipe through which a Popen on another thread waits for its child's exec: that Popen would hang)
         time.sleep(0.3)
+        left = [c.pid for c in psutil.Process(q.pid).children() if os.getsid(c.pid) != os.getsid(q.pid)]
+        assert left, "the setsid grandchild did not start"
         return ToolResponse(json.dumps([p.pid, *(c.pid for c in psutil.Process(p.pid).children()), *from_thread,
-                                        from_pool, forked]))
+                                        from_pool, forked, q.pid, *left]))
 
 
 REWARD = """
@@ -94,8 +99,9 @@ def test_tool_processes_end_with_their_trajectory(servers, tmp_path, monkeypatch
                                         timeout_s=120)
             assert all(o.termination != "error" for o in outs), [o.error for o in outs]
             pids = [pid for o in outs for pid in o.turns[0]["pids"]]
-            # per trajectory: the tool's process and its child, the thread's, the pool's, the fork, the loop's
-            assert len(pids) >= 2 * 6, pids
+            # per trajectory: the tool's process and its child, the thread's, the pool's, the fork, the one with
+            # a setsid grandchild and that grandchild, the loop's
+            assert len(pids) >= 2 * 8, pids
             rewarded = [int(x) for x in (tmp_path / "pids.txt").read_text().split()]
             assert len(rewarded) == 2 * 2, rewarded  # per trajectory: the reward function's Popen and fork
             pids += rewarded

@@ -11,9 +11,11 @@ items carry the trajectory with them: a thread started, or a call submitted to a
 a trajectory runs in a copy of the starter's context.
 
 Processes meant to outlive a trajectory are started outside any: at tool construction, or in a
-task created with an empty context (`McpSession` does this for its shared server). Not covered: a
-process started with `os.posix_spawn` or a C extension's own fork, or one that leaves its process
-group. A tool that calls `os.fork` itself should `exec` or `os._exit` in the child promptly: a
+task created with an empty context (`McpSession` does this for its shared server). A descendant
+that left its group (a grandchild that called `setsid`) is found by parent pid while its parent
+still runs, and killed too. Not covered: a process started with `os.posix_spawn` or a C extension's
+own fork, and a daemon that double-forks (its parent exits, it moves to init's children, nothing
+ties it to the trajectory any more). A tool that calls `os.fork` itself should `exec` or `os._exit` in the child promptly: a
 forked child that runs on keeps every descriptor it inherited, among them the pipe through which a
 `subprocess.Popen` on another thread waits for its own child's exec, and that Popen then waits as
 long as the forked child lives.
@@ -100,31 +102,66 @@ def owned_by(trajectory: str) -> Iterator[None]:
 
 
 def kill_owned(trajectory: str) -> int:
-    """Kill the process groups `trajectory` started; how many were still running."""
+    """Kill the process groups `trajectory` started, and every descendant of theirs that left its
+    group (a grandchild that called setsid while its parent lives); how many were still running."""
     with _lock:
         procs = _owned.pop(trajectory, [])
-    killed = 0
+    live = []
     for p in procs:
         try:
             if isinstance(p, int):  # a forked child: running unless it has been reaped
-                if os.waitpid(p, os.WNOHANG)[0] != 0:
-                    continue  # ended, reaped now
-                os.killpg(p, signal.SIGKILL) if os.getpgid(p) == p else os.kill(p, signal.SIGKILL)
-                os.waitpid(p, 0)
-                killed += 1
-                continue
-            if p.poll() is not None:  # ended (and reaped now: its pid cannot be another process's)
-                continue
-            if os.getpgid(p.pid) == p.pid:
-                os.killpg(p.pid, signal.SIGKILL)
-            else:  # it chose a group of its own making: only the process itself is known to be ours
-                p.kill()
-            killed += 1
-        except (ProcessLookupError, PermissionError, ChildProcessError):  # gone, or reaped by the code that made it
+                if os.waitpid(p, os.WNOHANG)[0] == 0:
+                    live.append(p)
+            elif p.poll() is None:  # else ended (and reaped now: its pid cannot be another process's)
+                live.append(p)
+        except ChildProcessError:  # reaped by the code that made it
             pass
+    strays = _descendants([p if isinstance(p, int) else p.pid for p in live]) if live else []
+    killed = 0
+    for p in live:
+        pid = p if isinstance(p, int) else p.pid
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:  # it chose a group of its own making: only the process itself is known to be ours
+                os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except (ProcessLookupError, PermissionError):  # gone
+            pass
+    for pid in strays:  # those in a session or group of their own; the others went with their group
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    for p in live:  # reaped, so no pid of theirs is reused while recorded elsewhere
+        with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
+            os.waitpid(p, 0) if isinstance(p, int) else p.wait(timeout=5)
     if killed:
         log.info("trajectory %s left %d tool process(es) running; killed them", trajectory, killed)
     return killed
+
+
+def _descendants(roots: list[int]) -> list[int]:
+    """Every live descendant of `roots`, found by parent pid in /proc (Linux; none elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])  # after the name: state, then the parent's pid
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def kill_all() -> int:
