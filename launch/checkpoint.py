@@ -44,7 +44,7 @@ class CheckpointWriteError(OSError):
     """A checkpoint that could not be written: no space, no permission; says which and what to do."""
 
 
-def _save(obj: Any, path: Path, final: Path | None = None) -> None:
+def _save(obj: Any, path: Path) -> None:
     """torch.save, then the file's SHA-256 beside it (the file first: a sidecar is never ahead of it).
     torch's own writer reports a full disk as `basic_ios::clear: iostream error`: it is told apart
     here by the free space left after the write failed."""
@@ -212,13 +212,13 @@ class Checkpointer:
             barrier()
             if shard is not None:
                 need += self.preflight(shard, final)
-                _save(shard, tmp / f"shard_rank{rank}.pt", final)
+                _save(shard, tmp / f"shard_rank{rank}.pt")
             barrier()
             if rank == 0:
                 assert state is not None
                 full = {**state, "step": step, "rng": rng_state()}
                 need += self.preflight(full, final)
-                _save(full, tmp / "state.pt", final)
+                _save(full, tmp / "state.pt")
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(tmp, final)
                 for old in self.all()[self.keep:]:

@@ -108,9 +108,11 @@ class RunLock:
     def _refusal(self, holder: dict) -> str:
         who = (f"host {holder.get('host')}, pid {holder.get('pid')}, since {holder.get('since')}" if holder
                else "a process that has not yet written its name")
+        elsewhere = (f" (if it is gone from host {holder.get('host')}, remove {self.path})"
+                     if holder and holder.get("host") != socket.gethostname() else "")
         return (f"trainer.output_dir={str(self.dir)!r} is in use by another trainer ({who}); two runs on one "
-                f"directory would overwrite each other's checkpoints and metrics. Wait for it to end or stop it, "
-                f"or set another trainer.output_dir")
+                f"directory would overwrite each other's checkpoints and metrics. Wait for it to end or stop "
+                f"it{elsewhere}, or set another trainer.output_dir")
 
     def __enter__(self) -> RunLock:
         self.acquire()
