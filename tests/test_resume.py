@@ -12,14 +12,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from launch.checkpoint import ResumeError
 from launch.resume import compare
-from tests.test_train import REPO, TINY, _env, metrics, train
+from test_train import REPO, TINY, _env, metrics, train
+from waiting import wait_until
 
 FAST = [*TINY, "rollout.in_process=true", "sft.enabled=false", "trainer.export_hf=false"]
 
@@ -41,14 +41,12 @@ def test_every_change_is_printed_and_those_that_alter_the_run_are_refused_unless
 
 def _lock_holder(out: Path, proc: subprocess.Popen, timeout: float = 300) -> int:
     """The pid the running trainer wrote into its lock (the program's own, which a warm start forks)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = (out / ".lock").read_text().strip() if (out / ".lock").exists() else ""
-        if text:
-            return int(json.loads(text)["pid"])
+    def holder() -> int:
         assert proc.poll() is None, f"the trainer exited with {proc.returncode} before taking its lock"
-        time.sleep(0.05)
-    raise AssertionError(f"no lock in {out} after {timeout} s")
+        text = (out / ".lock").read_text().strip() if (out / ".lock").exists() else ""
+        return int(json.loads(text)["pid"]) if text else 0
+
+    return wait_until(holder, f"the trainer holds {out / '.lock'}", timeout)
 
 
 def test_a_resume_is_refused_when_it_would_lose_or_change_the_run(tmp_path: Path):
