@@ -67,21 +67,25 @@ def summarize(path: Path, top: int) -> dict[str, Any]:
             "buckets": {k: v / max(total, 1) for k, v in buckets.most_common()}}
 
 
-async def loop(address: str, requests: int, prompt: np.ndarray) -> list[float]:
+async def loop(address: str, requests: int, prompt: np.ndarray, concurrency: int) -> list[float]:
     from rollout.bus.client import GenerateClient
 
-    lat = []
+    lat: list[float] = []
     async with GenerateClient([address]) as client:
         await client.wait_ready(timeout_s=60)
-        for _ in range(200):  # warm-up, not sampled
-            await client.generate(prompt, SAMPLING)
+
+        async def caller(n: int) -> None:
+            for _ in range(n):
+                t0 = time.perf_counter()
+                r = await client.generate(prompt, SAMPLING)
+                r.token_ids, r.logprobs  # noqa: B018 - usable lists, as bus_vs_ray counts them
+                lat.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(caller(max(1, 200 // concurrency)) for _ in range(concurrency)))  # warm-up
+        lat.clear()
         client_spy.append(None)  # the caller starts the samplers now
         await asyncio.sleep(0.5)
-        for _ in range(requests):
-            t0 = time.perf_counter()
-            r = await client.generate(prompt, SAMPLING)
-            r.token_ids, r.logprobs  # noqa: B018 - usable lists, as bus_vs_ray counts them
-            lat.append(time.perf_counter() - t0)
+        await asyncio.gather(*(caller(requests // concurrency) for _ in range(concurrency)))
     return lat
 
 
@@ -91,6 +95,7 @@ client_spy: list[Any] = []
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight (callers issuing back to back)")
     ap.add_argument("--rate", type=int, default=500, help="samples per second per process")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--out", default=None)
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         spies: list[subprocess.Popen] = []
         try:
             async def run() -> list[float]:
-                task = asyncio.create_task(loop(address, args.requests, prompt))
+                task = asyncio.create_task(loop(address, args.requests, prompt, args.concurrency))
                 while not client_spy and not task.done():
                     await asyncio.sleep(0.01)
                 if not task.done():
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sides = {side: summarize(tmp / f"{side}.txt", args.top) for side in ("client", "server")
                  if (tmp / f"{side}.txt").exists()}
     p50 = float(np.percentile(np.array(lat) * 1e3, 50))
-    print(f"{args.requests} requests at concurrency 1: p50 {p50:.3f} ms, mean {np.mean(lat) * 1e3:.3f} ms "
+    print(f"{len(lat)} requests at concurrency {args.concurrency}: p50 {p50:.3f} ms, mean {np.mean(lat) * 1e3:.3f} ms "
           f"({wall:.1f} s with warm-up)")
     for side, s in sides.items():
         print(f"\n{side}: {s['samples']} samples (idle dropped)")

@@ -58,9 +58,7 @@ class Wire:
         for _ in range(self.batch):
             if self.closed:
                 return
-            try:
-                if not sock.getsockopt(zmq.EVENTS) & POLLIN:
-                    return
+            try:  # read until libzmq says Again (that re-arms the fd's edge): no EVENTS query per message
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
