@@ -3,8 +3,8 @@ vLLM's CUDA build, next to the hf engine and the actor. Each needs CUDA and an i
 image, benchmarks/vllm_device_install.sh puts one on PYTHONPATH); elsewhere each says why it skipped.
 
   vllm_logprobs  bf16 greedy generations; each logprob against the actor's bf16 forward over the same tokens,
-                 before any push, after a full push of other weights, and after a partial push (the first
-                 layer's tensors put back alone)
+                 before any push, after a full push of other weights, and after a push where only the
+                 first layer changed (partial training: vLLM still takes every tensor of a version)
   vllm_sleep     torch.cuda.mem_get_info around sleep(1), sleep(2) and wake: GB freed and taken back, the same
                  greedy tokens after waking (level 2 after the weights are pushed back)
   vllm_preempt   a long generation aborted once it has produced tokens: it returns them, finish_reason 'abort'
@@ -54,7 +54,8 @@ def _gap(ctx: Ctx, model: Any, ps: list[list[int]], outs: list[Any]) -> float:
 
 
 def check_vllm_logprobs(ctx: Ctx) -> dict[str, Any]:
-    """Engine logprobs against the bf16 actor before any push, after a full push, after a partial push."""
+    """Engine logprobs against the bf16 actor before any push, after a full push, after a push of partial
+    training (only the first layer's tensors changed)."""
     _needs_vllm(ctx)
     from engines.inference.base import SamplingParams
 
@@ -76,11 +77,12 @@ def check_vllm_logprobs(ctx: Ctx) -> dict[str, Any]:
             await engine.finish_weight_update()
             m["full_push_gap"] = _gap(ctx, other, ps, await _greedy(engine, ps, params, "full"))
             m["full_push_gap_to_old"] = _gap(ctx, base, ps, await _greedy(engine, ps, params, "full_old"))
-            await engine.update_weights((n, base_state[n]) for n in first)  # layer 0 back to the base weights
-            await engine.finish_weight_update()
+            # partial training: the first layer trained, the rest frozen; the engine still takes every tensor
             mixed = perturbed_model(ctx).to(torch.bfloat16)
             mixed.load_state_dict({n: base_state[n] for n in first}, strict=False)
-            m["partial_push_tensors"] = len(first)
+            await engine.update_weights((n, t.detach()) for n, t in mixed.state_dict().items())
+            await engine.finish_weight_update()
+            m["partial_push_changed_tensors"] = len(first)
             m["partial_push_gap"] = _gap(ctx, mixed, ps, await _greedy(engine, ps, params, "partial"))
             return m
         finally:
