@@ -30,7 +30,7 @@
   recipes      each recipe of launch/configs/recipes shrunk to one GPU and the suite's model, 2 steps
                (vLLM/SGLang, absent from the image, replaced by hf and said so)
   weight_sync_bench  benchmarks/weight_sync.py --quick on the GPU (every weight path beside a memcpy)
-  vllm_logprobs, vllm_sleep, vllm_preempt, vllm_vs_hf, vllm_grpo_run, vllm_lora_run
+  vllm_logprobs, vllm_sleep, vllm_handle_route, vllm_preempt, vllm_vs_hf, vllm_grpo_run, vllm_lora_run
                the project's vLLM engine on vLLM's CUDA build (benchmarks/gpu_smoke_vllm.py says what each
                does; benchmarks/vllm_wheels.sh and vllm_device_install.sh bring vLLM to the GPU image)
 

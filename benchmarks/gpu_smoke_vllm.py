@@ -7,6 +7,9 @@ image, benchmarks/vllm_device_install.sh puts one on PYTHONPATH); elsewhere each
                  first layer changed (partial training: vLLM still takes every tensor of a version)
   vllm_sleep     torch.cuda.mem_get_info around sleep(1), sleep(2) and wake: GB freed and taken back, the same
                  greedy tokens after waking (level 2 after the weights are pushed back)
+  vllm_handle_route  an engine server process with the vllm engine; weights pushed as buckets it opens by CUDA
+                 IPC handle: the route taken, GB/s, every tensor's digest as vLLM serves it against what was
+                 sent (engines/weight_digest.py), the pushed model's logprobs
   vllm_preempt   a long generation aborted once it has produced tokens: it returns them, finish_reason 'abort'
   vllm_vs_hf     rollout tokens/s of VLLMEngine and HFEngine on the same batch, greedy, the same new tokens
   vllm_grpo_run  launch/train.py, 3 GRPO steps with a colocated vLLM engine (pushes by the run's own route)
@@ -16,7 +19,12 @@ image, benchmarks/vllm_device_install.sh puts one on PYTHONPATH); elsewhere each
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -141,6 +149,63 @@ def check_vllm_sleep(ctx: Ctx) -> dict[str, Any]:
     return m
 
 
+def check_vllm_handle_route(ctx: Ctx) -> dict[str, Any]:
+    """bf16 weights into a vllm engine server by CUDA IPC handle; vLLM's digests equal what was sent."""
+    _needs_vllm(ctx)
+    from engines.weight_digest import compare, digests
+    from rollout.bus import protocol as P
+    from rollout.bus.client import GenerateClient
+    from rollout.bus.launcher import start_server_process
+    from rollout.weights.bus import push_weights
+    from rollout.weights.handle import HandleSlots
+
+    tmp = Path(tempfile.mkdtemp(prefix="gsv-"))  # short: ipc socket paths are limited to ~107 bytes
+    log = ctx.work / "vllm_handle_engine.log"
+    slots = HandleSlots(ctx.torch_device)
+    ps = prompts(ctx, ctx.size(2, 4))
+    new = perturbed_model(ctx).to(torch.bfloat16)
+    sent = {n: t.detach() for n, t in new.state_dict().items()}
+
+    async def main() -> dict[str, Any]:
+        async with GenerateClient([f"ipc://{tmp}/e0.sock"]) as client:
+            await client.wait_ready(timeout_s=300)
+            report = await push_weights(client, sent.items(), version=1, bucket_bytes=64 << 20, slots=slots)
+            replies = await client.broadcast(P.WeightsDigest(), 120)
+            sampling = {"max_tokens": ctx.size(6, 24), "temperature": 0, "ignore_eos": True}
+            pushed = [await client.generate(p, sampling, session_id=f"pushed{i}") for i, p in enumerate(ps)]
+            return {"report": report, "digest": replies[0], "pushed": pushed}
+
+    options = {"dtype": "bfloat16", "gpu_memory_utilization": GPU_SHARE, "max_model_len": 1024}
+    proc = start_server_process("vllm", ctx.model, f"ipc://{tmp}/e0.sock", "e0", options, log_file=log)
+    try:
+        r = asyncio.run(main())
+    except BaseException:
+        sys.stderr.write(log.read_text()[-3000:] if log.exists() else "")
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        slots.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    rep, d = r["report"], r["digest"]
+    m: dict[str, Any] = {"path": rep.path, "buckets": rep.buckets, "gb": gb(rep.bytes), "push_s": round(rep.seconds, 3),
+                         "gb_per_s": round(rep.bytes / 2**30 / max(rep.seconds, 1e-9), 3),
+                         "digest_available": bool(getattr(d, "available", False))}
+    if m["digest_available"]:
+        held = {n: (float(v[0]), float(v[1])) for n, v in zip(d.names, d.values)}
+        bad, compared = compare(digests(sent.items()), held, "bfloat16", tied=bool(new.config.tie_word_embeddings))
+        m.update({"digest_compared": compared, "digest_mismatched": bad[:8]})
+    m["pushed_logprob_gap"] = _gap(ctx, new, ps, r["pushed"])
+    if rep.path != "handle" or not m["digest_available"] or m["digest_mismatched"] or not m["digest_compared"]:
+        raise AssertionError(f"weights by CUDA IPC handle into vLLM: wrong route, no digest or a tensor differs: {m}")
+    if not m["pushed_logprob_gap"] < BF16_LOGPROB_TOL:
+        raise AssertionError(f"vLLM does not serve the pushed weights: {m}")
+    return m
+
+
 def check_vllm_preempt(ctx: Ctx) -> dict[str, Any]:
     """A generation aborted after its first tokens returns what it produced, finish_reason 'abort'."""
     _needs_vllm(ctx)
@@ -227,10 +292,12 @@ def check_vllm_lora_run(ctx: Ctx) -> dict[str, Any]:
     sent = max(m.get("sync/gb") or 0.0 for m in steps) * 1e9
     out = {**_steps(steps, wall, args), "sync_gb": round(sent / 1e9, 6), "sync_fraction": round(sent / full, 5)}
     if not sent or sent >= 0.05 * full:
-        raise AssertionError(f"a LoRA push into vLLM sent {sent / 1e9:.4g} GB, {sent / full:.1%} of the model: {out}")
+        raise AssertionError(f"a LoRA push into vLLM sent {sent / 1e9:.4g} GB, {sent / full:.1%} of the model "
+                             f"(must be under 5%): {out}")
     return out
 
 
 VLLM_CHECKS = {"vllm_logprobs": check_vllm_logprobs, "vllm_sleep": check_vllm_sleep,
-               "vllm_preempt": check_vllm_preempt, "vllm_vs_hf": check_vllm_vs_hf,
-               "vllm_grpo_run": check_vllm_grpo_run, "vllm_lora_run": check_vllm_lora_run}
+               "vllm_handle_route": check_vllm_handle_route, "vllm_preempt": check_vllm_preempt,
+               "vllm_vs_hf": check_vllm_vs_hf, "vllm_grpo_run": check_vllm_grpo_run,
+               "vllm_lora_run": check_vllm_lora_run}

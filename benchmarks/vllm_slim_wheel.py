@@ -87,7 +87,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("wheel", type=Path, help="vLLM's CUDA wheel (vllm-*-manylinux*_x86_64.whl)")
     ap.add_argument("out_dir", type=Path, help="where the slim wheel and its part-NN/ folders go")
-    ap.add_argument("--part-mib", type=int, default=58, help="largest part, MiB (a device call carries 64, the checkout included)")
+    ap.add_argument("--part-mib", type=int, default=58,
+                    help="largest part, MiB (a device call carries 64, the checkout included)")
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for old in args.out_dir.glob("part-*/*"):

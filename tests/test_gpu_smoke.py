@@ -17,8 +17,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 CHECKS = ("hf_engine", "sleep_wake", "handle_route", "fsdp_actor", "shared_prefix", "drift", "grpo_run", "megatron_run", "lora_run",
           "deepspeed_ref", "reward_model", "fsdp2_two_ranks", "ddp_two_ranks", "megatron_tp2", "megatron_pp2", "megatron_zero1",
-          "recipes", "weight_sync_bench", "vllm_logprobs", "vllm_sleep", "vllm_preempt", "vllm_vs_hf", "vllm_grpo_run",
-          "vllm_lora_run")
+          "recipes", "weight_sync_bench", "vllm_logprobs", "vllm_sleep", "vllm_handle_route", "vllm_preempt",
+          "vllm_vs_hf", "vllm_grpo_run", "vllm_lora_run")
 TWO_RANKS = "two ranks on CPU run in CI as tests/test_distributed.py (DDP, FSDP2) and tests/test_megatron.py"
 CUDA_ONLY = {"sleep_wake": "needs CUDA",  # torch.cuda.mem_get_info; the handle route runs its CPU form here
              "reward_model": "tests/test_reward_model_engine.py",
