@@ -30,6 +30,9 @@
   recipes      each recipe of launch/configs/recipes shrunk to one GPU and the suite's model, 2 steps
                (vLLM/SGLang, absent from the image, replaced by hf and said so)
   weight_sync_bench  benchmarks/weight_sync.py --quick on the GPU (every weight path beside a memcpy)
+  vllm_logprobs, vllm_sleep, vllm_handle_route, vllm_preempt, vllm_vs_hf, vllm_grpo_run, vllm_lora_run
+               the project's vLLM engine on vLLM's CUDA build (benchmarks/gpu_smoke_vllm.py says what each
+               does; benchmarks/vllm_wheels.sh and vllm_device_install.sh bring vLLM to the GPU image)
 
 Figures beside what the device measured in the same run (`limits`): the handle route's GB/s against the
 device-to-device copy bandwidth, the FSDP2 and Megatron updates' FLOP/s (6 N T, a floor) against the
@@ -37,7 +40,7 @@ matmul rate in the dtype they train in, the hf engine's tokens/s against transfo
 the same batch. `--model-size 1b` builds a random 1.07B llama with --model's tokenizer on the device
 first and runs the checks on it.
 
-`--part 1|2|3` runs one of the parts (PARTS) that each fit a 10-minute device command; the whole suite does
+`--part 1|2|3|vllm` runs one of the parts (PARTS) that each fit a 10-minute device command; the whole suite does
 not. Writes a JSON report (--out), rewritten after each check so a run cut off keeps what it measured,
 and a last line `RESULT {...}` with the headline numbers; exits 1 if any check failed. A check that needs CUDA reports `skipped` with its reason on CPU.
 """
@@ -240,6 +243,7 @@ from gpu_smoke_runs import (check_ddp_two_ranks, check_deepspeed_ref, check_fsdp
                             check_grpo_run, check_lora_run, check_megatron_pp2, check_megatron_run,
                             check_megatron_tp2, check_megatron_zero1, check_recipes, check_reward_model,
                             check_weight_sync_bench)
+from gpu_smoke_vllm import VLLM_CHECKS  # noqa: E402
 
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {  # by value: a run cut off still reports the most
     "hf_engine": check_hf_engine, "sleep_wake": check_sleep_wake, "handle_route": check_handle_route,
@@ -247,14 +251,15 @@ CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {  # by value: a run cut of
     "megatron_run": check_megatron_run, "lora_run": check_lora_run, "deepspeed_ref": check_deepspeed_ref,
     "reward_model": check_reward_model, "fsdp2_two_ranks": check_fsdp2_two_ranks, "ddp_two_ranks": check_ddp_two_ranks,
     "megatron_tp2": check_megatron_tp2, "megatron_pp2": check_megatron_pp2, "megatron_zero1": check_megatron_zero1,
-    "recipes": check_recipes, "weight_sync_bench": check_weight_sync_bench}
+    "recipes": check_recipes, "weight_sync_bench": check_weight_sync_bench, **VLLM_CHECKS}
 
 # the suite in parts, each one device command of under 10 minutes (on an H200 with --model-size 1b: part 1
 # 8.6 min, 2026-11-27; part 2 6.2 min, 2026-11-28; part 3 not timed whole: recipes took ~50 s each there)
 PARTS = {"1": ["hf_engine", "sleep_wake", "handle_route", "fsdp_actor", "shared_prefix", "drift", "grpo_run",
                "megatron_run", "lora_run", "deepspeed_ref"],
          "2": ["reward_model", "fsdp2_two_ranks", "ddp_two_ranks", "megatron_tp2", "megatron_pp2", "megatron_zero1"],
-         "3": ["recipes", "weight_sync_bench"]}
+         "3": ["recipes", "weight_sync_bench"],
+         "vllm": list(VLLM_CHECKS)}  # not yet timed on a GPU
 assert sorted(sum(PARTS.values(), [])) == sorted(CHECKS), "every check in exactly one part"
 
 
@@ -306,7 +311,9 @@ def headline(report: dict[str, Any]) -> dict[str, Any]:
             "grpo_weight_route": get("grpo_run", "weight_route"),
             "megatron_update_s": (get("megatron_run", "update_s") or [None])[-1],
             "lora_sync_fraction": get("lora_run", "sync_fraction"),
-            "deepspeed_ref_kl": (get("deepspeed_ref", "kl_in_reward") or [None])[-1], "seconds": report["seconds"]}
+            "deepspeed_ref_kl": (get("deepspeed_ref", "kl_in_reward") or [None])[-1],
+            "vllm_logprob_gap": get("vllm_logprobs", "full_push_gap"), "vllm_vs_hf": get("vllm_vs_hf", "vllm_vs_hf"),
+            "vllm_push_gb_per_s": get("vllm_grpo_run", "push_gb_per_s"), "seconds": report["seconds"]}
 
 
 def report_of(args: argparse.Namespace, ctx: Ctx, model: str, checks: dict[str, Any], seconds: float,

@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_wheels.sh      # first, on a box that reaches the package index
 #   (copy benchmarks/.gpu_wheels to the GPU machine's checkout)
 #   bash benchmarks/gpu_smoke.sh --part 1   # on the GPU machine; parts 1, 2 and 3, each under 10 minutes
+#   bash benchmarks/gpu_smoke.sh --part vllm   # after benchmarks/vllm_device_install.sh (see vllm_wheels.sh)
 #
 # Packages the checks import that the image lacks are installed from benchmarks/.gpu_wheels with
 # --no-deps into a folder of their own (benchmarks/.gpu_wheels/site-cpXY, put on PYTHONPATH): the
@@ -23,6 +24,9 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTH
 NEEDED="zmq:pyzmq msgpack:msgpack xxhash:xxhash omegaconf:omegaconf"
 TAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 SITE="$PWD/$WHEELS/site-$TAG"
+# vLLM and what it imports, where benchmarks/vllm_device_install.sh put them (the `vllm` part's checks)
+VLLM_SITE="$PWD/$WHEELS/vllm/site-$TAG"
+[ -d "$VLLM_SITE" ] && export PYTHONPATH="$VLLM_SITE${PYTHONPATH:+:$PYTHONPATH}"
 [ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 missing=()
 for pair in $NEEDED; do

