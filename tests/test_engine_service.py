@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -99,3 +100,33 @@ def test_a_run_attaches_to_engines_it_did_not_start_and_survives_a_restart(tmp_p
             e.terminate()
         for e in engines:
             e.wait(60)
+
+
+def test_a_bf16_run_pushes_into_a_plain_fp32_engine_in_its_dtype(tmp_path: Path):
+    """`python -m rollout.bus.server` with no options holds float32; a run training in bfloat16 attached
+    to it learns the engine's dtype from its status and casts every push to it (the engine refuses
+    tensors of another dtype), so step 1's push lands and the run exits 0."""
+    address = f"ipc://{tmp_path}/plain.sock"
+    log = tmp_path / "plain.log"
+    endpoint = tmp_path / "plain.json"
+    engine = start_server_process("hf", "tiny-llama", [address], "plain", log_file=log, endpoint_file=endpoint,
+                                  cpu_threads=1)
+    try:
+        read_endpoints(endpoint, engine, 300, log)
+        run = subprocess.run([sys.executable, "launch/train.py", *TINY, "model.dtype=bfloat16", "sft.enabled=false",
+                              "trainer.steps=1", "trainer.export_hf=false", f"trainer.output_dir={tmp_path / 'run'}",
+                              f"rollout.engines=[{address}]"],
+                             cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+        assert "the attached engines hold float32 and this run trains in model.dtype=bfloat16" in run.stdout
+
+        async def status() -> Any:
+            async with GenerateClient([address]) as c:
+                await c.wait_ready(timeout_s=60)
+                return await c.status(0)
+
+        st = asyncio.run(status())
+        assert st.stats["dtype"] == "float32" and st.weight_version == 1  # step 1's weights, in its own dtype
+    finally:
+        engine.terminate()
+        engine.wait(60)

@@ -237,6 +237,15 @@ class Engine(Protocol):
         """Release everything; the engine is not used again."""
 
 
+def held_dtype(engine: Any) -> str | None:
+    """The dtype name ("float32", "bfloat16") an engine holds its weights in, which a weight push must
+    arrive in: its `dtype` attribute (a torch dtype or a name; sglang keeps it among its `kwargs`).
+    None where it has none (echo) or leaves it to the model's config ("auto")."""
+    dtype = getattr(engine, "dtype", None) or getattr(engine, "kwargs", {}).get("dtype")
+    name = str(dtype).removeprefix("torch.") if dtype is not None else None
+    return None if name in (None, "auto") else name
+
+
 def id_list(prompt_ids: Any) -> list[int]:
     """Token ids as a Python list of ints: what engine APIs take. The server hands engines the
     int32 array it decoded from the request's frame (read-only, valid during the call); an engine

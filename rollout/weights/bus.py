@@ -34,8 +34,8 @@ async def push_weights(client: "GenerateClient", named: Iterable[tuple[str, "tor
     gathered and serialised while the engines load the previous ones (they apply them in arrival
     order), and the trainer never holds more than `inflight` buckets of bytes.
 
-    With `slots` (engines on this node) each bucket is packed into a shared-memory slot, cast to
-    `dtype`, and only its name crosses the socket; a slot is refilled once every engine acked it.
+    Float tensors are cast to `dtype` (the engines') on the way. With `slots` (engines on this node)
+    each bucket is packed into a shared-memory slot and only its name crosses the socket; a slot is refilled once every engine acked it.
 
     An engine whose connection is lost during the push is left out of it (marked down; failover
     already moves its requests): the version is committed by every engine still there, and one that
@@ -55,7 +55,7 @@ async def push_weights(client: "GenerateClient", named: Iterable[tuple[str, "tor
                 bucket = slot_bucket(slots, index % slots.count, tensors, version, index, dtype)
                 nbytes += bucket.ref["total"]
             else:
-                bucket = bucket_from_tensors(tensors, version, index)
+                bucket = bucket_from_tensors(tensors, version, index, dtype=dtype)
                 nbytes += sum(len(f) for f in bucket.frames)
             window.append(asyncio.ensure_future(client.broadcast(bucket, timeout_s, only=begun, skip_down=True)))
             buckets += 1

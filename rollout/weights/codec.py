@@ -160,14 +160,17 @@ def tensor_from_raw(raw: "torch.Tensor | bytes | memoryview", dtype: str, shape:
 
 
 def bucket_from_tensors(tensors: list[tuple[str, "torch.Tensor"]], version: int, index: int,
-                        rid: str = "") -> WeightsBucket:
-    """Pack (name, tensor) pairs into one bucket message; tensors are copied to CPU bytes."""
+                        rid: str = "", dtype: "torch.dtype | None" = None) -> WeightsBucket:
+    """Pack (name, tensor) pairs into one bucket message; tensors are copied to CPU bytes, float
+    tensors cast to `dtype` (the engines') when given."""
     frames: list[bytes | memoryview] = []
     dtypes, shapes = [], []
     for _, t in tensors:
-        raw, dtype, shape = tensor_to_raw(t)
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
+        raw, dtype_name, shape = tensor_to_raw(t)
         frames.append(memoryview(raw.numpy()).cast("B") if raw.numel() else b"")
-        dtypes.append(dtype)
+        dtypes.append(dtype_name)
         shapes.append(shape)
     return WeightsBucket(rid=rid, weight_version=version, index=index, names=[n for n, _ in tensors],
                          dtypes=dtypes, shapes=shapes, checksum=checksum(frames, DEFAULT_CHECKSUM),

@@ -41,6 +41,7 @@ class WeightSync:
         self.group: Any = None  # the node leaders' process group, for the collective route (connect)
         self.local_control: Any = None  # another node's leader: its client to its own engines (connect_clients)
         self._no_room = False  # shared memory too small for two buckets on this one-node run: the bus instead
+        self._attached_dtype: str | None = None  # what attached engines hold (they report it), learned at the first push
 
     def takes_adapters(self) -> bool:
         """Whether each push carries only the actor's LoRA adapter: it trains one, and this run's
@@ -174,7 +175,7 @@ class WeightSync:
 
     def _verify(self, tap: DigestTap, version: int, engines: list[int] | None) -> None:
         """Compare what every engine serves now with what `tap` saw sent; name what differs (verify.py)."""
-        dtype = str(self.dtype)
+        dtype = str(self.engine_dtype()).removeprefix("torch.")
         found = check_engines(self.fleet.control, tap.sent, dtype, tied_embeddings(self.model_dir), engines)
         self.mismatched = found["mismatched"]
         self.last_sync.update({"sync/verified_tensors": float(found["compared"]),
@@ -192,6 +193,28 @@ class WeightSync:
         self.routes = {}
 
     def engine_dtype(self) -> torch.dtype | None:
-        """The engines' dtype, which buckets are cast to before they travel (None: as the actor has them)."""
-        dtype = getattr(torch, str(self.dtype), None)
+        """The engines' dtype, which buckets are cast to before they travel (None: as the actor has them):
+        the run's `model.dtype` for engines it starts, and what attached engines report (`rollout.engines`
+        run in the dtype they were started with, whatever this run trains in)."""
+        name = self._attached() if self.cfg.engines else str(self.dtype)
+        dtype = getattr(torch, str(name), None)
         return dtype if isinstance(dtype, torch.dtype) else None
+
+    def _attached(self) -> str:
+        """Rank 0: the dtype every attached engine reports in its status (asked once); engines that hold
+        different dtypes cannot take one push, and are named."""
+        if self._attached_dtype is not None or self.fleet.control is None:
+            return self._attached_dtype or str(self.dtype)
+        from rollout.engine_stats import statuses
+
+        held = {self.cfg.engines[i]: st.stats.get("dtype") for i, st in
+                enumerate(statuses(self.fleet.control, len(self.fleet.engines))) if st is not None}
+        kinds = {d for d in held.values() if d}
+        if len(kinds) > 1:
+            raise RuntimeError(f"the attached engines hold different dtypes ({held}); one push cannot serve them all: "
+                               "start every engine server with the same --option dtype=...")
+        self._attached_dtype = kinds.pop() if kinds else str(self.dtype)
+        if self._attached_dtype != str(self.dtype) and self.fleet.rank == 0:
+            print(f"the attached engines hold {self._attached_dtype} and this run trains in model.dtype={self.dtype}: "
+                  f"each push is cast to {self._attached_dtype} on the way", flush=True)
+        return self._attached_dtype
