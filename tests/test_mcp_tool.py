@@ -272,3 +272,20 @@ def test_server_that_never_answers_hits_startup_timeout() -> None:
         finally:
             await tool.close()
     asyncio.run(go())
+
+
+MCP_OF_VERIFIERS = "2.0.0"  # what verifiers 0.4 installs beside the project (its recipe's venv, README)
+
+
+def test_the_declared_mcp_range_admits_what_verifiers_installs():
+    """The project's mcp requirement admits the mcp verifiers 0.4 brings (its recipe's venv then
+    installs without a conflict) and the one installed here; this suite passes on both."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    (mcp,) = [Requirement(d) for d in deps if Requirement(d).name == "mcp"]
+    assert mcp.specifier.contains(MCP_OF_VERIFIERS), f"pyproject declares {mcp}, verifiers 0.4 installs mcp 2.0"
+    assert mcp.specifier.contains(importlib.metadata.version("mcp"))
