@@ -160,7 +160,10 @@ class TrainerConfig:
     # that this resume accepts all the same, e.g. [actor.lr]; ["all"] accepts every change (launch/resume.py)
     resume_changes: list[str] = field(default_factory=list)
     seed: int = 0
-    wandb_project: str | None = None  # metrics go to wandb too when set
+    # where each step's numbers and the resolved config go besides output_dir/metrics.jsonl (always):
+    # console (the step line), wandb, tensorboard, mlflow (launch/loggers)
+    loggers: list[str] = field(default_factory=lambda: ["console"])
+    wandb_project: str | None = None  # the wandb project and MLflow experiment; setting it adds wandb to loggers
     export_hf: bool = True  # write output_dir/hf (safetensors) at the end
     collective_timeout_s: float = 3600.0  # longest wait of a rank in a collective: cover the longest rollout
     # validation on data.val_path: every val_every steps (0 = only after the last step), and before the
@@ -288,6 +291,13 @@ def _check_finite(node: Any, key: str) -> None:
             _check_finite(v, f"{key}[{i}]")
 
 
+def resolved(cfg: Config) -> dict[str, Any]:
+    """The run's config as the loggers record it: every section and key, defaults filled in."""
+    import dataclasses
+
+    return dataclasses.asdict(cfg)
+
+
 def resolve_path(p: str | None) -> Path | None:
     """Config paths are relative to the working directory, else to the repository."""
     if not p:
@@ -314,6 +324,13 @@ def validate(cfg: Config) -> None:
 
     from engines.training.backends import ACTORS, with_feature
 
+    from launch.loggers import missing
+
+    if cfg.trainer.wandb_project and "wandb" not in cfg.trainer.loggers:
+        cfg.trainer.loggers.append("wandb")
+    for name in cfg.trainer.loggers:
+        if missing(name):
+            raise ConfigError(missing(name))
     if ESTIMATORS[cfg.algorithm.advantage].values and not ACTORS[cfg.actor.backend].critic:
         raise ConfigError(f"algorithm.advantage={cfg.algorithm.advantage} trains a critic beside the actor and needs "
                           f"actor.backend={'|'.join(with_feature('critic'))} (got {cfg.actor.backend!r}); use grpo or "

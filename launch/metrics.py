@@ -1,6 +1,6 @@
-"""Where a run's numbers go: the console, a JSONL file (always), wandb (when configured), and a
-reward-curve PNG at the end. The JSONL file is appended to, so a resumed run continues it; steps it
-does again move their earlier lines to metrics.redone.jsonl."""
+"""Where a run's numbers go: a JSONL file (always), the loggers `trainer.loggers` names (launch/loggers:
+console, wandb, tensorboard, mlflow), and a reward-curve PNG at the end. The JSONL file is appended to,
+so a resumed run continues it; steps it does again move their earlier lines to metrics.redone.jsonl."""
 
 from __future__ import annotations
 
@@ -13,19 +13,24 @@ from typing import Any
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: Path, wandb_project: str | None = None, config: dict[str, Any] | None = None,
-                 resume_step: int = 0) -> None:
+    """Every step's numbers to output_dir/metrics.jsonl and to each of `loggers` (launch/loggers: the
+    console's step line, wandb, TensorBoard, MLflow), which get the resolved `config` once at the start."""
+
+    def __init__(self, output_dir: Path, loggers: list[str] | tuple[str, ...] = ("console",),
+                 config: dict[str, Any] | None = None, resume_step: int = 0, project: str | None = None) -> None:
+        from launch.loggers import make_logger
+
         self.path = output_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._drop_after(resume_step)
-        self._wandb = None
-        if wandb_project:
-            try:
-                import wandb
-            except ImportError:
-                raise RuntimeError("trainer.wandb_project is set but wandb is not installed; pip install wandb, "
-                                   "or unset trainer.wandb_project") from None
-            self._wandb = wandb.init(project=wandb_project, config=config, dir=str(output_dir), resume="allow")
+        self.sinks: dict[str, Any] = {}
+        try:
+            for name in dict.fromkeys(loggers):
+                self.sinks[name] = make_logger(name, output_dir=output_dir, run_name=output_dir.resolve().name,
+                                               config=config or {}, resume_step=resume_step, project=project)
+        except BaseException:
+            self.close()
+            raise
 
     def _drop_after(self, step: int) -> None:
         """A run killed after logging step k but before its checkpoint redoes step k: keep one line per
@@ -43,14 +48,16 @@ class MetricsLogger:
         os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict[str, Any], console: tuple[str, ...] = ()) -> None:
+        """One line of the JSONL file per step; the numbers among `metrics` to every logger (`console`:
+        the keys the console's step line shows)."""
         record = {"step": step, "time": round(time.time(), 3),
                   **{k: _plain(v) for k, v in sorted(metrics.items())}}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
-        shown = " ".join(f"{k}={_fmt(record[k])}" for k in console if k in record)
-        print(f"step {step:>4} {shown}", flush=True)
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and k not in ("step", "time")}
+        for sink in self.sinks.values():
+            sink.log(step, numbers, console)
 
     def history(self) -> list[dict[str, Any]]:
         if not self.path.exists():
@@ -62,8 +69,9 @@ class MetricsLogger:
         return any(h.get("step") == step and h.get(key) is not None for h in self.history())
 
     def close(self) -> None:
-        if self._wandb is not None:
-            self._wandb.finish()
+        for sink in self.sinks.values():
+            sink.close()
+        self.sinks = {}
 
 
 def _plain(v: Any) -> Any:
@@ -72,10 +80,6 @@ def _plain(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
-
-
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def plot_rewards(history: list[dict[str, Any]], path: Path, key: str = "reward/mean",

@@ -45,6 +45,7 @@ def _train(cfg: Config) -> dict[str, Any]:
     from launch.algorithm import learn
     from launch.guards import DriftGuard, InvalidGuard
     from launch.checkpoint import Checkpointer, load_run, save_run
+    from launch.config import resolved
     from launch.metrics import MetricsLogger, summarize
     from launch.resume import choose, compare, flat_config, set_aside
     from launch.setup import setup
@@ -71,7 +72,8 @@ def _train(cfg: Config) -> dict[str, Any]:
     if latest is not None:
         print(f"resuming from {latest} (step {start}, data position {stream.position})", flush=True)
     overlap = cfg.rollout.staleness > 0  # asynchronous RL: rollout runs on through updates
-    logger = MetricsLogger(out, cfg.trainer.wandb_project, resume_step=start) if rank == 0 else None
+    logger = MetricsLogger(out, cfg.trainer.loggers, resolved(cfg), start, cfg.trainer.wandb_project) if rank == 0 \
+        else None
     validator = _validator(cfg, run) if rank == 0 and run.val_rows else None
     drift = DriftGuard(cfg.model.dtype, cfg.trainer.drift_warn, cfg.trainer.max_drift, cfg.rollout.top_p < 1,
                        show=rank == 0)

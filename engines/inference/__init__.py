@@ -11,7 +11,9 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from engines.inference.base import Engine, EngineDeadError, EngineStats, GenerateOutput, SamplingParams
+from engines.inference.base import (Engine, EngineDeadError, EngineStats, GenerateOutput, SamplingParams,
+                                    held_dtype)
+
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -88,4 +90,4 @@ def check_options(backend: str, options: dict[str, Any], cls: Any = None) -> Non
                          f"{sorted(k for k in accepted if k not in ('self', 'model'))}. Another engine's options do "
                          "not carry over: set rollout.engine_options={} or name this engine's own")
 
-__all__ = ["BACKENDS", "check_options", "ENGINES", "ROLLOUT_ENGINES", "Engine", "EngineSpec", "EngineDeadError", "EngineStats", "GenerateOutput", "SamplingParams", "make_engine"]
+__all__ = ["BACKENDS", "check_options", "ENGINES", "ROLLOUT_ENGINES", "Engine", "EngineSpec", "EngineDeadError", "EngineStats", "GenerateOutput", "SamplingParams", "held_dtype", "make_engine"]

@@ -29,8 +29,7 @@ from typing import Any, Sequence, TextIO
 import zmq
 import zmq.asyncio
 
-from engines.inference import Engine, EngineDeadError, SamplingParams, make_engine
-from engines.inference.base import held_dtype
+from engines.inference import Engine, EngineDeadError, SamplingParams, held_dtype, make_engine
 from parallel.lifetime import watch_parent
 from rollout.bus import protocol as P
 from rollout.bus.eager import start_eagerly
@@ -59,7 +58,6 @@ class EngineServer:
                  keys: BusKeys | None = None, gate_timeout_s: float = GATE_TIMEOUT_S,
                  max_gated_per_peer: int = MAX_GATED_PER_PEER, peer_timeout_s: float = PEER_TIMEOUT_S) -> None:
         self.engine = engine
-        self.dtype = held_dtype(engine)
         self.addresses = [address] if isinstance(address, str) else list(address)
         if keys is None and any(needs_auth(a) for a in self.addresses):
             raise AuthError(f"engine {engine_id}: binding {[a for a in self.addresses if needs_auth(a)]} needs the "
@@ -237,15 +235,14 @@ class EngineServer:
         stats["bad_frames"] = self.bad_frames
         stats["refused"] = self.refused
         stats["weights_freed"] = self._weights_freed
-        stats["requests"] = self.requests
-        stats["preemptions"] = self.preemptions
+        stats.update(requests=self.requests, preemptions=self.preemptions)
         stats["gated"] = sum(self._gated.values())
         stats["dropped_for_silence"] = self.dropped_for_silence
         stats["rss_mb"] = _rss_mb()
         now = time.monotonic()
         stats["busy_s"] = self._busy_s + (now - self._busy_since if self._generating else 0.0)
         stats["uptime_s"] = now - self._started
-        stats["dtype"] = self.dtype  # what a weight push must arrive in (a run attached to this server casts to it)
+        stats["dtype"] = held_dtype(self.engine)  # what a push must arrive in: an attached run casts to it
         return P.Status(rid=rid, engine_id=self.engine_id, weight_version=self.weight_version, stats=stats)
 
     @staticmethod
