@@ -75,11 +75,13 @@ class DataConfig:
             raise ConfigError("data.train_path is required when data.task=rows (a jsonl/json/parquet file of rows)")
         if self.val_path == "test" and self.task == "rows":
             raise ConfigError("data.val_path=test means the task's own test split, and data.task=rows has none; give "
-                              "a file of held-out rows (data.val_path=path/to/val.jsonl)")
+                              "a file of held-out rows (data.val_path=path/to/val.jsonl), or data.val_path=null to "
+                              "train without validation")
         if self.val_path == "test" and self.task == "gsm8k" and self.train_path != "openai/gsm8k":
             raise ConfigError(f"data.val_path=test with data.task=gsm8k reads the hub's test split only when "
                               f"data.train_path=openai/gsm8k (got {self.train_path!r}); give the GSM8K test file "
-                              "instead (data.val_path=path/to/gsm8k/test.jsonl)")
+                              "instead (data.val_path=path/to/gsm8k/test.jsonl), or data.val_path=null to train "
+                              "without validation")
 
 
 @dataclass
@@ -242,6 +244,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cfg = OmegaConf.to_object(tree)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
+        if type(e).__name__ == "ConfigKeyError" and key:  # a key the tree does not have: name the closest
+            from launch.config_help import unknown
+
+            raise ConfigError(unknown(Config(), key)) from None
         raise ConfigError(f"{path}: bad config{f' at {key}' if key else ''}: {str(e).splitlines()[0]}") from None
     except ValueError as e:  # a section's __post_init__
         raise ConfigError(f"{path}: {e}") from None
@@ -265,11 +271,17 @@ def _demo_defaults(path: str | Path | None, overrides: list[str]) -> list[str]:
     adapter) gets model-independent defaults for what only fits the demo's model: every parameter
     trains unless the overrides say otherwise."""
     keys = {o.split("=", 1)[0].strip() for o in overrides if "=" in o}
-    other_model = any(o.split("=", 1)[0].strip() == "model.path" for o in overrides)
+    given = {o.split("=", 1)[0].strip(): o.split("=", 1)[1].strip() for o in overrides if "=" in o}
+    other_model = "model.path" in keys
     lora = any(k == "actor.lora" or k.startswith("actor.lora.") for k in keys)
-    if path or not (other_model or lora):
+    if path:
         return overrides
-    return [f"{k}={v}" for k, v in DEMO_MODEL_ONLY.items() if k not in keys] + overrides
+    # the demo validates on its task's own test split (data.val_path=test); another task has one only
+    # from the hub's GSM8K, so a run naming another task validates when it names its held-out rows
+    no_split = given.get("data.task", "arithmetic") != "arithmetic" and not (
+        given.get("data.task") == "gsm8k" and given.get("data.train_path") == "openai/gsm8k")
+    demo = [f"{k}={v}" for k, v in DEMO_MODEL_ONLY.items() if k not in keys] if other_model or lora else []
+    return demo + (["data.val_path=null"] if no_split and "data.val_path" not in keys else []) + overrides
 
 
 def _check_finite(node: Any, key: str) -> None:

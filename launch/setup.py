@@ -73,7 +73,8 @@ def setup(cfg: Config) -> Run:
         val_rows = (validation_rows(cfg.data, cfg.val.max_rows, names, list(tools), list(inter))
                     if cfg.data.val_path else [])
     except (OSError, ValueError) as e:
-        raise ConfigError(f"data.val_path={cfg.data.val_path!r}: {e}") from None
+        raise ConfigError(f"data.val_path={cfg.data.val_path!r}: {e}; data.val_path=null trains without "
+                          "validation") from None
     if r.placement == "split" and not torch.cuda.is_available():
         raise ConfigError("rollout.placement='split' puts engines on GPUs of their own and this machine has none; "
                           "use rollout.placement=cpu (engines on core slices) or colocated (they also sleep)")

@@ -189,8 +189,18 @@ def _exit_with_launcher(every_s: float = 1.0) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
+    if argv and argv[0] in ("-h", "--help"):  # every section and key with its default and meaning, or one section
+        from launch.config_help import describe
+
+        try:
+            section = argv[1] if argv[1:] else None
+            text = describe(Config(), section)  # first: a section that is not there says so, alone
+            print(text if section else __doc__ + "\nThe config, `key=default  meaning` (launch/config.py; with no "
+                  "config file the demo's launch/configs/cpu_demo.yaml sets some of them; `--help SECTION` "
+                  "shows one section):\n\n" + text)
+        except KeyError as e:
+            print(f"config error: {e.args[0]}", file=sys.stderr)
+            return 2
         return 0
     path = argv.pop(0) if argv and "=" not in argv[0] and not argv[0].startswith("--") else None
     if "--plan" in argv:  # what the config would start where, checked without a model or a GPU
