@@ -101,6 +101,7 @@ class RolloutFeeder:
         self.training = False  # set by the trainer around its update, for the overlap count
         self.untrained = 0  # batches taken whose weights are not in the engines yet
         self.counts = collections.Counter()  # since the last take()
+        self.tokens = 0  # model tokens of every finished trajectory so far (the rollout bar's tokens/s)
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -131,6 +132,7 @@ class RolloutFeeder:
                                 self.aside[call][index] = out
                             continue
                         group.outputs[index] = out
+                        self.tokens += sum(out.response_mask) if out is not None else 0
                         self.counts["mixed_version_done"] += int(out is not None and _mixed(out))
                         if all(o is not None for o in group.outputs):
                             group.finished_t = time.time()
@@ -144,6 +146,25 @@ class RolloutFeeder:
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
+
+    def _bar(self) -> Any:
+        """The rollout's progress while the trainer waits for its batch: trajectories done of the step's
+        prompts_per_step x n, and model tokens per second."""
+        from tqdm import tqdm
+
+        bar = tqdm(total=self.per_step * self.n, desc="rollout", unit="traj", leave=False,
+                   disable=not getattr(getattr(self.manager, "cfg", None), "progress", True))
+        bar.tokens0, bar.t0 = self.tokens, time.monotonic()
+        return bar
+
+    def _show(self, bar: Any, picked: list[Group]) -> None:
+        """Under `cond`: the trajectories of the groups picked, ready and running, and tokens/s, on `bar`."""
+        done = len(picked) * self.n + sum(o is not None for g in [*self.ready, *self.running.values()]
+                                          for o in g.outputs)
+        bar.n = min(done, bar.total)
+        rate = (self.tokens - bar.tokens0) / max(time.monotonic() - bar.t0, 1e-9)
+        bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
+        bar.refresh()
 
     def _outstanding(self) -> int:
         """Groups counted against `_allowed()`. At k = 0 every group not yet trained, the ones a
@@ -219,9 +240,11 @@ class RolloutFeeder:
         picked: list[Group] = []
         filtered = 0
         deadline = time.monotonic() + timeout_s
+        bar = self._bar()
         try:
             with self.cond:
                 while len(picked) < self.per_step:
+                    self._show(bar, picked)
                     if self.error is not None:
                         raise RuntimeError(f"the rollout feeder failed: {self.error!r}") from self.error
                     if filtered >= MAX_FILTERED_BATCHES * self.per_step:
@@ -259,6 +282,7 @@ class RolloutFeeder:
                 counts, self.counts = self.counts, collections.Counter()
                 buffered, running = len(self.ready), len(self.running)
         finally:
+            bar.close()
             with self.cond:
                 self.taking = 0  # taken: counted by `untrained` until the trainer is done with them
         picked.sort(key=lambda g: _order(g.row_id))

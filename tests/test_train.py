@@ -298,3 +298,18 @@ def test_a_run_given_only_a_model_trains_every_layer_of_it(tmp_path: Path):
     # a random model scores 0 on every trajectory: no advantage, nothing learned from the reward, and it says so
     assert "rollout/signal_fraction=0 " in proc.stdout and " no_signal_steps=1 " in proc.stdout, proc.stdout[-3000:]
     assert "no step of this run had a learning signal" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_run_shows_its_rollout_steps_and_weight_sync_as_they_go(tmp_path: Path):
+    """A newcomer sees the rollout advance (trajectories done of the step's total, tokens/s), every
+    step line as `step N/total` with the time left, and the weight sync in bytes of a named version."""
+    proc = train([*TINY, "sft.enabled=false", "trainer.steps=2", "trainer.export_hf=false",
+                  f"trainer.output_dir={tmp_path / 'run'}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    steps = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in steps] == ["1/2", "2/2"] and all(ln.split()[2] == "eta" for ln in steps), steps
+    bars = proc.stderr.replace("\r", "\n").splitlines()
+    rollout = [b for b in bars if b.startswith("rollout:")]
+    assert any("4/4" in b and "traj" in b and "tok/s" in b for b in rollout), rollout[-3:]
+    sync = [b for b in bars if b.startswith("weight sync v")]
+    assert sync and all("tensor/s" not in b for b in sync) and any("B/s" in b for b in sync), sync[-3:]

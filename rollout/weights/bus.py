@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from rollout.bus.protocol import Ack, WeightsBegin, WeightsCommit
-from rollout.weights.codec import SyncReport, bucket_by_size, bucket_from_tensors, slot_bucket
+from rollout.weights.codec import SyncReport, _itemsize, bucket_by_size, bucket_from_tensors, slot_bucket
 from rollout.weights.link import Link, Placement, Push, drain
 
 if TYPE_CHECKING:
@@ -121,12 +121,24 @@ class BusRoute:
 
         if self.slots is None:
             self.slots = self.make_slots()
-        bar = tqdm(push.named, desc="weight sync", unit="tensor", leave=False)
-        report = link.control.run(push_weights(link.control.client, bar, push.version, push.bucket_bytes, push.timeout_s,
-                                               push.preempt, slots=self.slots, dtype=push.dtype, engines=push.engines))
+        with tqdm(desc=f"weight sync v{push.version}", unit="B", unit_scale=True, unit_divisor=1024, leave=False) as bar:
+            report = link.control.run(push_weights(link.control.client, _counted(push.named, bar, push.dtype),
+                                                   push.version, push.bucket_bytes, push.timeout_s, push.preempt,
+                                                   slots=self.slots, dtype=push.dtype, engines=push.engines))
         return report.bytes
 
     def close(self) -> None:
         if self.slots is not None:
             self.slots.close()
             self.slots = None
+
+
+def _counted(named: Iterable[tuple[str, "torch.Tensor"]], bar: Any, dtype: "torch.dtype | None") -> Iterator[
+        tuple[str, "torch.Tensor"]]:
+    """`named` as it goes by, its bytes as the engines get them (cast to `dtype`) and its tensors on `bar`."""
+    tensors = 0
+    for name, t in named:
+        bar.update(t.numel() * (_itemsize(dtype) if dtype is not None and t.is_floating_point() else t.element_size()))
+        tensors += 1
+        bar.set_postfix_str(f"{tensors} tensors", refresh=False)
+        yield name, t
