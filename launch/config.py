@@ -53,11 +53,11 @@ class DataConfig:
     # generated, disjoint from training by expression; gsm8k from the hub id), or a file of verl rows
     # or raw GSM8K records (jsonl/json/parquet); None = no validation
     val_path: str | None = None
-    prompts_per_step: int = 8
-    seed: int = 0
+    prompts_per_step: int = 8  # rows (prompts) per step; each gets rollout.n samples
+    seed: int = 0  # the order rows are drawn in
     agent_name: str = "tool_agent"  # for generated rows (arithmetic, gsm8k); rows files carry their own
     max_operand: int = 50  # arithmetic difficulty
-    num_ops: int = 2
+    num_ops: int = 2  # arithmetic: operators per expression
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)  # launch/data/curriculum.py
     # rows whose prompt holds more tokens are left out before the run, each named (None: the model's
     # context, max_position_embeddings); the engines would refuse them anyway, one failed trajectory each
@@ -110,11 +110,11 @@ class AlgorithmConfig:
 
 @dataclass
 class SFTConfig:
-    enabled: bool = True
-    steps: int = 30
-    batch_size: int = 8
-    lr: float = 5e-5
-    examples: int = 512
+    enabled: bool = True  # a supervised warm-up on solved examples before the first RL step (launch/data/sft.py)
+    steps: int = 30  # warm-up optimizer steps
+    batch_size: int = 8  # examples per warm-up step
+    lr: float = 5e-5  # the warm-up's learning rate
+    examples: int = 512  # solved examples made for the warm-up
 
     def __post_init__(self) -> None:
         if self.enabled:
@@ -126,11 +126,11 @@ class ValConfig:
     """How validation samples (launch/validation.py): greedy with one sample by default; `n` samples
     at a temperature > 0 give pass@k and mean@k. A sample passes when its reward >= pass_threshold."""
 
-    n: int = 1
+    n: int = 1  # samples per validation row (pass@n, mean@n)
     temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling of validation samples
     max_rows: int | None = None  # at most this many rows (the arithmetic test split makes 200 by default)
-    pass_threshold: float = 1.0
+    pass_threshold: float = 1.0  # a sample passes when its reward >= this
     records: bool = True  # write every sample to output_dir/val/step_N.jsonl
     timeout_s: float = 3600.0  # longest a validation may take before the run fails naming it
 
@@ -151,9 +151,9 @@ class ValConfig:
 
 @dataclass
 class TrainerConfig:
-    steps: int = 20
-    output_dir: str = "runs/cpu_demo"
-    save_every: int = 1
+    steps: int = 20  # RL steps of the run
+    output_dir: str = "runs/cpu_demo"  # metrics, checkpoints, the hf export; a rerun resumes from it
+    save_every: int = 1  # a checkpoint every N steps (and after the last)
     # auto: continue from output_dir's newest checkpoint that loads; when checkpoints are there and none
     # loads, the run stops naming each and why. fresh: start at step 0; an earlier run's checkpoints and
     # metrics are moved aside into output_dir/earlier/<its run id>/ (launch/resume.py)
@@ -161,7 +161,7 @@ class TrainerConfig:
     # keys whose change on resume alters the run's meaning (actor.lr, model.dtype, rollout.n, ...) and
     # that this resume accepts all the same, e.g. [actor.lr]; ["all"] accepts every change (launch/resume.py)
     resume_changes: list[str] = field(default_factory=list)
-    seed: int = 0
+    seed: int = 0  # the actor's and sampling's seed
     # where each step's numbers and the resolved config go besides output_dir/metrics.jsonl (always):
     # console (the step line), wandb, tensorboard, mlflow (launch/loggers)
     loggers: list[str] = field(default_factory=lambda: ["console"])

@@ -67,7 +67,10 @@ def _show(value: Any) -> str:
 def entries(node: Any, prefix: str = "") -> Iterator[tuple[str, Any, str]]:
     """(dotted key, default, meaning) of every key under dataclass instance `node`, nested sections
     flattened (`data.curriculum.mode`)."""
-    notes = _comments(type(node))
+    notes: dict[str, str] = {}
+    for cls in reversed(type(node).__mro__):  # a section's inherited keys keep their base's comments
+        if dataclasses.is_dataclass(cls):
+            notes.update({k: v for k, v in _comments(cls).items() if v or k not in notes})
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
         key = f"{prefix}{f.name}"

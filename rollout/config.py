@@ -19,9 +19,9 @@ PLACEMENTS = ("auto", "cpu", "colocated", "split")  # see parallel/mesh.py; auto
 
 @dataclass
 class RolloutConfig:
-    engine: str = "vllm"
+    engine: str = "vllm"  # the inference backend: vllm | sglang | hf (ENGINES, engines/inference)
     num_engines: int = 1  # placement cpu: engine processes per node, each on its own slice of the node's cores
-    placement: str = "auto"
+    placement: str = "auto"  # where engines run: auto | colocated (they sleep during updates) | split | cpu
     bind_host: str | None = None  # tcp host engines bind for other nodes; default: $SWITCHYARD_HOST or the
     #                               address this node uses to reach the rendezvous host
     # colocated: 1 = engines keep their weights while asleep, 2 = free them (resent each step); None = 2, or 1
@@ -29,19 +29,19 @@ class RolloutConfig:
     sleep_level: int | None = None
     request_log: bool = False  # every engine appends one JSON line per reply to output_dir/engines/<id>.jsonl
     engine_options: dict[str, Any] = field(default_factory=dict)  # passed to the engine backend
-    policy: str = "sticky_group"
+    policy: str = "sticky_group"  # how requests pick an engine (rollout/bus/router.py)
     n: int = 4  # samples per prompt: one GRPO group
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # sampling temperature of the rollout
+    top_p: float = 1.0  # nucleus sampling of the rollout
     max_tokens: int = 128  # per generation; tool_agent's max_turn_tokens caps it too
     num_workers: int = 0  # agent worker processes; 0 = in the trainer's process
     agent: dict[str, Any] = field(default_factory=dict)  # {agent_name: {loop options}}
     agent_loops: dict[str, str] = field(default_factory=dict)  # {agent_name: package.module.LoopClass}
-    tools_config: str | None = "launch/configs/tools_calculator.yaml"
-    interaction_config: str | None = None
-    startup_timeout_s: float = 900.0
+    tools_config: str | None = "launch/configs/tools_calculator.yaml"  # the tools agent loops may call (tools.yaml)
+    interaction_config: str | None = None  # interactions that answer the model between turns (agent/interactions)
+    startup_timeout_s: float = 900.0  # the longest engines may take to start and load
     step_timeout_s: float = 3600.0  # the longest one step's rollout may take before the run fails naming it
-    weight_bucket_mb: int = 64
+    weight_bucket_mb: int = 64  # a weight push travels in buckets of at most this many MiB
     # how weights reach the engines: auto = through shared memory on the sender's node, by collective
     # broadcast to the other nodes' leaders (rollout.plane.route); bus = as frames over the sockets
     weight_path: str = "auto"

@@ -34,7 +34,9 @@ def test_help_lists_every_key_with_its_default_and_meaning():
     line = {ln.split("=")[0].strip(): ln for ln in lines if ln.startswith("  ") and "=" in ln}
     assert "samples per prompt: one GRPO group" in line["rollout.n"] and "rollout.n=4 " in line["rollout.n"]
     assert "continue from output_dir's last checkpoint" in line["trainer.resume"]
-    assert line["data.prompts_per_step"].strip() == "data.prompts_per_step=8"  # the block above val_path is its own
+    assert "held-out rows" in line["data.val_path"] and "held-out" not in line["data.prompts_per_step"]  # a block
+    assert "tcp host engines bind" in line["rollout.bind_host"] and "colocated: 1" in line["rollout.sleep_level"]
+    assert "AdamW's learning rate" in line["actor.lr"]  # a key the section inherits keeps its base's comment
 
 
 def test_help_of_one_section_and_of_a_section_that_is_not_there():

@@ -94,11 +94,11 @@ class UpdateConfig:
     """How a model is updated, the keys the `actor:` and `critic:` sections share: the optimizer,
     its schedule and the batch geometry (checked by `ActorConfig`)."""
 
-    lr: float = 1e-5
-    weight_decay: float = 0.0
+    lr: float = 1e-5  # AdamW's learning rate
+    weight_decay: float = 0.0  # AdamW's weight decay
     warmup_steps: int = 0  # learning-rate warm-up over the first N updates
-    grad_clip: float = 1.0
-    micro_batch_size: int = 8
+    grad_clip: float = 1.0  # the gradients' global norm is clipped to this
+    micro_batch_size: int = 8  # rows per forward/backward
     # > 0: micro-batches by padded token count instead of row count (rows sorted by length, packed
     # while rows x (widest prompt + widest response) stays within it; a longer row goes alone)
     max_tokens_per_micro_batch: int = 0
@@ -113,9 +113,9 @@ class UpdateConfig:
     # or eager, else the mask). On the CPU runs took 0.90-0.96x the mask's time at the demo's shapes and
     # a quarter of it with replies as long as the prompt (benchmarks/RESULTS.md); on GPUs not yet measured
     packed_attention: str = "auto"
-    ppo_mini_batch_size: int = 0
-    ppo_epochs: int = 1
-    gradient_checkpointing: bool = False
+    ppo_mini_batch_size: int = 0  # trajectories per optimizer step; 0 = the whole batch
+    ppo_epochs: int = 1  # passes over the batch per RL step
+    gradient_checkpointing: bool = False  # recompute activations in the backward: less memory, more time
     trainable: list[str] = field(default_factory=list)  # parameter-name regexes to train; empty = all
 
 
@@ -126,7 +126,7 @@ class ActorConfig(UpdateConfig):
     actor's. Weights are kept in float32 (the optimizer's master copy); the model's dtype is the
     compute dtype (autocast) and what engines are sent."""
 
-    backend: str = "torch"
+    backend: str = "torch"  # the actor backend: ACTORS (engines/training/backends.py)
     tp: int = 1  # megatron: tensor parallel size
     pp: int = 1  # megatron: pipeline parallel size
     sharding: str = "none"  # what is sharded over the DP ranks: ACTORS[backend].shardings (backends.py)

@@ -348,14 +348,14 @@ class LossConfig:
     """The loss knobs of the trainer config; validated on construction so a bad YAML value fails
     before any model loads."""
 
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip_c: float | None = None
-    agg: str = "token-mean"
-    kl_coef: float = 0.0
-    kl_kind: str = "k3"
+    clip_low: float = 0.2  # PPO's ratio clip below 1: 1 - clip_low
+    clip_high: float = 0.2  # and above 1: 1 + clip_high (DAPO's clip-higher when larger)
+    dual_clip_c: float | None = None  # dual-clip PPO: caps the loss of negative-advantage tokens (> 1, e.g. 3); None = off
+    agg: str = "token-mean"  # how token losses are averaged: token-mean | seq-mean-token-sum | seq-mean-token-mean
+    kl_coef: float = 0.0  # the KL penalty to the reference model; 0 = no reference model
+    kl_kind: str = "k3"  # the KL estimator: k1 | k2 | k3 | abs
     use_kl_loss: bool = False  # True: kl_coef * KL is a loss term; False: the KL goes in the reward
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # an entropy bonus in the loss
     off_policy: str = "none"  # behaviour != proximal correction: none | tis | mis | decoupled (`behaviour_weights`)
     is_level: str = "token"  # token | sequence: one importance weight per token or per row
     is_cap: float = 2.0  # tis: the weight is truncated at this
