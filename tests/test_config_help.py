@@ -33,7 +33,7 @@ def test_help_lists_every_key_with_its_default_and_meaning():
         assert any(ln.strip().startswith(f"{key}=") for ln in lines), f"--help does not list {key}"
     line = {ln.split("=")[0].strip(): ln for ln in lines if ln.startswith("  ") and "=" in ln}
     assert "samples per prompt: one GRPO group" in line["rollout.n"] and "rollout.n=4 " in line["rollout.n"]
-    assert "continue from output_dir's last checkpoint" in line["trainer.resume"]
+    assert "auto: continue from output_dir's newest checkpoint" in line["trainer.resume"]
     assert "held-out rows" in line["data.val_path"] and "held-out" not in line["data.prompts_per_step"]  # a block
     assert "tcp host engines bind" in line["rollout.bind_host"] and "colocated: 1" in line["rollout.sleep_level"]
     assert "AdamW's learning rate" in line["actor.lr"]  # a key the section inherits keeps its base's comment
