@@ -33,6 +33,7 @@ from aiohttp import web
 from agent.gateway.anthropic import messages_route
 from agent.gateway.completions import completions_routes
 from agent.gateway.errors import openai_error as _error
+from agent.gateway.fields import CHAT
 from agent.gateway.responses import responses_route
 from agent.gateway.session import Conversation, Reply, RequestError, normalize, output_schema
 
@@ -47,20 +48,6 @@ PARSE_ASIDE_BYTES = 1 << 20  # bodies over this are parsed off the event loop
 CHARS_PER_TOKEN = 32  # a prompt with more text than max_context x this cannot fit: 413 before tokenizing
 DEFAULT_CONTEXT = 32768  # max_context when neither the caller nor the model's config gives one
 SAMPLING_KEYS = {"temperature": float, "top_p": float, "seed": int, "top_k": int}
-# the chat route's request fields: honoured (CHAT_FIELDS), accepted and ignored on purpose because
-# none changes what is sampled (IGNORED_FIELDS, each with why), or set only to their default value
-# (AT_DEFAULT); any other field is refused with a 400 naming it, never silently dropped
-CHAT_FIELDS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "top_k", "seed", "max_tokens",
-               "max_completion_tokens", "n", "stream", "stream_options", "logprobs", "top_logprobs",
-               "frequency_penalty", "presence_penalty", "logit_bias", "parallel_tool_calls", "stop", "response_format"}
-IGNORED_FIELDS = {
-    "user": "an end-user id for the caller's own records", "safety_identifier": "the same, OpenAI's newer name",
-    "metadata": "tags OpenAI stores with a completion; the gateway stores none", "store": "the same",
-    "service_tier": "one pool of engines, no tiers", "prediction": "a latency hint: the reply is the same without it",
-    "prompt_cache_key": "the engines reuse cached prefixes by themselves (sticky, prefix-aware routing)",
-    "prompt_cache_retention": "the same"}
-AT_DEFAULT = {"modalities": (None, ["text"]), "verbosity": (None, "medium"), "reasoning_effort": (None,),
-              "audio": (None,), "web_search_options": (None,), "functions": (None,), "function_call": (None,)}
 
 
 @web.middleware
@@ -361,21 +348,8 @@ class Gateway:
                                param="model")
 
     def _check_fields(self, body: dict[str, Any]) -> None:
-        """A 400 naming the first field the gateway would otherwise drop silently (see CHAT_FIELDS)."""
-        for key, value in body.items():
-            if key in CHAT_FIELDS or key in IGNORED_FIELDS:
-                continue
-            if key in AT_DEFAULT:
-                if value in AT_DEFAULT[key]:
-                    continue
-                raise RequestError(400, f"{key}={value!r:.80} is not supported by the gateway: the served model "
-                                        f"samples text alone; leave {key} out", param=key)
-            if key in ("min_p", "repetition_penalty"):
-                raise RequestError(400, f"{key} is not supported by the engines' sampling; use top_p, top_k, "
-                                        "frequency_penalty or presence_penalty", param=key)
-            raise RequestError(400, f"{key} is not a request field the gateway honours (fields: "
-                                    f"{', '.join(sorted(CHAT_FIELDS))}; accepted and ignored: "
-                                    f"{', '.join(sorted(IGNORED_FIELDS))})", param=key)
+        """A 400 naming the first field the chat route would otherwise drop silently (fields.CHAT)."""
+        CHAT.check(body)
         if body.get("top_k") is not None and (type(body["top_k"]) is not int or body["top_k"] < -1
                                               or body["top_k"] == 0):
             raise RequestError(400, f"top_k={body['top_k']!r} must be a positive integer (or -1: off)", param="top_k")
