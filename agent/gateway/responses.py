@@ -8,7 +8,8 @@ they follow, `function_call_output` -> a tool message, `reasoning` items are dro
 only what the chat template renders, and the served model's reasoning is not replayed); flat function
 tools become chat's nested ones. Each returned response's conversation (without its instructions, as
 OpenAI keeps it) is kept in memory, the least recently used forgotten past `max_stored`, so a request
-with `previous_response_id` and only new items continues it, in the same session only.
+with `previous_response_id` and only new items continues it, for the same key or `X-Session-Id` only
+(keyless clients, whose connections are their sessions, share theirs).
 
 What cannot be honoured is refused with a 400 naming it, never silently ignored: tools other than
 function tools, `text.verbosity`, `reasoning` settings,
@@ -207,7 +208,7 @@ class Responses:
             body = await gw._body(request)
             check_options(body, gw.model_name)
             history = chat_messages(body.get("input"), self._history(body.get("previous_response_id"),
-                                                                     conv.session_id))
+                                                                     conv.owner))
             instructions = body.get("instructions")
             if instructions is not None and not isinstance(instructions, str):
                 raise RequestError(400, "instructions must be a string", param="instructions")
@@ -241,7 +242,7 @@ class Responses:
         calls = [{"id": o["call_id"], "type": "function", "function": {"name": o["name"], "arguments": o["arguments"]}}
                  for o in response["output"] if o["type"] == "function_call"]
         said = {"role": "assistant", "content": reply.parsed.content or "", **({"tool_calls": calls} if calls else {})}
-        self._store(response["id"], conv.session_id, history + [said])
+        self._store(response["id"], conv.owner, history + [said])
         if body.get("stream"):
             return await self._stream(request, response)
         return web.json_response(response)

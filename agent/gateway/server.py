@@ -4,8 +4,9 @@ translate to the chat path and record the same way.
 
 Any agent framework that speaks the OpenAI API is trained by pointing its `base_url` here. Each
 API key (or `X-Session-Id` header) is one session whose conversations are recorded token-exactly
-(agent/gateway/session.py); generations carry the session id, so the router keeps a session on one
-engine and its prefix cache. Errors are OpenAI-shaped JSON: 400 for a malformed request or an
+(agent/gateway/session.py); a client that sends neither gets its connection's session, so keyless
+clients never queue behind each other. Generations carry the session id, so the router keeps a
+session on one engine and its prefix cache. Errors are OpenAI-shaped JSON: 400 for a malformed request or an
 unknown model, 401 for a missing or unknown key when bound beyond loopback, 413 for a prompt over
 the context (the model's by default) or a body over `max_body_mb`, 429 when `max_inflight`
 requests are already running. A large body is parsed off the event loop, and text that cannot fit
@@ -180,7 +181,10 @@ class Gateway:
         if not is_loopback(self.host) and key not in self.api_keys:
             raise RequestError(401, "missing or unknown API key: send `Authorization: Bearer <key>` with a key "
                                     "this gateway issued or was started with", code="invalid_api_key")
-        sid = request.headers.get("X-Session-Id") or key or "default"
+        sid = request.headers.get("X-Session-Id") or key
+        owner = sid
+        if not sid:  # a keyless client: its connection is its session (see _connection_session)
+            sid, owner = self._connection_session(request), ""
         if sid not in self.sessions:  # a client's own session: recorded, but nobody trains on it here
             implicit = [s for s in self.sessions if s not in self._opened]
             if len(implicit) >= self.max_sessions:  # the least recently used make room
@@ -190,7 +194,20 @@ class Gateway:
                     self.counts["evicted_sessions"] += 1
             self.sessions[sid] = self._conversation(sid)
             self.sessions[sid].max_segments = IMPLICIT_SEGMENTS
+            self.sessions[sid].owner = owner
         return self.sessions[sid]
+
+    @staticmethod
+    def _connection_session(request: web.Request) -> str:
+        """The session of a request with neither a key nor `X-Session-Id`: its TCP connection's.
+        A keep-alive connection carries one client's calls one after another (an agent's turns
+        continue its recorded segments and stay on one engine's prefix cache), and two clients
+        never share one, so no client queues behind another's work; where the connection cannot
+        be told, each request is a session of its own."""
+        peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+        if isinstance(peer, (tuple, list)) and len(peer) >= 2:
+            return f"conn-{peer[0]}:{peer[1]}"
+        return f"req-{uuid.uuid4().hex}"
 
     async def generate(self, conv: Conversation, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                        sampling: dict[str, Any], n: int = 1, parse_calls: bool = True, tool_choice: Any = None,

@@ -266,6 +266,7 @@ class Conversation:
         self.sampling = dict(sampling or {})  # the trainer's settings win over the client's
         self.segments: list[Segment] = []
         self.group_id = uuid.uuid4().hex
+        self.owner = session_id  # who may continue its stored responses: its key or X-Session-Id ("" keyless)
         self._lock = asyncio.Lock()
 
     def _mark(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> "_Undo":
