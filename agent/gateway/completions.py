@@ -85,6 +85,11 @@ class RawPrompts:
                                code="context_length_exceeded", param="prompt")
         params = {**sampling, **conv.sampling}  # the trainer's settings win over the client's
         limits = [int(d["max_tokens"]) for d in (sampling, conv.sampling) if "max_tokens" in d]
+        asked = sampling.get("max_tokens")
+        if asked is not None and asked > room and min(limits) == asked:  # as OpenAI: refused, not quietly cut
+            raise RequestError(400, f"the prompt holds {len(prompt)} tokens and max_tokens asks for {asked}: "
+                                    f"{len(prompt) + asked} in all, over the model's context of {gw.max_context}; ask "
+                                    f"for at most {room}", code="context_length_exceeded", param="max_tokens")
         params["max_tokens"] = min([room, *limits] if limits else [room, DEFAULT_MAX_TOKENS])
         if gw.inflight >= gw.max_inflight:
             raise RequestError(429, f"{gw.inflight} requests are already running (max_inflight={gw.max_inflight})",

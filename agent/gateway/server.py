@@ -36,6 +36,7 @@ from agent.gateway.completions import completions_routes
 from agent.gateway.errors import openai_error as _error
 from agent.gateway.fields import CHAT
 from agent.gateway.responses import responses_route
+from agent.gateway.schemas import GRAMMAR_BUDGET_S, MAX_SCHEMA_KB, SchemaCheck
 from agent.gateway.session import Conversation, Reply, RequestError, normalize, output_schema
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,8 @@ class Gateway:
                  max_context: int | None = None, end_of_turn_id: int | None = None,
                  session_ttl_s: float = 3600.0, vision: Any = None, max_body_mb: int = MAX_BODY_MB,
                  max_sessions: int = MAX_IMPLICIT_SESSIONS, max_session_bytes: int = MAX_SESSION_BYTES,
-                 max_total_bytes: int = MAX_TOTAL_BYTES) -> None:
+                 max_total_bytes: int = MAX_TOTAL_BYTES, grammar_budget_s: float = GRAMMAR_BUDGET_S,
+                 max_schema_kb: int = MAX_SCHEMA_KB) -> None:
         self.client, self.tokenizer, self.model_name = client, tokenizer, model_name
         self.vision = vision  # agent.vision.Vision when the model takes images
         self.tool_parser, self.host, self.port = tool_parser, host, port
@@ -117,6 +119,7 @@ class Gateway:
         self.max_sessions = max_sessions
         self.max_session_bytes, self.max_total_bytes = int(max_session_bytes), int(max_total_bytes)
         self.counts = {"trimmed_segments": 0, "evicted_sessions": 0, "refused_session_bytes": 0}  # GET /stats
+        self.schemas = SchemaCheck(grammar_budget_s, max_schema_kb)  # output schemas checked before any engine
         self._held: dict[str, int] = {}  # client-opened session -> its bytes after its last request
         self.sessions: dict[str, Conversation] = {}
         self._opened: set[str] = set()  # sessions the agent loop opened; it closes them itself
@@ -227,7 +230,7 @@ class Gateway:
         self.inflight += 1
         try:
             return await conv.generate(self.client, messages, tools, sampling, n, parse_calls, tool_choice=tool_choice,
-                                       parallel_calls=parallel_calls)
+                                       parallel_calls=parallel_calls, check_schema=self.schemas.check)
         finally:
             self.inflight -= 1
             if not opened:
@@ -254,7 +257,7 @@ class Gateway:
         """The gateway's own numbers: sessions, what client-opened ones hold, what was trimmed or evicted."""
         return web.json_response({"sessions": len(self.sessions), "trained_sessions": len(self._opened),
                                   "client_session_bytes": sum(self._held.values()), "inflight": self.inflight,
-                                  **self.counts})
+                                  **self.counts, **self.schemas.counts})
 
     # -------------------------------------------------------------- handlers
     async def _models(self, request: web.Request) -> web.Response:
@@ -337,6 +340,9 @@ class Gateway:
         if limit is not None:
             if not isinstance(limit, int) or limit < 1:
                 raise RequestError(400, f"max_tokens={limit!r} must be a positive integer", param="max_tokens")
+            if limit > self.max_context:  # as OpenAI answers: refused, not quietly cut
+                raise RequestError(400, f"max_tokens={limit} is more than the model's context of {self.max_context} "
+                                        "tokens (prompt and reply together): ask for fewer", param="max_tokens")
             sampling["max_tokens"] = limit
         n = body.get("n", 1) or 1
         if not isinstance(n, int) or not 1 <= n <= 64:
