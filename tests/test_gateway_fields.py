@@ -29,6 +29,8 @@ REFUSED = [  # (route, body, the field the 400 names)
     ("/v1/messages", {**MESSAGES, "output_config": {"effort": "low"}}, "output_config.effort"),
     ("/v1/messages", {**MESSAGES, "output_config": {"made_up": 1}}, "output_config.made_up"),
     ("/v1/completions", {**COMPLETIONS, "made_up_param": 1}, "made_up_param"),
+    ("/v1/responses", {"model": "switchyard", "input": "hi", "made_up_param": 1}, "made_up_param"),
+    ("/v1/responses", {"model": "switchyard", "input": "hi", "conversation": "conv_1"}, "conversation"),
     ("/inference/v1/generate", {**GENERATE, "made_up_param": 1}, "made_up_param"),
     ("/inference/v1/generate", {**GENERATE, "sampling_params": {"max_tokens": 2, "made_up": 1}},
      "sampling_params.made_up"),
@@ -39,6 +41,8 @@ ACCEPTED = [  # fields that change nothing sampled, or set to their "off" value
     ("/v1/messages", {**MESSAGES, "service_tier": "auto", "metadata": {"user_id": "u"}, "thinking": {"type": "disabled"},
                       "mcp_servers": [], "output_config": {"effort": "high"}}),
     ("/v1/completions", {**COMPLETIONS, "user": "u"}),
+    ("/v1/responses", {"model": "switchyard", "input": "hi", "max_output_tokens": 4, "conversation": None,
+                       "background": False, "made_up_but_unset": None, "store": True}),
     ("/inference/v1/generate", {**GENERATE, "request_id": "mine", "sampling_params": {
         "max_tokens": 2, "skip_special_tokens": False, "detokenize": False, "repetition_penalty": 1.0, "min_p": 0.0}}),
 ]

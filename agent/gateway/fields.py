@@ -23,6 +23,7 @@ class Fields:
     ignored: dict[str, str] = field(default_factory=dict)  # field -> why it changes nothing sampled
     at_default: dict[str, tuple[tuple[Any, ...], str]] = field(default_factory=dict)  # field -> (allowed, why)
     hints: dict[str, str] = field(default_factory=dict)  # field -> why it is refused and what to do instead
+    unset_ok: bool = False  # any field sent as null, false, [] or {} passes (SDKs that send every parameter)
 
     def check(self, body: dict[str, Any], prefix: str = "") -> None:
         """A 400 naming the first field of `body` this route would otherwise drop silently
@@ -31,6 +32,8 @@ class Fields:
             if key in self.honoured or key in self.ignored:
                 continue
             name = prefix + key
+            if self.unset_ok and (value is None or value is False or value == [] or value == {}):
+                continue
             if key in self.at_default:
                 allowed, why = self.at_default[key]
                 if value in allowed:
@@ -115,3 +118,24 @@ GENERATE_SAMPLING = Fields(
                 "truncate_prompt_tokens": ((None,), "a prompt over the context gets 413"),
                 "logits_processors": ((None, []), "the engines run no custom logits processors"),
                 "extra_args": ((None, {}), "the engines read no extra arguments")})
+
+# the Responses API (responses.py checks text, reasoning and truncation's values itself); the Agents SDK
+# sends every parameter, unset ones as null
+RESPONSES = Fields(
+    "the Responses route",
+    frozenset({"model", "input", "instructions", "tools", "tool_choice", "previous_response_id", "max_output_tokens",
+               "temperature", "top_p", "parallel_tool_calls", "stream", "stream_options", "text", "reasoning",
+               "include", "truncation", "seed", "top_logprobs"}),
+    ignored={"user": "an end-user id for the caller's own records", "safety_identifier": "the same, OpenAI's newer name",
+             "metadata": "tags OpenAI stores with a response; the gateway stores none", "store": "the same",
+             "service_tier": "one pool of engines, no tiers",
+             "prompt_cache_key": "the engines reuse cached prefixes by themselves (sticky, prefix-aware routing)",
+             "prompt_cache_retention": "the same", "prompt_cache_options": "the same"},
+    hints={"background": "is not supported by the gateway's Responses API: every response is answered while the "
+                         "request waits",
+           "conversation": "is not supported by the gateway's Responses API: continue with previous_response_id or "
+                           "send the history",
+           "prompt": "is not supported by the gateway's Responses API: stored prompts live with OpenAI; send "
+                     "instructions and input",
+           "max_tool_calls": "is not supported by the gateway's Responses API: the engine runs no hosted tools"},
+    unset_ok=True)

@@ -33,16 +33,13 @@ from typing import Any
 from aiohttp import web
 
 from agent.gateway.errors import openai_error as _error
+from agent.gateway.fields import RESPONSES
 from agent.gateway.session import Reply, RequestError, output_schema
 
 log = logging.getLogger(__name__)
 
 MAX_STORED = 4096  # responses whose conversation a `previous_response_id` can continue; LRU past this
 CHARS_PER_TOKEN = 32  # as the chat route: text that cannot fit the context is refused before it is tokenized
-ACCEPTED = {"model", "input", "instructions", "tools", "tool_choice", "previous_response_id", "max_output_tokens",
-            "temperature", "top_p", "parallel_tool_calls", "store", "stream", "stream_options", "metadata", "text",
-            "reasoning", "include", "truncation", "user", "safety_identifier", "prompt_cache_key",
-            "prompt_cache_retention", "prompt_cache_options", "service_tier", "seed", "top_logprobs"}
 OTHER_TOOLS = "only function tools are served ({type: function, name, parameters}); the engine runs no hosted tools"
 
 
@@ -52,9 +49,7 @@ def _hex() -> str:
 
 def check_options(body: dict[str, Any], served: str = "") -> None:
     """A 400 naming the first option that would change the output in a way the gateway cannot honour."""
-    for key, value in body.items():
-        if key not in ACCEPTED and value not in (None, False, [], {}):
-            raise RequestError(400, f"{key} is not supported by the gateway's Responses API", param=key)
+    RESPONSES.check(body)
     text = body.get("text") or {}
     fmt = (text.get("format") or {}) if isinstance(text, dict) else None
     if not isinstance(fmt, dict):
