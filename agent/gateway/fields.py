@@ -97,8 +97,10 @@ GENERATE = Fields(
     frozenset({"model", "token_ids", "sampling_params", "stream"}),
     ignored={"request_id": "the engines name requests themselves (the reply's request_id)",
              "cache_salt": "prefix-cache isolation: the engines' caches are the trainer's own",
-             "priority": "one queue, no priorities"},
+             "priority": "one queue, no priorities",
+             "return_token_ids": "the reply always carries its token ids"},
     at_default={"features": ((None,), "the token endpoint takes no multimodal features"),
+                "content_parts": ((None, []), "the token endpoint takes no images: send them through the chat route"),
                 "stream_options": ((None,), "the token endpoint does not stream"),
                 "kv_transfer_params": ((None,), "the engines transfer no KV cache")})
 GENERATE_SAMPLING = Fields(
@@ -107,7 +109,9 @@ GENERATE_SAMPLING = Fields(
                "logit_bias", "logprobs", "stop_token_ids", "n", "stop", "best_of"}),
     ignored={k: "the reply is token ids: nothing is detokenized" for k in (
         "detokenize", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-        "output_kind")},
+        "output_kind")} | {
+        "routed_experts_prompt_start": "where a mixture-of-experts engine's routing replay starts (verifiers' "
+                                       "train client sends it); the engines return no expert routes"},
     at_default={"repetition_penalty": ((None, 1, 1.0), "use frequency_penalty or presence_penalty"),
                 "min_p": ((None, 0, 0.0), "use top_p or top_k"),
                 "min_tokens": ((None, 0), "the engines stop where the model does"),
