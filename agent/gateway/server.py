@@ -6,9 +6,11 @@ Any agent framework that speaks the OpenAI API is trained by pointing its `base_
 API key (or `X-Session-Id` header) is one session whose conversations are recorded token-exactly
 (agent/gateway/session.py); a client that sends neither gets its connection's session, so keyless
 clients never queue behind each other. Generations carry the session id, so the router keeps a
-session on one engine and its prefix cache. Errors are OpenAI-shaped JSON: 400 for a malformed request or an
-unknown model, 401 for a missing or unknown key when bound beyond loopback, 413 for a prompt over
-the context (the model's by default) or a body over `max_body_mb`, 429 when `max_inflight`
+session on one engine and its prefix cache. Errors are OpenAI-shaped JSON: 400 for a malformed
+request, a field the route does not take (fields.py), an output schema the engines cannot decode
+under (schemas.py), `max_tokens` over the context, or an unknown model, 401 for a missing or unknown
+key when bound beyond loopback, 413 for a prompt over the context (the model's by default), a body
+over `max_body_mb` or a schema over `max_schema_kb`, 429 when `max_inflight`
 requests are already running. A large body is parsed off the event loop, and text that cannot fit
 the context is refused before it is tokenized, so one huge request does not hold up the others;
 sessions clients open by themselves are capped (`max_sessions`, least recently used first), and so is
