@@ -35,6 +35,7 @@ class OpenAIAgentConfig:
     model_name: str = "switchyard"
     timeout_s: float = 600.0
     max_context: int | None = None
+    grammar_budget_s: float = 10.0  # seconds an output schema may take to compile at the gateway (400 past it)
 
     def __post_init__(self) -> None:
         if not self.agent_function:
@@ -47,6 +48,8 @@ class OpenAIAgentConfig:
         get_tool_parser(self.tool_parser)
         if not self.timeout_s > 0:
             raise ValueError(f"openai_agent.timeout_s={self.timeout_s} must be > 0")
+        if not self.grammar_budget_s > 0:
+            raise ValueError(f"openai_agent.grammar_budget_s={self.grammar_budget_s} must be > 0 (seconds)")
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "OpenAIAgentConfig":
@@ -66,7 +69,7 @@ async def gateway_for(ctx: AgentContext, cfg: OpenAIAgentConfig) -> Any:
     async with lock:
         if key not in _GATEWAYS:
             gw = Gateway(ctx.client, ctx.tokenizer, model_name=cfg.model_name, tool_parser=cfg.tool_parser,
-                         max_context=cfg.max_context, vision=ctx.vision)
+                         max_context=cfg.max_context, vision=ctx.vision, grammar_budget_s=cfg.grammar_budget_s)
             await gw.start()
             _GATEWAYS[key] = gw
     return _GATEWAYS[key]

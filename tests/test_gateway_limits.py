@@ -153,3 +153,50 @@ def test_a_body_nested_100000_deep_gets_400_on_every_route(tok):  # noqa: F811
 
     for route, (status, text) in asyncio.run(body()).items():
         assert status == 400 and "nested too deeply" in text, (route, status, text[:300])
+
+
+class _Held(ScriptedClient):
+    """A scripted engine that holds the first request until `release` is set (another client's long work)."""
+
+    def __init__(self, tok) -> None:  # noqa: F811
+        super().__init__(tok, ["ok"])
+        self.release, self.holding = asyncio.Event(), asyncio.Event()
+
+    async def generate(self, prompt_ids, sampling, **kw):
+        if not self.holding.is_set():
+            self.holding.set()
+            await self.release.wait()
+        return await super().generate(prompt_ids, sampling, **kw)
+
+
+def test_keyless_clients_never_queue_behind_each_other(tok):  # noqa: F811
+    """Two clients sending neither a key nor X-Session-Id: the second's request completes while the
+    first's is still generating (each connection is its own session), and one client's turns on its
+    keep-alive connection continue one session and its recorded segment."""
+    async def body():
+        client = _Held(tok)
+        gw = Gateway(client, tok)
+        await gw.start()
+        ask = {"model": "switchyard", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        try:
+            async with aiohttp.ClientSession() as a, aiohttp.ClientSession() as b:
+                async def chat(s, messages):
+                    async with s.post(gw.base_url + "/chat/completions", json={**ask, "messages": messages}) as r:
+                        assert r.status == 200, await r.text()
+                        return (await r.json())["choices"][0]["message"]
+
+                slow = asyncio.create_task(chat(a, ask["messages"]))
+                await asyncio.wait_for(client.holding.wait(), 10)
+                try:  # without a session of its own this waits on the first client's session until released
+                    said = await asyncio.wait_for(chat(b, ask["messages"]), 10)
+                    await asyncio.wait_for(chat(b, ask["messages"] + [said, {"role": "user", "content": "more"}]), 10)
+                finally:
+                    client.release.set()
+                await asyncio.wait_for(slow, 10)
+                sessions = {sid: len(c.segments) for sid, c in gw.sessions.items()}
+            return sessions
+        finally:
+            await gw.stop()
+
+    sessions = asyncio.run(body())
+    assert len(sessions) == 2 and sorted(sessions.values()) == [1, 1], sessions  # b's second turn continued its one

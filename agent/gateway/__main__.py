@@ -34,7 +34,8 @@ async def serve(args: argparse.Namespace) -> None:
                      port=args.port, api_keys=args.api_key, max_inflight=args.max_inflight,
                      max_context=args.max_context, vision=vision, max_body_mb=args.max_body_mb,
                      max_sessions=args.max_sessions, max_session_bytes=args.max_session_mb << 20,
-                     max_total_bytes=args.max_total_mb << 20)
+                     max_total_bytes=args.max_total_mb << 20, grammar_budget_s=args.grammar_budget_s,
+                     max_schema_kb=args.max_schema_kb)
         url = await gw.start()
         print(f"switchyard gateway: {url} (model {args.model_name!r}, {len(args.bus)} engine(s))", flush=True)
         stop = asyncio.Event()
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-total-mb", type=int, default=2048,
                     help="what clients' own sessions hold together; the least recently used are forgotten past it")
     ap.add_argument("--max-inflight", type=int, default=256, help="running requests before 429")
+    ap.add_argument("--grammar-budget-s", type=float, default=10.0,
+                    help="seconds an output schema may take to compile; one over it gets 400")
+    ap.add_argument("--max-schema-kb", type=int, default=1024, help="output schemas over this get 413")
     ap.add_argument("--ready-timeout-s", type=float, default=300.0)
     ap.add_argument("--detach", action="store_true",
                     help="keep serving after the process that started it is gone (default: stop with it)")

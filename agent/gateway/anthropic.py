@@ -8,7 +8,9 @@ user `tool_result` block a `tool` message (`tool_call_id` = `tool_use_id`; `is_e
 "Error: " unless the text already says so, which is how the model and the tool-round metrics
 see it). The reply comes back as an Anthropic Message, or with `stream: true` as its event
 stream. `max_tokens` is required; `temperature`, `top_p` and `top_k` are honoured; `metadata` and
-other fields are ignored. `tool_choice` any and tool force a call as on the chat route, and its
+`service_tier` are accepted and ignored; `thinking`, `mcp_servers`, `container`, `context_management`
+and `output_config.effort` are accepted only when off (fields.MESSAGES says why), and any other field
+is refused with a 400 naming it. `tool_choice` any and tool force a call as on the chat route, and its
 `disable_parallel_tool_use` returns the reply's first call only; `output_config.format` (json_schema)
 is decoded under the schema as chat's `response_format` is. Refused with a 400:
 `stop_sequences`, a final assistant message (prefill), and content blocks
@@ -26,6 +28,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from agent.gateway.fields import MESSAGES, MESSAGES_OUTPUT
 from agent.gateway.session import Reply, RequestError
 
 log = logging.getLogger(__name__)
@@ -149,13 +152,18 @@ def _user(content: list[Any], where: str) -> list[dict[str, Any]]:
 
 def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
     """A Messages request -> (the Chat Completions body the gateway's `_parse` takes, top_k)."""
+    MESSAGES.check(body)
     if body.get("max_tokens") is None:
         raise _refuse("max_tokens is required", "max_tokens")
     if body.get("stop_sequences"):
         raise _refuse("stop_sequences is not supported by the gateway (the engines stop on token ids)",
                       "stop_sequences")
     config = body.get("output_config")
-    fmt = config.get("format") if isinstance(config, dict) else None
+    if config is not None and not isinstance(config, dict):
+        raise _refuse("output_config must be an object like {format: {type: json_schema, schema: {...}}}",
+                      "output_config")
+    MESSAGES_OUTPUT.check(config or {}, "output_config.")
+    fmt = (config or {}).get("format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"
                                 and isinstance(fmt.get("schema"), dict)):
         raise _refuse("output_config.format must be {type: json_schema, schema: {...}}", "output_config.format")

@@ -16,7 +16,10 @@ Honoured: `max_tokens`, `temperature`, `top_p`, `top_k` (generate), `seed`, `fre
 `sampling_params.logprobs`), `stop_token_ids` (generate: verifiers' train client sends its
 renderer's); the token endpoint answers vLLM's shape (`choices[0].token_ids`, per-token
 `logprobs.content` as `token_id:N`, `request_id`). Refused with a 400 naming the field: `n` > 1,
-`echo`, `suffix`, `stop`, `best_of`, batched prompts, streaming on the token endpoint.
+`echo`, `suffix`, `stop`, `best_of`, batched prompts, streaming on the token endpoint, and any field
+(top level or in `sampling_params`) the route does not take (fields.COMPLETIONS, fields.GENERATE:
+vLLM's output-only options such as `skip_special_tokens` are accepted and ignored, its sampling
+options the engines lack are accepted only when off).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from agent.gateway.errors import openai_error
+from agent.gateway.fields import COMPLETIONS, GENERATE, GENERATE_SAMPLING
 from agent.gateway.session import RequestError, Segment
 from agent.loop import Trajectory
 
@@ -81,6 +85,11 @@ class RawPrompts:
                                code="context_length_exceeded", param="prompt")
         params = {**sampling, **conv.sampling}  # the trainer's settings win over the client's
         limits = [int(d["max_tokens"]) for d in (sampling, conv.sampling) if "max_tokens" in d]
+        asked = sampling.get("max_tokens")
+        if asked is not None and asked > room and min(limits) == asked:  # as OpenAI: refused, not quietly cut
+            raise RequestError(400, f"the prompt holds {len(prompt)} tokens and max_tokens asks for {asked}: "
+                                    f"{len(prompt) + asked} in all, over the model's context of {gw.max_context}; ask "
+                                    f"for at most {room}", code="context_length_exceeded", param="max_tokens")
         params["max_tokens"] = min([room, *limits] if limits else [room, DEFAULT_MAX_TOKENS])
         if gw.inflight >= gw.max_inflight:
             raise RequestError(429, f"{gw.inflight} requests are already running (max_inflight={gw.max_inflight})",
@@ -144,6 +153,7 @@ class RawPrompts:
         try:
             gw._prune()
             body = await gw._body(request)
+            COMPLETIONS.check(body)
             for key in REFUSED:
                 if body.get(key) not in (None, False, "", [], {}):
                     raise RequestError(400, f"{key} is not supported by the gateway's completions route", param=key)
@@ -199,6 +209,7 @@ class RawPrompts:
         try:
             gw._prune()
             body = await gw._body(request)
+            GENERATE.check(body)
             if body.get("stream"):
                 raise RequestError(400, "stream is not supported on the token endpoint", param="stream")
             prompt = _token_list(body.get("token_ids"), "token_ids")
@@ -207,6 +218,7 @@ class RawPrompts:
             sp = body.get("sampling_params") or {}
             if not isinstance(sp, dict):
                 raise RequestError(400, "sampling_params must be an object", param="sampling_params")
+            GENERATE_SAMPLING.check(sp, "sampling_params.")
             for key in ("n", "stop", "best_of"):
                 if sp.get(key) not in (None, 1 if key != "stop" else None, [], ""):
                     raise RequestError(400, f"sampling_params.{key} is not supported by the token endpoint",

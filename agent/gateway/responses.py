@@ -8,7 +8,8 @@ they follow, `function_call_output` -> a tool message, `reasoning` items are dro
 only what the chat template renders, and the served model's reasoning is not replayed); flat function
 tools become chat's nested ones. Each returned response's conversation (without its instructions, as
 OpenAI keeps it) is kept in memory, the least recently used forgotten past `max_stored`, so a request
-with `previous_response_id` and only new items continues it, in the same session only.
+with `previous_response_id` and only new items continues it, for the same key or `X-Session-Id` only
+(keyless clients, whose connections are their sessions, share theirs).
 
 What cannot be honoured is refused with a 400 naming it, never silently ignored: tools other than
 function tools, `text.verbosity`, `reasoning` settings,
@@ -32,16 +33,13 @@ from typing import Any
 from aiohttp import web
 
 from agent.gateway.errors import openai_error as _error
+from agent.gateway.fields import RESPONSES
 from agent.gateway.session import Reply, RequestError, output_schema
 
 log = logging.getLogger(__name__)
 
 MAX_STORED = 4096  # responses whose conversation a `previous_response_id` can continue; LRU past this
 CHARS_PER_TOKEN = 32  # as the chat route: text that cannot fit the context is refused before it is tokenized
-ACCEPTED = {"model", "input", "instructions", "tools", "tool_choice", "previous_response_id", "max_output_tokens",
-            "temperature", "top_p", "parallel_tool_calls", "store", "stream", "stream_options", "metadata", "text",
-            "reasoning", "include", "truncation", "user", "safety_identifier", "prompt_cache_key",
-            "prompt_cache_retention", "prompt_cache_options", "service_tier", "seed", "top_logprobs"}
 OTHER_TOOLS = "only function tools are served ({type: function, name, parameters}); the engine runs no hosted tools"
 
 
@@ -51,9 +49,7 @@ def _hex() -> str:
 
 def check_options(body: dict[str, Any], served: str = "") -> None:
     """A 400 naming the first option that would change the output in a way the gateway cannot honour."""
-    for key, value in body.items():
-        if key not in ACCEPTED and value not in (None, False, [], {}):
-            raise RequestError(400, f"{key} is not supported by the gateway's Responses API", param=key)
+    RESPONSES.check(body)
     text = body.get("text") or {}
     fmt = (text.get("format") or {}) if isinstance(text, dict) else None
     if not isinstance(fmt, dict):
@@ -207,7 +203,7 @@ class Responses:
             body = await gw._body(request)
             check_options(body, gw.model_name)
             history = chat_messages(body.get("input"), self._history(body.get("previous_response_id"),
-                                                                     conv.session_id))
+                                                                     conv.owner))
             instructions = body.get("instructions")
             if instructions is not None and not isinstance(instructions, str):
                 raise RequestError(400, "instructions must be a string", param="instructions")
@@ -241,7 +237,7 @@ class Responses:
         calls = [{"id": o["call_id"], "type": "function", "function": {"name": o["name"], "arguments": o["arguments"]}}
                  for o in response["output"] if o["type"] == "function_call"]
         said = {"role": "assistant", "content": reply.parsed.content or "", **({"tool_calls": calls} if calls else {})}
-        self._store(response["id"], conv.session_id, history + [said])
+        self._store(response["id"], conv.owner, history + [said])
         if body.get("stream"):
             return await self._stream(request, response)
         return web.json_response(response)

@@ -4,10 +4,13 @@ translate to the chat path and record the same way.
 
 Any agent framework that speaks the OpenAI API is trained by pointing its `base_url` here. Each
 API key (or `X-Session-Id` header) is one session whose conversations are recorded token-exactly
-(agent/gateway/session.py); generations carry the session id, so the router keeps a session on one
-engine and its prefix cache. Errors are OpenAI-shaped JSON: 400 for a malformed request or an
-unknown model, 401 for a missing or unknown key when bound beyond loopback, 413 for a prompt over
-the context (the model's by default) or a body over `max_body_mb`, 429 when `max_inflight`
+(agent/gateway/session.py); a client that sends neither gets its connection's session, so keyless
+clients never queue behind each other. Generations carry the session id, so the router keeps a
+session on one engine and its prefix cache. Errors are OpenAI-shaped JSON: 400 for a malformed
+request, a field the route does not take (fields.py), an output schema the engines cannot decode
+under (schemas.py), `max_tokens` over the context, or an unknown model, 401 for a missing or unknown
+key when bound beyond loopback, 413 for a prompt over the context (the model's by default), a body
+over `max_body_mb` or a schema over `max_schema_kb`, 429 when `max_inflight`
 requests are already running. A large body is parsed off the event loop, and text that cannot fit
 the context is refused before it is tokenized, so one huge request does not hold up the others;
 sessions clients open by themselves are capped (`max_sessions`, least recently used first), and so is
@@ -33,7 +36,9 @@ from aiohttp import web
 from agent.gateway.anthropic import messages_route
 from agent.gateway.completions import completions_routes
 from agent.gateway.errors import openai_error as _error
+from agent.gateway.fields import CHAT
 from agent.gateway.responses import responses_route
+from agent.gateway.schemas import GRAMMAR_BUDGET_S, MAX_SCHEMA_KB, SchemaCheck
 from agent.gateway.session import Conversation, Reply, RequestError, normalize, output_schema
 
 log = logging.getLogger(__name__)
@@ -47,20 +52,6 @@ PARSE_ASIDE_BYTES = 1 << 20  # bodies over this are parsed off the event loop
 CHARS_PER_TOKEN = 32  # a prompt with more text than max_context x this cannot fit: 413 before tokenizing
 DEFAULT_CONTEXT = 32768  # max_context when neither the caller nor the model's config gives one
 SAMPLING_KEYS = {"temperature": float, "top_p": float, "seed": int, "top_k": int}
-# the chat route's request fields: honoured (CHAT_FIELDS), accepted and ignored on purpose because
-# none changes what is sampled (IGNORED_FIELDS, each with why), or set only to their default value
-# (AT_DEFAULT); any other field is refused with a 400 naming it, never silently dropped
-CHAT_FIELDS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "top_k", "seed", "max_tokens",
-               "max_completion_tokens", "n", "stream", "stream_options", "logprobs", "top_logprobs",
-               "frequency_penalty", "presence_penalty", "logit_bias", "parallel_tool_calls", "stop", "response_format"}
-IGNORED_FIELDS = {
-    "user": "an end-user id for the caller's own records", "safety_identifier": "the same, OpenAI's newer name",
-    "metadata": "tags OpenAI stores with a completion; the gateway stores none", "store": "the same",
-    "service_tier": "one pool of engines, no tiers", "prediction": "a latency hint: the reply is the same without it",
-    "prompt_cache_key": "the engines reuse cached prefixes by themselves (sticky, prefix-aware routing)",
-    "prompt_cache_retention": "the same"}
-AT_DEFAULT = {"modalities": (None, ["text"]), "verbosity": (None, "medium"), "reasoning_effort": (None,),
-              "audio": (None,), "web_search_options": (None,), "functions": (None,), "function_call": (None,)}
 
 
 @web.middleware
@@ -118,7 +109,8 @@ class Gateway:
                  max_context: int | None = None, end_of_turn_id: int | None = None,
                  session_ttl_s: float = 3600.0, vision: Any = None, max_body_mb: int = MAX_BODY_MB,
                  max_sessions: int = MAX_IMPLICIT_SESSIONS, max_session_bytes: int = MAX_SESSION_BYTES,
-                 max_total_bytes: int = MAX_TOTAL_BYTES) -> None:
+                 max_total_bytes: int = MAX_TOTAL_BYTES, grammar_budget_s: float = GRAMMAR_BUDGET_S,
+                 max_schema_kb: int = MAX_SCHEMA_KB) -> None:
         self.client, self.tokenizer, self.model_name = client, tokenizer, model_name
         self.vision = vision  # agent.vision.Vision when the model takes images
         self.tool_parser, self.host, self.port = tool_parser, host, port
@@ -129,6 +121,7 @@ class Gateway:
         self.max_sessions = max_sessions
         self.max_session_bytes, self.max_total_bytes = int(max_session_bytes), int(max_total_bytes)
         self.counts = {"trimmed_segments": 0, "evicted_sessions": 0, "refused_session_bytes": 0}  # GET /stats
+        self.schemas = SchemaCheck(grammar_budget_s, max_schema_kb)  # output schemas checked before any engine
         self._held: dict[str, int] = {}  # client-opened session -> its bytes after its last request
         self.sessions: dict[str, Conversation] = {}
         self._opened: set[str] = set()  # sessions the agent loop opened; it closes them itself
@@ -193,7 +186,10 @@ class Gateway:
         if not is_loopback(self.host) and key not in self.api_keys:
             raise RequestError(401, "missing or unknown API key: send `Authorization: Bearer <key>` with a key "
                                     "this gateway issued or was started with", code="invalid_api_key")
-        sid = request.headers.get("X-Session-Id") or key or "default"
+        sid = request.headers.get("X-Session-Id") or key
+        owner = sid
+        if not sid:  # a keyless client: its connection is its session (see _connection_session)
+            sid, owner = self._connection_session(request), ""
         if sid not in self.sessions:  # a client's own session: recorded, but nobody trains on it here
             implicit = [s for s in self.sessions if s not in self._opened]
             if len(implicit) >= self.max_sessions:  # the least recently used make room
@@ -203,7 +199,20 @@ class Gateway:
                     self.counts["evicted_sessions"] += 1
             self.sessions[sid] = self._conversation(sid)
             self.sessions[sid].max_segments = IMPLICIT_SEGMENTS
+            self.sessions[sid].owner = owner
         return self.sessions[sid]
+
+    @staticmethod
+    def _connection_session(request: web.Request) -> str:
+        """The session of a request with neither a key nor `X-Session-Id`: its TCP connection's.
+        A keep-alive connection carries one client's calls one after another (an agent's turns
+        continue its recorded segments and stay on one engine's prefix cache), and two clients
+        never share one, so no client queues behind another's work; where the connection cannot
+        be told, each request is a session of its own."""
+        peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+        if isinstance(peer, (tuple, list)) and len(peer) >= 2:
+            return f"conn-{peer[0]}:{peer[1]}"
+        return f"req-{uuid.uuid4().hex}"
 
     async def generate(self, conv: Conversation, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                        sampling: dict[str, Any], n: int = 1, parse_calls: bool = True, tool_choice: Any = None,
@@ -223,7 +232,7 @@ class Gateway:
         self.inflight += 1
         try:
             return await conv.generate(self.client, messages, tools, sampling, n, parse_calls, tool_choice=tool_choice,
-                                       parallel_calls=parallel_calls)
+                                       parallel_calls=parallel_calls, check_schema=self.schemas.check)
         finally:
             self.inflight -= 1
             if not opened:
@@ -250,7 +259,7 @@ class Gateway:
         """The gateway's own numbers: sessions, what client-opened ones hold, what was trimmed or evicted."""
         return web.json_response({"sessions": len(self.sessions), "trained_sessions": len(self._opened),
                                   "client_session_bytes": sum(self._held.values()), "inflight": self.inflight,
-                                  **self.counts})
+                                  **self.counts, **self.schemas.counts})
 
     # -------------------------------------------------------------- handlers
     async def _models(self, request: web.Request) -> web.Response:
@@ -333,6 +342,9 @@ class Gateway:
         if limit is not None:
             if not isinstance(limit, int) or limit < 1:
                 raise RequestError(400, f"max_tokens={limit!r} must be a positive integer", param="max_tokens")
+            if limit > self.max_context:  # as OpenAI answers: refused, not quietly cut
+                raise RequestError(400, f"max_tokens={limit} is more than the model's context of {self.max_context} "
+                                        "tokens (prompt and reply together): ask for fewer", param="max_tokens")
             sampling["max_tokens"] = limit
         n = body.get("n", 1) or 1
         if not isinstance(n, int) or not 1 <= n <= 64:
@@ -361,21 +373,8 @@ class Gateway:
                                param="model")
 
     def _check_fields(self, body: dict[str, Any]) -> None:
-        """A 400 naming the first field the gateway would otherwise drop silently (see CHAT_FIELDS)."""
-        for key, value in body.items():
-            if key in CHAT_FIELDS or key in IGNORED_FIELDS:
-                continue
-            if key in AT_DEFAULT:
-                if value in AT_DEFAULT[key]:
-                    continue
-                raise RequestError(400, f"{key}={value!r:.80} is not supported by the gateway: the served model "
-                                        f"samples text alone; leave {key} out", param=key)
-            if key in ("min_p", "repetition_penalty"):
-                raise RequestError(400, f"{key} is not supported by the engines' sampling; use top_p, top_k, "
-                                        "frequency_penalty or presence_penalty", param=key)
-            raise RequestError(400, f"{key} is not a request field the gateway honours (fields: "
-                                    f"{', '.join(sorted(CHAT_FIELDS))}; accepted and ignored: "
-                                    f"{', '.join(sorted(IGNORED_FIELDS))})", param=key)
+        """A 400 naming the first field the chat route would otherwise drop silently (fields.CHAT)."""
+        CHAT.check(body)
         if body.get("top_k") is not None and (type(body["top_k"]) is not int or body["top_k"] < -1
                                               or body["top_k"] == 0):
             raise RequestError(400, f"top_k={body['top_k']!r} must be a positive integer (or -1: off)", param="top_k")

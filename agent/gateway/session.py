@@ -266,6 +266,7 @@ class Conversation:
         self.sampling = dict(sampling or {})  # the trainer's settings win over the client's
         self.segments: list[Segment] = []
         self.group_id = uuid.uuid4().hex
+        self.owner = session_id  # who may continue its stored responses: its key or X-Session-Id ("" keyless)
         self._lock = asyncio.Lock()
 
     def _mark(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> "_Undo":
@@ -343,19 +344,26 @@ class Conversation:
 
     async def generate(self, client: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                        sampling: dict[str, Any], n: int = 1, parse_calls: bool = True,
-                       tool_choice: Any = None, parallel_calls: bool = True) -> list[Reply]:
+                       tool_choice: Any = None, parallel_calls: bool = True, check_schema: Any = None) -> list[Reply]:
         """Generate `n` choices continuing `messages`; the first continues the segment in place,
         the others each get a copy of it (their own segment). `tool_choice` required or a named
         function forces a call (the parser's call opening is appended to the prompt, mask 0), and
         where the format says what follows its opening (`ToolParser.call_constraint`) the engine
         decodes the rest of the call under the declared tools' schemas: one well-formed call. With
-        `parallel_calls` False a reply's first call is returned and any others are dropped."""
+        `parallel_calls` False a reply's first call is returned and any others are dropped.
+        `check_schema(schema, suffix, param)` (the gateway's SchemaCheck.check) vets the schema
+        decoded under before any engine sees it. A client's `max_tokens` over the context the
+        prompt leaves is refused (400, context_length_exceeded), as OpenAI does; the trainer's own
+        is cut to fit."""
         force = forced_call(tool_choice, tools)
         parser = self.parser(tools)
         prefix = self._opening(parser, force)
         constraint = parser.call_constraint(None if force is True else force) if prefix else None
         if constraint is not None and not sampling.get("json_schema"):
             sampling = {**sampling, "json_schema": json.dumps(constraint[0]), "json_suffix": constraint[1]}
+        if check_schema is not None and sampling.get("json_schema"):
+            await check_schema(sampling["json_schema"], sampling.get("json_suffix", ""),
+                               "tools" if sampling.get("json_suffix") else "response_format")
         async with self._lock:  # one session's calls are sequential, as an agent's are
             self.last_used = time.monotonic()
             undo = self._mark(messages, tools)
@@ -374,6 +382,12 @@ class Conversation:
                         raise RequestError(413, f"the prompt holds {len(prompt)} tokens; the model's context is "
                                                 f"{self.max_context}: shorten the conversation",
                                            code="context_length_exceeded", param="messages")
+                    asked = sampling.get("max_tokens")
+                    if asked is not None and int(asked) > room and int(params["max_tokens"]) == int(asked):
+                        raise RequestError(400, f"the prompt holds {len(prompt)} tokens and max_tokens asks for {asked}:"
+                                                f" {len(prompt) + int(asked)} in all, over the model's context of "
+                                                f"{self.max_context}; ask for at most {room} (or shorten the "
+                                                "conversation)", code="context_length_exceeded", param="max_tokens")
                     params["max_tokens"] = min(room, int(params.get("max_tokens", room)))
                 params.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
                 bases = [seg] + [seg.clone() for _ in range(n - 1)]

@@ -8,7 +8,8 @@ is then of the constrained distribution, the one it was actually drawn from (wha
 off-policy correction weighs against the policy). JSON is written compact (no free whitespace
 between tokens: a model cannot fill its budget with blank lines). A `json_suffix` (a forced tool
 call's closing) is literal text after the value, and one space may come before it (where a model
-writes `"arguments": {`). Compiled grammars are kept per schema and suffix. vLLM and SGLang get
+writes `"arguments": {`). Compiled grammars are kept per schema and suffix, within a size in bytes,
+and compiled without blocking other schemas' requests (`Grammars`). vLLM and SGLang get
 the same grammar as EBNF text (`ebnf`) when there is a suffix, their JSON-schema route otherwise.
 """
 
@@ -22,7 +23,8 @@ from typing import Any
 
 import torch
 
-MAX_GRAMMARS = 64  # compiled schemas kept (least recently used dropped)
+MAX_GRAMMARS = 64  # EBNF texts kept for vLLM and SGLang (least recently used dropped)
+MAX_GRAMMAR_BYTES = 256 << 20  # compiled grammars the hf engine keeps, by their size (least recently used dropped)
 
 
 def grammar(schema: str, suffix: str = "") -> Any:
@@ -45,30 +47,67 @@ def ebnf(schema: str, suffix: str = "") -> str:
 
 
 class Grammars:
-    """Matchers for one tokenizer and vocabulary (the model's, which may be padded past the tokenizer's)."""
+    """Matchers for one tokenizer and vocabulary (the model's, which may be padded past the tokenizer's).
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: set[int]) -> None:
+    Compiles run on the caller's thread (the engine calls from a worker thread, off its serving
+    path) and never under a shared lock: a schema that takes long to compile holds up only the
+    requests that carry it (the same schema compiling already is waited for, not compiled twice).
+    Compiled grammars are kept least recently used first within `max_bytes` (their own size, as
+    xgrammar counts it): a cache counted in entries grows with the size of the schemas sent."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: set[int], max_bytes: int = MAX_GRAMMAR_BYTES) -> None:
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, int(vocab_size), sorted(stop_ids)
+        self.max_bytes = int(max_bytes)
         self._compiler: Any = None
-        self._compiled: collections.OrderedDict[tuple[str, str], Any] = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._compiled: collections.OrderedDict[tuple[str, str], tuple[Any, int]] = collections.OrderedDict()
+        self._bytes = 0
+        self._compiling: dict[tuple[str, str], threading.Event] = {}
+        self._lock = threading.Lock()  # guards the cache's bookkeeping only, never held over a compile
 
-    def matcher(self, schema: str, suffix: str = "") -> Any:
-        """A fresh matcher of `schema` (JSON schema text) and `suffix`; compiling them the first time."""
+    def _compiler_once(self) -> Any:
         import xgrammar
 
         with self._lock:
             if self._compiler is None:
                 info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                                stop_token_ids=self.stop_ids or None)
-                self._compiler = xgrammar.GrammarCompiler(info)
-            key = (schema, suffix)
-            compiled = self._compiled.pop(key, None)
-            if compiled is None:
-                compiled = self._compiler.compile_grammar(grammar(schema, suffix))
-            self._compiled[key] = compiled
-            while len(self._compiled) > MAX_GRAMMARS:
-                self._compiled.popitem(last=False)
+                self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # this class caches
+            return self._compiler
+
+    def cached_bytes(self) -> int:
+        return self._bytes
+
+    def matcher(self, schema: str, suffix: str = "") -> Any:
+        """A fresh matcher of `schema` (JSON schema text) and `suffix`; compiling them the first time."""
+        import xgrammar
+
+        compiler = self._compiler_once()
+        key = (schema, suffix)
+        while True:
+            with self._lock:
+                held = self._compiled.get(key)
+                if held is not None:
+                    self._compiled.move_to_end(key)
+                    return xgrammar.GrammarMatcher(held[0])
+                busy = self._compiling.get(key)
+                if busy is None:
+                    busy = self._compiling[key] = threading.Event()
+                    break
+            busy.wait()  # another thread compiles this very schema: take its result (or compile if it failed)
+        try:
+            compiled = compiler.compile_grammar(grammar(schema, suffix))
+            size = int(getattr(compiled, "memory_size_bytes", 0)) + len(schema) + len(suffix)
+            with self._lock:
+                if size <= self.max_bytes:
+                    self._compiled[key] = (compiled, size)
+                    self._bytes += size
+                while self._bytes > self.max_bytes and self._compiled:
+                    _, (_, dropped) = self._compiled.popitem(last=False)
+                    self._bytes -= dropped
+        finally:
+            with self._lock:
+                self._compiling.pop(key, None)
+            busy.set()
         return xgrammar.GrammarMatcher(compiled)
 
 

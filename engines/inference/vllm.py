@@ -58,6 +58,7 @@ concurrent load; the engine-wide `seed` still applies.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -282,6 +283,10 @@ class VLLMEngine:
 
         prompt_ids = self._checked_prompt(prompt_ids)
         prompt = self._prompt(prompt_ids, pixel_values)
+        if params.json_suffix:  # its EBNF text made off the event loop (vLLM compiles it on its own threads)
+            from engines.inference.grammar import ebnf
+
+            await asyncio.to_thread(ebnf, params.json_schema, params.json_suffix)
         self._in_flight += 1
         final = None
         try:
