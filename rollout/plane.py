@@ -10,10 +10,14 @@ padded into a `Batch` and every rank gets its data-parallel replica's rows (`rol
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
 
 from engines.training.batch import Batch
 from rollout.config import RolloutConfig
@@ -37,6 +41,8 @@ class RolloutPlane:
         self.manager: Any = None
         self.feeder: Any = None  # rank 0: the RolloutFeeder (start_rollout)
         self.run_dir = Path(".")  # the run's output directory (start_engines)
+        self.stream: Any = None  # the rows the rollout draws from (start_rollout)
+        self._clock: dict[str, float] = {}  # the running step's times (next_batch, updating, publish)
 
     # ------------------------------------------------------------------ start-up
     def launch_engines(self, run_dir: Path) -> None:
@@ -89,7 +95,95 @@ class RolloutPlane:
                   f"mlflow ui --backend-store-uri {t.tracking_uri}", flush=True)
         return t
 
+    def begin(self, run_dir: Path, actor: Any, resumed_version: int | None = None,
+              warm_up: Callable[[], None] | None = None) -> None:
+        """Every rank: engines, workers and weights ready for the first step. Engines that load beside
+        the trainer (`EngineFleet.loads_beside_the_trainer`) are waited for after `warm_up` (an SFT
+        warm-up that saves itself: an engine that failed to start fails the run with it saved, and a
+        rerun resumes past it); the others start first. Then the engines, started from the base
+        model, are brought to the actor: a resumed run's as the checkpoint's `resumed_version`
+        (fresh engines are at 0: no gap), a warmed-up one's as the next version."""
+        if resumed_version is not None:
+            self.weights.version = resumed_version
+        beside = self.fleet.loads_beside_the_trainer
+        if not beside:
+            self.start_engines(run_dir)
+        if warm_up is not None:
+            warm_up()
+        if beside:
+            self.start_engines(run_dir)
+        self.start_workers()
+        if self.world > 1:  # no node runs ahead (e.g. a resumed run with no steps left) while rank 0 connects
+            torch.distributed.barrier()
+        if resumed_version is not None:
+            self.weights.load(actor, max(self.weights.version, 1))
+        elif warm_up is not None:
+            self.weights.load(actor, self.weights.version + 1)
+
+    @property
+    def version(self) -> int:
+        """The run's weight version: the one the engines serve (`WeightSync.version`)."""
+        return self.weights.version
+
+    @property
+    def mismatched(self) -> dict[int, list[tuple[str, float]]]:
+        """The last push's tensors that an engine serves differently from what was sent, per engine."""
+        return self.weights.mismatched
+
     # ------------------------------------------------------------------ every step
+    def next_batch(self, actor: Any) -> tuple[Batch, dict[str, Any]]:
+        """The step's batch: judges that died started again, attached engines that restarted brought
+        back to the actor's weights, then the finished groups within the staleness bound
+        (`take_batch`), with the engines' metrics."""
+        self._clock = {"start": time.perf_counter()}
+        revived = self.fleet.revive_reward_engines()  # a judge that died is started again before this rollout
+        self.weights.catch_up(actor)  # attached engines that restarted: back to the current weights
+        batch, metrics = self.take_batch(self.weights.version)
+        self._clock["rollout_s"] = time.perf_counter() - self._clock["start"]
+        metrics.update({**self.fleet.engine_metrics(self._clock["rollout_s"]), **revived})
+        self._clock.update(update_t=time.time(), sync_s=0.0)
+        return batch, metrics
+
+    @contextmanager
+    def updating(self, metrics: dict[str, Any]) -> Iterator[None]:
+        """Around the trainer's update: colocated engines asleep, the rollout counting the groups it
+        finishes meanwhile, and into `metrics` how much the engines generated during it."""
+        metrics.update(self.fleet.sleep())
+        self.training(True)
+        self._clock["update_t"], busy = time.time(), self.fleet.engine_busy_s()
+        yield
+        self.training(False)
+        if self.rank == 0:  # how much the engines generated while the trainer updated (0: they idled)
+            metrics["time/engine_busy_in_update"] = (self.fleet.engine_busy_s() - busy) / max(
+                1e-9, (time.time() - self._clock["update_t"]) * len(self.fleet.engines))
+        self.fleet.wake()  # colocated engines come back; the push that follows is what they serve with
+
+    def publish(self, actor: Any) -> None:
+        """The actor's weights into every engine as the next version; asynchronous, running
+        generations stop for the push and go on with the new weights."""
+        self._clock["sync_s"] = self.weights.publish(actor, preempt=self.cfg.staleness > 0)
+
+    def after_update(self, last: bool) -> dict[str, Any]:
+        """The step's update is done (or skipped): asynchronous, the rollout runs on with the weights
+        just pushed now, not after the step's logging, validation and checkpoint. The step's version,
+        times, data position and sync figures."""
+        asynchronous = self.cfg.staleness > 0
+        if asynchronous and not last:
+            self.trained(self.weights.version)
+        clock = self._clock
+        metrics = {"weight_version": self.weights.version, "time/rollout_s": clock["rollout_s"],
+                   "time/sync_s": clock["sync_s"], "time/step_s": time.perf_counter() - clock["start"],
+                   "data/epoch": self.stream.position[0], "data/index": self.stream.position[1],
+                   **self.weights.last_sync}
+        if asynchronous:  # the benchmark's overlap figures
+            metrics.update({"time/update_start_t": clock["update_t"], "time/update_end_t": time.time()})
+        return metrics
+
+    def after_checkpoint(self, last: bool) -> None:
+        """The step is logged and saved: synchronous, the next rows start on the weights just pushed."""
+        if self.cfg.staleness == 0 and not last:
+            self.trained(self.weights.version)
+
     def validate(self, rows: list[dict[str, Any]], sampling: dict[str, Any], n: int, weight_version: int,
                  timeout_s: float) -> list[Any]:
         """Rank 0: `n` samples of every held-out row on the training engines and workers, returned
@@ -103,6 +197,7 @@ class RolloutPlane:
                       state: dict[str, Any] | None = None) -> None:
         """Rank 0: rollout from `stream` (`rollout.feeder`) on engines serving `version`, continuing
         from a checkpoint's `state`; other ranks have nothing to start."""
+        self.stream = stream
         if self.cfg.staleness > 0 and self.fleet.sleeps:
             raise ValueError(f"rollout.staleness={self.cfg.staleness} with placement {self.fleet.placement}: colocated engines "
                              "sleep through the update, so rollout cannot run on; set rollout.placement=split or cpu")
@@ -164,6 +259,10 @@ class RolloutPlane:
 
         shard, cost = hand_out(batch, self.fleet.replica_of, self.rank, transfer_device())
         return shard, {**metrics, **cost}
+
+    def print_engine_logs(self) -> None:
+        """The last lines of this node's engine logs, on stderr: what a failed run needs."""
+        self.fleet.print_engine_logs()
 
     def close(self) -> None:
         if self.feeder is not None:
