@@ -35,6 +35,7 @@ def train(cfg: Config) -> dict[str, Any]:
     from launch.checkpoint import Checkpointer, load_run
     from launch.metrics import MetricsLogger, summarize
     from launch.setup import setup
+    from launch.validation import validate_step, validator_for
     from parallel.reduce import on_every_rank
 
     run = setup(cfg)
@@ -47,13 +48,13 @@ def train(cfg: Config) -> dict[str, Any]:
         start, version, rollout_state = load_run(ckpt, latest, actor, stream, rank, sharded, critic=run.critic)
         print(f"resuming from {latest} (step {start}, data position {stream.position})", flush=True)
     logger = MetricsLogger(out, cfg.trainer.wandb_project, resume_step=start) if rank == 0 else None
-    validator = _validator(cfg, run) if rank == 0 and run.val_rows else None
+    validator = validator_for(cfg, run) if rank == 0 and run.val_rows else None
     try:
         plane.begin(out, actor, version, _warm_up(cfg, run, ckpt, sharded) if latest is None and cfg.sft.enabled
                     else None)
         if validator is not None and logger is not None and cfg.trainer.val_before_train and start == 0 \
                 and not logger.logged(0, VAL_KEY):  # once: not again after a kill during step 1
-            logger.log(0, _validate(validator, plane, 0, plane.version), console=(VAL_KEY,))
+            logger.log(0, validate_step(validator, plane, 0, plane.version), console=(VAL_KEY,))
         if start < cfg.trainer.steps:
             plane.start_rollout(stream, cfg.data.prompts_per_step, plane.version, rollout_state)
         _steps(cfg, run, start, ckpt, sharded, logger, validator)
@@ -78,6 +79,7 @@ def _steps(cfg: Config, run: Any, start: int, ckpt: Any, sharded: bool, logger: 
     from launch.algorithm import learn
     from launch.checkpoint import save_run
     from launch.guards import DriftGuard, InvalidGuard
+    from launch.validation import validate_step
 
     actor, plane, rank, last = run.actor, run.plane, run.rank, cfg.trainer.steps
     drift = DriftGuard(cfg.model.dtype, cfg.trainer.drift_warn, cfg.trainer.max_drift, cfg.rollout.top_p < 1,
@@ -92,7 +94,7 @@ def _steps(cfg: Config, run: Any, start: int, ckpt: Any, sharded: bool, logger: 
             plane.publish(actor)
         metrics.update(plane.after_update(last=step == last))
         if validator is not None and validator.due(step, last, cfg.trainer.val_every):
-            metrics.update(_validate(validator, plane, step, plane.version))  # logged with the step: once per step
+            metrics.update(validate_step(validator, plane, step, plane.version))  # logged with the step: once per step
         if logger is not None:
             logger.log(step, metrics, console=CONSOLE_KEYS)
         if step % cfg.trainer.save_every == 0 or step == last:
@@ -114,23 +116,6 @@ def _warm_up(cfg: Config, run: Any, ckpt: Any, sharded: bool) -> Callable[[], No
         save_run(ckpt, 0, run.actor, run.stream, run.plane.version, run.rank, sharded, run.barrier, critic=run.critic)
 
     return warm
-
-
-def _validator(cfg: Config, run: Any) -> Any:
-    from engines.models import load_tokenizer
-    from launch.validation import Validator
-
-    return Validator(run.val_rows, cfg.val, cfg.rollout.max_tokens, Path(cfg.trainer.output_dir),
-                     load_tokenizer(run.model_dir))
-
-
-def _validate(validator: Any, plane: Any, step: int, version: int) -> dict[str, Any]:
-    """Rank 0: validate the weights of `version` after `step` steps; its records go to val/step_N.jsonl."""
-    from launch.validation import describe
-
-    metrics = validator.run(plane, f"step_{step}", version)
-    print(describe(metrics, f"validation after step {step}"), flush=True)
-    return metrics
 
 
 def _exit_with_launcher(every_s: float = 1.0) -> None:
