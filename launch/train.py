@@ -118,19 +118,6 @@ def _warm_up(cfg: Config, run: Any, ckpt: Any, sharded: bool) -> Callable[[], No
     return warm
 
 
-def _exit_with_launcher(every_s: float = 1.0) -> None:
-    """Under torchrun each rank runs in its own session, so a launcher killed with -9 (a node
-    lost, a job cancelled) would leave its ranks and their engines running on; a rank whose
-    launcher is gone exits, and its engines follow it (they watch their parent)."""
-    from parallel.lifetime import watch_parent
-
-    def gone() -> None:
-        print("the launcher is gone; this rank exits", file=sys.stderr, flush=True)
-        os._exit(1)
-
-    watch_parent(gone, every_s=every_s, name="launcher-watch")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
@@ -143,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         return plan_main(path, argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        _exit_with_launcher()
+        from parallel.lifetime import exit_with_launcher
+
+        exit_with_launcher()
     from engines.models import ModelUnavailableError
     from launch.guards import DriftError, InvalidError
     from rollout.bus.auth import AuthError
