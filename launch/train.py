@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +49,8 @@ def train(cfg: Config) -> dict[str, Any]:
     logger = MetricsLogger(out, cfg.trainer.wandb_project, resume_step=start) if rank == 0 else None
     validator = validator_for(cfg, run) if rank == 0 and run.val_rows else None
     try:
-        plane.begin(out, actor, version, _warm_up(cfg, run, ckpt, sharded) if latest is None and cfg.sft.enabled
-                    else None)
+        plane.begin(out, actor, version, None if latest is not None or not cfg.sft.enabled else
+                    lambda: _warm_up(cfg, run, ckpt, sharded))
         if validator is not None and logger is not None and cfg.trainer.val_before_train and start == 0 \
                 and not logger.logged(0, VAL_KEY):  # once: not again after a kill during step 1
             logger.log(0, validate_step(validator, plane, 0, plane.version), console=(VAL_KEY,))
@@ -105,17 +104,13 @@ def _steps(cfg: Config, run: Any, start: int, ckpt: Any, sharded: bool, logger: 
     invalids.finish()  # every step failed: the run trained nothing, and exits non-zero
 
 
-def _warm_up(cfg: Config, run: Any, ckpt: Any, sharded: bool) -> Callable[[], None]:
-    """The SFT warm-up (`sft.*`) of a fresh run, saved as step 0 once done (a rerun resumes past it)."""
+def _warm_up(cfg: Config, run: Any, ckpt: Any, sharded: bool) -> None:
+    """The SFT warm-up (`sft.*`) of a fresh run, saved as step 0 (a rerun resumes past it)."""
     from launch.checkpoint import save_run
     from launch.data.sft import warm_up
 
-    def warm() -> None:
-        turns = int(cfg.rollout.agent.get("tool_agent", {}).get("max_assistant_turns", 3))
-        warm_up(run.actor, run.rows, run.tools, run.model_dir, cfg.sft, turns - 1, show=run.rank == 0)
-        save_run(ckpt, 0, run.actor, run.stream, run.plane.version, run.rank, sharded, run.barrier, critic=run.critic)
-
-    return warm
+    warm_up(run.actor, run.rows, run.tools, run.model_dir, cfg.sft, cfg.rollout.assistant_turns - 1, show=run.rank == 0)
+    save_run(ckpt, 0, run.actor, run.stream, run.plane.version, run.rank, sharded, run.barrier, critic=run.critic)
 
 
 def main(argv: list[str] | None = None) -> int:

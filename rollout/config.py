@@ -69,6 +69,11 @@ class RolloutConfig:
     engines: list[str] = field(default_factory=list)
     engine_keys: str | None = None  # their CURVE keys file (python -m rollout.service keys PATH); tcp needs it
 
+    @property
+    def assistant_turns(self) -> int:
+        """How many assistant turns a trajectory may take (the tool agent's `max_assistant_turns`; 3 unset)."""
+        return int(self.agent.get("tool_agent", {}).get("max_assistant_turns", 3))
+
     def __post_init__(self) -> None:
         choice("rollout", "engine", self.engine, ROLLOUT_ENGINES)
         check_options(self.engine, self.engine_options)
