@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_with_launcher()
     from engines.models import ModelUnavailableError
     from launch.guards import DriftError, InvalidError
+    from launch.metrics import print_summary
     from rollout.bus.auth import AuthError
 
     try:
@@ -150,13 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         from parallel.mesh import close_process_group
 
         close_process_group()  # in the launcher's own exit path, whatever ended the run
-    if summary:
-        print("SUMMARY " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
-        if summary.get("no_signal_steps") and summary["no_signal_steps"] == summary.get("steps"):
-            print(f"warning: no step of this run had a learning signal: in every group all trajectories scored "
-                  f"alike (reward {summary.get('reward_last5', 0):.3g}), so every advantage was 0 and the reward "
-                  f"taught the policy nothing; check the reward (reward.*), make the task reachable for this model "
-                  f"(an SFT warm-up, sft.*), or raise rollout.n", file=sys.stderr)
+    print_summary(summary)
     return 0
 
 
