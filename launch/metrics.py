@@ -10,6 +10,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+REWARD_KEY = "rollout/reward_mean"
+VAL_KEY = "val/accuracy"
+CONSOLE_KEYS = (REWARD_KEY, VAL_KEY, "rollout/invalid", "rollout/signal_fraction", "rollout/tool_calls_per_trajectory",
+                "rollout/response_length_mean", "drift/mean",
+                "actor/pg_loss", "critic/vf_explained_var", "time/rollout_s", "time/update_s", "time/step_s")
+
 
 class MetricsLogger:
     def __init__(self, output_dir: Path, wandb_project: str | None = None, config: dict[str, Any] | None = None,

@@ -22,17 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from launch.config import Config, ConfigError, load_config  # noqa: E402
 
-REWARD_KEY = "rollout/reward_mean"
-VAL_KEY = "val/accuracy"
-CONSOLE_KEYS = (REWARD_KEY, VAL_KEY, "rollout/invalid", "rollout/signal_fraction", "rollout/tool_calls_per_trajectory",
-                "rollout/response_length_mean", "drift/mean",
-                "actor/pg_loss", "critic/vf_explained_var", "time/rollout_s", "time/update_s", "time/step_s")
-
 
 def train(cfg: Config) -> dict[str, Any]:
     from engines.training.backends import ACTORS
     from launch.checkpoint import Checkpointer, load_run
-    from launch.metrics import MetricsLogger, summarize
+    from launch.metrics import REWARD_KEY, VAL_KEY, MetricsLogger, summarize
     from launch.setup import setup
     from launch.validation import validate_step, validator_for
     from parallel.reduce import on_every_rank
@@ -78,6 +72,7 @@ def _steps(cfg: Config, run: Any, start: int, ckpt: Any, sharded: bool, logger: 
     from launch.algorithm import learn
     from launch.checkpoint import save_run
     from launch.guards import DriftGuard, InvalidGuard
+    from launch.metrics import CONSOLE_KEYS
     from launch.validation import validate_step
 
     actor, plane, rank, last = run.actor, run.plane, run.rank, cfg.trainer.steps
