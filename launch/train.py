@@ -26,6 +26,7 @@ from launch.config import Config, ConfigError, load_config  # noqa: E402
 def train(cfg: Config) -> dict[str, Any]:
     from engines.training.backends import ACTORS
     from launch.checkpoint import Checkpointer, load_run
+    from launch.data.sft import warm_up_run
     from launch.metrics import REWARD_KEY, VAL_KEY, MetricsLogger, summarize
     from launch.setup import setup
     from launch.validation import validate_step, validator_for
@@ -44,7 +45,7 @@ def train(cfg: Config) -> dict[str, Any]:
     validator = validator_for(cfg, run) if rank == 0 and run.val_rows else None
     try:
         plane.begin(out, actor, version, None if latest is not None or not cfg.sft.enabled else
-                    lambda: _warm_up(cfg, run, ckpt, sharded))
+                    lambda: warm_up_run(cfg, run, ckpt, sharded))
         if validator is not None and logger is not None and cfg.trainer.val_before_train and start == 0 \
                 and not logger.logged(0, VAL_KEY):  # once: not again after a kill during step 1
             logger.log(0, validate_step(validator, plane, 0, plane.version), console=(VAL_KEY,))
@@ -97,15 +98,6 @@ def _steps(cfg: Config, run: Any, start: int, ckpt: Any, sharded: bool, logger: 
         plane.after_checkpoint(last=step == last)
         run.barrier()
     invalids.finish()  # every step failed: the run trained nothing, and exits non-zero
-
-
-def _warm_up(cfg: Config, run: Any, ckpt: Any, sharded: bool) -> None:
-    """The SFT warm-up (`sft.*`) of a fresh run, saved as step 0 (a rerun resumes past it)."""
-    from launch.checkpoint import save_run
-    from launch.data.sft import warm_up
-
-    warm_up(run.actor, run.rows, run.tools, run.model_dir, cfg.sft, cfg.rollout.assistant_turns - 1, show=run.rank == 0)
-    save_run(ckpt, 0, run.actor, run.stream, run.plane.version, run.rank, sharded, run.barrier, critic=run.critic)
 
 
 def main(argv: list[str] | None = None) -> int:
