@@ -44,7 +44,7 @@ def train(cfg: Config) -> dict[str, Any]:
     logger = MetricsLogger(out, cfg.trainer.wandb_project, resume_step=start) if rank == 0 else None
     validator = validator_for(cfg, run) if rank == 0 and run.val_rows else None
     try:
-        plane.begin(out, actor, version, None if latest is not None or not cfg.sft.enabled else
+        plane.begin(out, actor, run.dp_rank, version, None if latest is not None or not cfg.sft.enabled else
                     lambda: warm_up_run(cfg, run, ckpt, sharded))
         if validator is not None and logger is not None and cfg.trainer.val_before_train and start == 0 \
                 and not logger.logged(0, VAL_KEY):  # once: not again after a kill during step 1

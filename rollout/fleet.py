@@ -87,11 +87,11 @@ def resolve_placement(mode: str, staleness: int = 0) -> str:
 
 
 class EngineFleet:
-    def __init__(self, cfg: RolloutConfig, model_dir: str, dtype: str, rank: int, world: int, dp_rank: int = 0,
+    def __init__(self, cfg: RolloutConfig, model_dir: str, dtype: str, rank: int, world: int,
                  adapter_rank: int = 0) -> None:
         self.cfg, self.model_dir, self.dtype, self.rank, self.world = cfg, model_dir, dtype, rank, world
-        self.dp_rank, self.adapter_rank = dp_rank, adapter_rank
-        self.replica_of: list[int] = [dp_rank]  # every rank's data-parallel replica (start)
+        self.adapter_rank = adapter_rank
+        self.replica_of: list[int] = [0]  # every rank's data-parallel replica (start)
         self.node, self.nodes, self.local_rank = node_topology()
         self.placement = resolve_placement(cfg.placement, cfg.staleness)
         self.sleeps = self.placement == "colocated"
@@ -115,10 +115,11 @@ class EngineFleet:
         return self.cfg.sleep_level or (1 if self.adapter_rank > 0 else 2)
 
     # ------------------------------------------------------------------ start-up
-    def start(self, run_dir: Path, engine_options: dict[str, Any], check_room: Callable[[], None]) -> None:
+    def start(self, run_dir: Path, engine_options: dict[str, Any], check_room: Callable[[], None],
+              dp_rank: int = 0) -> None:
         """Every node's local rank 0 starts its engines (`engine_options` on top of the config's
         defaults; `check_room` first, for engines it starts); every rank learns every engine's
-        addresses."""
+        addresses and every rank's data-parallel replica (this one's: `dp_rank`)."""
         self.run_dir = run_dir
         multi = self.nodes > 1
         attached = bool(self.cfg.engines)  # engines as a service (rollout/service.py): started elsewhere
@@ -139,7 +140,7 @@ class EngineFleet:
         self._keep_off_engine_cores()
         if self.world > 1:
             everyone: list[Any] = [None] * self.world
-            torch.distributed.all_gather_object(everyone, (local, self.dp_rank, self.local_rank))
+            torch.distributed.all_gather_object(everyone, (local, dp_rank, self.local_rank))
             self.engines = [e for part, _, _ in everyone for e in part]
             self.replica_of = [dp for _, dp, _ in everyone]
             self.leaders = [r for r, (_, _, lr) in enumerate(everyone) if lr == 0]

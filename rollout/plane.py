@@ -29,14 +29,13 @@ class RolloutPlane:
     """`fleet`: the engines; `weights`: their weights and the run's weight version; batches here."""
 
     def __init__(self, cfg: RolloutConfig, model_dir: str, dtype: str, rank: int, world: int,
-                 tools_config: Path | None = None, interaction_config: Path | None = None, dp_rank: int = 0,
+                 tools_config: Path | None = None, interaction_config: Path | None = None,
                  reward: dict[str, Any] | None = None, adapter_rank: int = 0) -> None:
-        """`dp_rank`: this rank's data-parallel replica, whose rows of each batch it receives.
-        `adapter_rank`: the actor trains a LoRA adapter of that rank (0: none; see `WeightSync.takes_adapters`)."""
+        """`adapter_rank`: the actor trains a LoRA adapter of that rank (0: none; see `WeightSync.takes_adapters`)."""
         self.cfg, self.model_dir, self.dtype, self.rank, self.world = cfg, model_dir, dtype, rank, world
         self.tools_config, self.interaction_config = tools_config, interaction_config
         self.reward = dict(reward or {})  # the `reward:` section, for the agent workers
-        self.fleet = EngineFleet(cfg, model_dir, dtype, rank, world, dp_rank, adapter_rank)
+        self.fleet = EngineFleet(cfg, model_dir, dtype, rank, world, adapter_rank)
         self.weights = WeightSync(cfg, self.fleet, dtype, model_dir)  # the adapter's rank: the fleet's
         self.manager: Any = None
         self.feeder: Any = None  # rank 0: the RolloutFeeder (start_rollout)
@@ -49,10 +48,12 @@ class RolloutPlane:
         """Where it is safe (`EngineFleet.launch`), this node's engines start loading now, beside the actor."""
         self.fleet.launch(run_dir, self.weights.adapter_options(), self.weights.check_room)
 
-    def start_engines(self, run_dir: Path) -> None:
-        """Every node's engines started (or attached to) and known to every rank; the weight route set up."""
+    def start_engines(self, run_dir: Path, dp_rank: int | None = None) -> None:
+        """Every node's engines started (or attached to) and known to every rank; the weight route set up.
+        `dp_rank`: this rank's data-parallel replica, whose rows of each batch it receives (default: its rank)."""
         self.run_dir = run_dir
-        self.fleet.start(run_dir, self.weights.adapter_options(), self.weights.check_room)
+        self.fleet.start(run_dir, self.weights.adapter_options(), self.weights.check_room,
+                         self.rank if dp_rank is None else dp_rank)
         self.weights.connect()
 
     def start_workers(self) -> None:
@@ -95,23 +96,24 @@ class RolloutPlane:
                   f"mlflow ui --backend-store-uri {t.tracking_uri}", flush=True)
         return t
 
-    def begin(self, run_dir: Path, actor: Any, resumed_version: int | None = None,
+    def begin(self, run_dir: Path, actor: Any, dp_rank: int, resumed_version: int | None = None,
               warm_up: Callable[[], None] | None = None) -> None:
-        """Every rank: engines, workers and weights ready for the first step. Engines that load beside
-        the trainer (`EngineFleet.loads_beside_the_trainer`) are waited for after `warm_up` (an SFT
-        warm-up that saves itself: an engine that failed to start fails the run with it saved, and a
-        rerun resumes past it); the others start first. Then the engines, started from the base
-        model, are brought to the actor: a resumed run's as the checkpoint's `resumed_version`
-        (fresh engines are at 0: no gap), a warmed-up one's as the next version."""
+        """Every rank: engines, workers and weights ready for the first step (`dp_rank`: this rank's
+        data-parallel replica, see `start_engines`). Engines that load beside the trainer
+        (`EngineFleet.loads_beside_the_trainer`) are waited for after `warm_up` (an SFT warm-up that
+        saves itself: an engine that failed to start fails the run with it saved, and a rerun
+        resumes past it); the others start first. Then the engines, started from the base model,
+        are brought to the actor: a resumed run's as the checkpoint's `resumed_version` (fresh
+        engines are at 0: no gap), a warmed-up one's as the next version."""
         if resumed_version is not None:
             self.weights.version = resumed_version
         beside = self.fleet.loads_beside_the_trainer
         if not beside:
-            self.start_engines(run_dir)
+            self.start_engines(run_dir, dp_rank)
         if warm_up is not None:
             warm_up()
         if beside:
-            self.start_engines(run_dir)
+            self.start_engines(run_dir, dp_rank)
         self.start_workers()
         if self.world > 1:  # no node runs ahead (e.g. a resumed run with no steps left) while rank 0 connects
             torch.distributed.barrier()
