@@ -69,6 +69,11 @@ class RolloutConfig:
     engines: list[str] = field(default_factory=list)
     engine_keys: str | None = None  # their CURVE keys file (python -m rollout.service keys PATH); tcp needs it
 
+    def sleep_level_for(self, adapter_rank: int) -> int:
+        """How deep colocated engines sleep: `sleep_level`, or by default 2 (free the weights, the push
+        resends them) and 1 with a LoRA actor of `adapter_rank` (the base stays; each push is the adapter)."""
+        return self.sleep_level or (1 if adapter_rank > 0 else 2)
+
     @property
     def assistant_turns(self) -> int:
         """How many assistant turns a trajectory may take (the tool agent's `max_assistant_turns`; 3 unset)."""

@@ -35,8 +35,9 @@ class RolloutPlane:
         self.cfg, self.model_dir, self.dtype, self.rank, self.world = cfg, model_dir, dtype, rank, world
         self.tools_config, self.interaction_config = tools_config, interaction_config
         self.reward = dict(reward or {})  # the `reward:` section, for the agent workers
-        self.fleet = EngineFleet(cfg, model_dir, dtype, rank, world, adapter_rank)
-        self.weights = WeightSync(cfg, self.fleet, dtype, model_dir)  # the adapter's rank: the fleet's
+        self.fleet = EngineFleet(cfg, model_dir, dtype, rank, world, cfg.sleep_level_for(adapter_rank))
+        self.weights = WeightSync(cfg, dtype, model_dir, adapter_rank,
+                                  frees_weights=self.fleet.sleeps and self.fleet.sleep_level == 2)
         self.manager: Any = None
         self.feeder: Any = None  # rank 0: the RolloutFeeder (start_rollout)
         self.run_dir = Path(".")  # the run's output directory (start_engines)
@@ -46,15 +47,23 @@ class RolloutPlane:
     # ------------------------------------------------------------------ start-up
     def launch_engines(self, run_dir: Path) -> None:
         """Where it is safe (`EngineFleet.launch`), this node's engines start loading now, beside the actor."""
-        self.fleet.launch(run_dir, self.weights.adapter_options(), self.weights.check_room)
+        self.fleet.launch(run_dir, self._engine_options(launching=True))
 
     def start_engines(self, run_dir: Path, dp_rank: int | None = None) -> None:
         """Every node's engines started (or attached to) and known to every rank; the weight route set up.
         `dp_rank`: this rank's data-parallel replica, whose rows of each batch it receives (default: its rank)."""
         self.run_dir = run_dir
-        self.fleet.start(run_dir, self.weights.adapter_options(), self.weights.check_room,
-                         self.rank if dp_rank is None else dp_rank)
-        self.weights.connect()
+        topology = self.fleet.start(run_dir, self._engine_options(launching=False),
+                                    self.rank if dp_rank is None else dp_rank)
+        self.weights.connect(topology)
+
+    def _engine_options(self, launching: bool) -> dict[str, Any]:
+        """Before this node's engines are spawned (`EngineFleet.spawns`): shared memory checked for the
+        weight route; the engine options that ready them for the actor's adapters."""
+        fleet = self.fleet
+        if fleet.spawns(launching):
+            self.weights.check_room(fleet.node, fleet.nodes, fleet.local_rank)
+        return self.weights.adapter_options()
 
     def start_workers(self) -> None:
         """Rank 0: the trainer's control client and the agent workers, connected to every engine (a
@@ -63,7 +72,7 @@ class RolloutPlane:
         from rollout.bus.auth import WORKER
 
         self.fleet.connect()
-        self.weights.connect_clients()
+        self.weights.connect_clients(self.fleet.control)
         if self.rank != 0:
             return
         from rollout.manager import AgentLoopManager, ManagerConfig
