@@ -55,6 +55,21 @@ def gather_rows(local: torch.Tensor, total: int, parts: int, group: Any = None,
     return torch.cat([c[:n].to(local.device) for c, n in zip(chunks, sizes)])
 
 
+def logprob_gap(rollout: torch.Tensor, actor: torch.Tensor, mask: torch.Tensor) -> list[float]:
+    """[sum, tokens, max] of the |rollout - actor| logprob gap over the mask-1 tokens: how far the
+    engines and the trainer disagree about the policy (dtype, a missed weight sync, top-p). Drift is
+    measured with it on both paths: the update's own forward (on-policy) and the old logprobs' pass
+    (`launch/algorithm.py`); `drift_over_ranks` makes the run's figures."""
+    gap = (rollout - actor).abs().double()[mask.bool()]
+    return [float(gap.sum()), float(gap.numel()), float(gap.max()) if gap.numel() else 0.0]
+
+
+def drift_over_ranks(gap: list[float], reduce: bool = True) -> tuple[float, float]:
+    """(mean, max) of `logprob_gap` figures, over every rank when `reduce` (each holds its share)."""
+    (total, tokens), (top,) = over_ranks(gap[:2], gap[2:]) if reduce else (gap[:2], gap[2:])
+    return (total / tokens if tokens > 0 else 0.0), top
+
+
 def adamw(params: Any, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """Every trainer's AdamW: torch's fused kernel (one pass over each tensor's memory where the default
     makes about ten; 4x faster on a CPU for a 135M model, equal within float rounding) where the
@@ -90,11 +105,8 @@ class _Tally:
             self.weights[k] += 0.0 if k in _ADDITIVE else tokens
 
     def add_drift(self, rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> None:
-        gap = (rollout - old).abs().double()[mask.bool()]
-        if gap.numel():
-            self.drift[0] += float(gap.sum())
-            self.drift[1] += gap.numel()
-            self.drift[2] = max(self.drift[2], float(gap.max()))
+        total, tokens, top = logprob_gap(rollout, old, mask)
+        self.drift = [self.drift[0] + total, self.drift[1] + tokens, max(self.drift[2], top)]
 
 
 class ActorBase:
@@ -420,9 +432,8 @@ class ActorBase:
         return out
 
     def _reduce_drift(self, tally: _Tally) -> dict[str, float]:
-        own = self._owns_metrics()
-        (gap, tokens), (top,) = over_ranks(tally.drift[:2] if own else [0.0, 0.0], [tally.drift[2] if own else 0.0])
-        return {"drift_mean": gap / tokens if tokens > 0 else 0.0, "drift_max": top}
+        mean, top = drift_over_ranks(tally.drift if self._owns_metrics() else [0.0, 0.0, 0.0])
+        return {"drift_mean": mean, "drift_max": top}
 
 
 def _sft_micro(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor,
