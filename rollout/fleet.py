@@ -110,7 +110,7 @@ class EngineFleet:
         self.sleep_level = sleep_level
         self.replica_of: list[int] = [0]  # every rank's data-parallel replica (start)
         self.node, self.nodes, self.local_rank = node_topology()
-        self.placement = resolve_placement(cfg.placement, cfg.staleness)
+        self.placement = resolve_placement(cfg.placement, cfg.staleness)  # never colocated when asynchronous
         self.sleeps = self.placement == "colocated"
         self.procs: list[Any] = []
         self.engines: list[EngineInfo] = []

@@ -172,13 +172,13 @@ class RolloutPlane:
     def publish(self, actor: Any) -> None:
         """The actor's weights into every engine as the next version; asynchronous, running
         generations stop for the push and go on with the new weights."""
-        self._clock["sync_s"] = self.weights.publish(actor, preempt=self.cfg.staleness > 0)
+        self._clock["sync_s"] = self.weights.publish(actor, preempt=self.cfg.asynchronous)
 
     def after_update(self, last: bool) -> dict[str, Any]:
         """The step's update is done (or skipped): asynchronous, the rollout runs on with the weights
         just pushed now, not after the step's logging, validation and checkpoint. The step's version,
         times, data position and sync figures."""
-        asynchronous = self.cfg.staleness > 0
+        asynchronous = self.cfg.asynchronous
         if asynchronous and not last:
             self.trained(self.weights.version)
         clock = self._clock
@@ -192,7 +192,7 @@ class RolloutPlane:
 
     def after_checkpoint(self, last: bool) -> None:
         """The step is logged and saved: synchronous, the next rows start on the weights just pushed."""
-        if self.cfg.staleness == 0 and not last:
+        if not self.cfg.asynchronous and not last:
             self.trained(self.weights.version)
 
     def validate(self, rows: list[dict[str, Any]], sampling: dict[str, Any], n: int, weight_version: int,
@@ -209,9 +209,6 @@ class RolloutPlane:
         """Rank 0: rollout from `stream` (`rollout.feeder`) on engines serving `version`, continuing
         from a checkpoint's `state`; other ranks have nothing to start."""
         self.stream = stream
-        if self.cfg.staleness > 0 and self.fleet.sleeps:
-            raise ValueError(f"rollout.staleness={self.cfg.staleness} with placement {self.fleet.placement}: colocated engines "
-                             "sleep through the update, so rollout cannot run on; set rollout.placement=split or cpu")
         if self.rank != 0:
             return
         from rollout.feeder import RolloutFeeder
