@@ -37,7 +37,6 @@ from engines.models import image_token_layout, is_vision_language, load_pretrain
 
 PREFIX_BLOCK = 16  # tokens per block of the modelled prefix cache (vLLM's default block size)
 PREFIX_LRU_ENTRIES = 100_000
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(eq=False)
@@ -91,15 +90,7 @@ class HFEngine(QueuedEngine):
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 64,
                  seed: int = 0) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
-        self.model_name = model
-        self.device = torch.device(device)
-        self.dtype = _DTYPES[dtype]
-        self.max_batch_size = max_batch_size
-        self.seed = seed
+        self._take_options(model, device, dtype, max_batch_size, seed)
         self.model: Any = None
         self.weights_valid = True
         self._weights_freed = False  # parameters are meta tensors (level-2 sleep, not woken yet)

@@ -35,7 +35,6 @@ from engines.inference.queued import QueuedEngine
 from engines.models import resolve_model
 
 log = logging.getLogger("switchyard.hf_reward")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NO_WEIGHT_UPDATES = ("HFRewardEngine serves a reward model, which takes no weight updates: it scores with the "
                      "checkpoint it was started on. Do not route weight sync to it (a new reward model is a new "
                      "engine started on the new checkpoint)")
@@ -60,18 +59,10 @@ class HFRewardEngine(QueuedEngine):
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 64,
                  max_batch_tokens: int = 65536, seed: int = 0) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        self._take_options(model, device, dtype, max_batch_size, seed)  # the seed: unused (scoring is exact)
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens={max_batch_tokens} must be >= 1")
-        self.model_name = model
-        self.device = torch.device(device)
-        self.dtype = _DTYPES[dtype]
-        self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
-        self.seed = seed  # unused: scoring is deterministic; kept so HFEngine's options carry over
         self.model: Any = None
         self.pad_token_id: int | None = None
         self.vocab_size = 0

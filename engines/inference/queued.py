@@ -1,5 +1,6 @@
-"""What the in-process transformers engines (hf.py, hf_reward.py) share: requests wait in a queue
-that one scheduler task drains onto a worker thread. Their load figures and their shutdown."""
+"""What the in-process transformers engines (hf.py, hf_reward.py) share: their constructor options,
+checked; requests wait in a queue that one scheduler task drains onto a worker thread. Their load
+figures and their shutdown."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import asyncio
 import collections
 from typing import Any
 
+import torch
+
 from engines.inference.base import EngineStats
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 EARLY_ABORTS_KEPT = 10_000  # aborts of requests not (yet) seen, remembered so their generate returns at once
 
@@ -25,6 +30,19 @@ class QueuedEngine:
     _live: dict[str, Any]
     _early_aborts: collections.OrderedDict[str, None]
     _pool: Any
+
+    def _take_options(self, model: str, device: str, dtype: str, max_batch_size: int, seed: int) -> None:
+        """The options both engines take, checked: the model, its device and dtype, the most rows a
+        batch holds, the seed."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        self.model_name = model
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.max_batch_size = max_batch_size
+        self.seed = seed
 
     def _aborted_early(self, request_id: str) -> bool:
         """Whether `abort` named this request before it arrived (then it is forgotten, and its
