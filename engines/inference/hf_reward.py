@@ -87,25 +87,13 @@ class HFRewardEngine(QueuedEngine):
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
         """Score the whole prompt; the answer has no tokens and the score in `score`."""
-        if self._scheduler is None:
-            raise RuntimeError("HFRewardEngine.generate() called before start(); await engine.start() first")
-        if self._aborted_early(request_id):
+        if not self._admit(request_id):
             return GenerateOutput([], [], "abort")
-        if request_id in self._live:
-            raise ValueError(f"request_id {request_id!r} is already running; request ids must be unique")
         prompt_ids = id_list(prompt_ids)
         self._check_prompt(prompt_ids)
         req = _Request(request_id, prompt_ids, asyncio.get_running_loop().create_future())
         self._stats.prompt_tokens += len(prompt_ids)
-        self._live[request_id] = req
-        self._pending.append(req)
-        self._has_work.set()
-        try:
-            return await req.future
-        except asyncio.CancelledError:
-            req.aborted = True  # the caller went away
-            self._drop_pending(req)
-            raise
+        return await self._queued(req, self._drop_pending)
 
     async def abort(self, request_id: str) -> None:
         req = self._abort_target(request_id)
