@@ -6,6 +6,11 @@ least-loaded placement, failover across nodes: `rollout.bus.router`). Rows go ou
 path, the feeder (`start_rollout`, `take_batch`, `trained`; `rollout/feeder.py`), synchronous at
 `rollout.staleness=0` and running on through the updates above it; the finished trajectories are
 padded into a `Batch` and every rank gets its data-parallel replica's rows (`rollout/handoff.py`).
+
+The plane orders the rollout side of every step, so the entry point only calls: `begin` (engines,
+workers and first weights, around the warm-up), `next_batch`, `updating` (around the trainer's
+update), `publish`, `after_update` and `after_checkpoint` (when the next rows start). The fleet and
+the weights meet through the fleet's `Topology` and what the plane hands each, never each other.
 """
 
 from __future__ import annotations
