@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from engines.training.actor import drift_over_ranks, logprob_gap
 from engines.training.batch import Batch
 from engines.training.config import ActorConfig
 from engines.training.losses import kl_penalty
@@ -28,12 +29,10 @@ def _over_ranks(sums: list[float], top: float, shard: bool) -> tuple[list[float]
 
 def drift(rollout_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, mask: torch.Tensor,
           shard: bool = False) -> dict[str, float]:
-    """|rollout - actor| logprob gap over trained tokens: how far the engine and the trainer
-    disagree about the policy (dtype, a missed weight sync, top-p)."""
-    diff = (rollout_logprobs - actor_logprobs).abs() * mask
-    (total, count), top = _over_ranks([float(diff.sum()), float(mask.sum())],
-                                      float(diff.max()) if diff.numel() else 0.0, shard)
-    return {"drift/mean": total / max(count, 1.0), "drift/max": top}
+    """The run's drift (`engines.training.actor.logprob_gap`) over trained tokens, of every rank when each
+    holds a shard."""
+    mean, top = drift_over_ranks(logprob_gap(rollout_logprobs, actor_logprobs, mask), shard)
+    return {"drift/mean": mean, "drift/max": top}
 
 
 def _masked_stats(mask: torch.Tensor, shard: bool, **tensors: torch.Tensor) -> dict[str, tuple[float, float]]:

@@ -7,9 +7,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+REWARD_KEY = "rollout/reward_mean"
+VAL_KEY = "val/accuracy"
+CONSOLE_KEYS = (REWARD_KEY, VAL_KEY, "rollout/invalid", "rollout/signal_fraction", "rollout/tool_calls_per_trajectory",
+                "rollout/response_length_mean", "drift/mean",
+                "actor/pg_loss", "critic/vf_explained_var", "time/rollout_s", "time/update_s", "time/step_s")
 
 
 class MetricsLogger:
@@ -146,3 +153,15 @@ def summarize(logger: MetricsLogger, key: str, val_key: str | None = None) -> di
     summary["plot"] = str(png) if png else None
     summary["metrics"] = str(logger.path)
     return summary
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """The run's closing line (`summarize`), and a warning when no step had a learning signal."""
+    if not summary:
+        return
+    print("SUMMARY " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+    if summary.get("no_signal_steps") and summary["no_signal_steps"] == summary.get("steps"):
+        print(f"warning: no step of this run had a learning signal: in every group all trajectories scored "
+              f"alike (reward {summary.get('reward_last5', 0):.3g}), so every advantage was 0 and the reward "
+              f"taught the policy nothing; check the reward (reward.*), make the task reachable for this model "
+              f"(an SFT warm-up, sft.*), or raise rollout.n", file=sys.stderr)

@@ -29,6 +29,7 @@ class Run:
     ref: Any
     plane: Any
     critic: Any = None  # the value model of algorithm.advantage=gae
+    dp_rank: int = 0  # this rank's data-parallel replica (whose rows of each batch it trains on)
 
 
 def setup(cfg: Config) -> Run:
@@ -125,7 +126,7 @@ def _fitting(cfg: Config, model_dir: str, rows: list[dict[str, Any]], val_rows: 
 
 def _build(cfg: Config, rank: int, world: int, barrier: Any, rows: list[dict[str, Any]],
            val_rows: list[dict[str, Any]], tools: dict[str, Any], model_dir: str, plane: Any) -> Run:
-    """The actor, its critic and reference, and the row stream; `plane` learns this rank's replica."""
+    """The actor, its critic and reference, and the row stream."""
     from engines.models import resolve_model
     from engines.training import make_actor
     from engines.training.reference import make_reference
@@ -133,7 +134,6 @@ def _build(cfg: Config, rank: int, world: int, barrier: Any, rows: list[dict[str
 
     r = cfg.rollout
     actor = make_actor(cfg.actor, model_dir, cfg.model.dtype, r.temperature, cfg.trainer.seed)
-    plane.fleet.dp_rank = int(getattr(actor, "dp_rank", rank))
     if rank == 0 and hasattr(actor, "mesh"):
         print(actor.mesh.describe(), flush=True)
     if rank == 0:
@@ -176,7 +176,8 @@ def _build(cfg: Config, rank: int, world: int, barrier: Any, rows: list[dict[str
         stream: Any = CurriculumStream(rows, cfg.data.curriculum, seed=cfg.data.seed)
     else:
         stream = RowStream(rows, seed=cfg.data.seed)
-    return Run(rank, barrier, rows, val_rows, stream, tools, model_dir, actor, ref, plane, critic)
+    return Run(rank, barrier, rows, val_rows, stream, tools, model_dir, actor, ref, plane, critic,
+               int(getattr(actor, "dp_rank", rank)))
 
 
 def _layers_trained(actor: Any) -> str:

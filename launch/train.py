@@ -15,19 +15,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
 
 from launch.config import Config, ConfigError, load_config  # noqa: E402
-
-REWARD_KEY = "rollout/reward_mean"
-VAL_KEY = "val/accuracy"
-CONSOLE_KEYS = (REWARD_KEY, VAL_KEY, "rollout/invalid", "rollout/signal_fraction", "rollout/tool_calls_per_trajectory",
-                "rollout/response_length_mean", "drift/mean",
-                "actor/pg_loss", "critic/vf_explained_var", "time/rollout_s", "time/update_s", "time/step_s")
 
 
 def train(cfg: Config) -> dict[str, Any]:
@@ -42,19 +35,18 @@ def train(cfg: Config) -> dict[str, Any]:
 
 def _train(cfg: Config) -> dict[str, Any]:
     from engines.training.backends import ACTORS
-    from launch.algorithm import learn
-    from launch.guards import DriftGuard, InvalidGuard
-    from launch.checkpoint import Checkpointer, load_run, save_run
+    from launch.checkpoint import Checkpointer, load_run
     from launch.config import resolved
-    from launch.metrics import MetricsLogger, summarize
+    from launch.data.sft import warm_up_run
+    from launch.metrics import REWARD_KEY, VAL_KEY, MetricsLogger, summarize
     from launch.resume import choose, compare, flat_config, set_aside
     from launch.setup import setup
+    from launch.validation import validate_step, validator_for
     from parallel.reduce import on_every_rank
 
     run = setup(cfg)
     actor, plane, stream, rank, barrier = run.actor, run.plane, run.stream, run.rank, run.barrier
-    fleet, weights = plane.fleet, plane.weights
-    out, start, rollout_state = Path(cfg.trainer.output_dir), 0, None
+    out, start, version, rollout_state = Path(cfg.trainer.output_dir), 0, None, None
     sharded = cfg.actor.sharding in ACTORS[cfg.actor.backend].per_rank_checkpoint  # a checkpoint file per rank
     ckpt, config = Checkpointer(out), flat_config(cfg)  # the config as resolved (model.dtype made concrete)
     try:
@@ -63,7 +55,7 @@ def _train(cfg: Config) -> dict[str, Any]:
             set_aside(out, show=True)  # an earlier run's checkpoints and metrics are kept, never overwritten
         barrier()
         if latest is not None:
-            start, weights.version, rollout_state = load_run(
+            start, version, rollout_state = load_run(
                 ckpt, latest, actor, stream, rank, sharded, critic=run.critic,
                 check=lambda saved: compare(saved, config, cfg.trainer.resume_changes, latest, show=rank == 0))
     except BaseException:
@@ -71,76 +63,18 @@ def _train(cfg: Config) -> dict[str, Any]:
         raise
     if latest is not None:
         print(f"resuming from {latest} (step {start}, data position {stream.position})", flush=True)
-    overlap = cfg.rollout.staleness > 0  # asynchronous RL: rollout runs on through updates
     logger = MetricsLogger(out, cfg.trainer.loggers, resolved(cfg), start, cfg.trainer.wandb_project) if rank == 0 \
         else None
-    validator = _validator(cfg, run) if rank == 0 and run.val_rows else None
-    drift = DriftGuard(cfg.model.dtype, cfg.trainer.drift_warn, cfg.trainer.max_drift, cfg.rollout.top_p < 1,
-                       show=rank == 0)
-    invalids = InvalidGuard(cfg.trainer.max_invalid_fraction, show=rank == 0)
+    validator = validator_for(cfg, run) if rank == 0 and run.val_rows else None
     try:
-        beside = fleet.loads_beside_the_trainer  # engines loading since setup: the SFT warm-up runs meanwhile
-        if not beside:
-            plane.start_engines(out)
-        if latest is None and cfg.sft.enabled:
-            from launch.data.sft import warm_up
-
-            turns = int(cfg.rollout.agent.get("tool_agent", {}).get("max_assistant_turns", 3))
-            warm_up(actor, run.rows, run.tools, run.model_dir, cfg.sft, turns - 1, show=rank == 0)
-            save_run(ckpt, 0, actor, stream, weights.version, rank, sharded, barrier, critic=run.critic,
-                     config=config)
-        if beside:  # an engine that failed to start fails the run here, its warm-up saved (a rerun resumes past it)
-            plane.start_engines(out)
-        plane.start_workers()
-        barrier()  # no node runs ahead (e.g. a resumed run with no steps left) while rank 0 connects
-        if latest is not None or cfg.sft.enabled:  # engines start from the base model; bring them to the actor
-            # a resumed run's weights are the checkpoint's version (fresh engines are at 0): no gap
-            weights.load(actor, max(weights.version, 1) if latest is not None else weights.version + 1)
+        plane.begin(out, actor, run.dp_rank, version, None if latest is not None or not cfg.sft.enabled else
+                    lambda: warm_up_run(cfg, run, ckpt, sharded, config))
         if validator is not None and logger is not None and cfg.trainer.val_before_train and start == 0 \
                 and not logger.logged(0, VAL_KEY):  # once: not again after a kill during step 1
-            logger.log(0, _validate(validator, plane, 0, weights.version), console=(VAL_KEY,))
+            logger.log(0, validate_step(validator, plane, 0, plane.version), console=(VAL_KEY,))
         if start < cfg.trainer.steps:
-            plane.start_rollout(stream, cfg.data.prompts_per_step, weights.version, rollout_state)
-        for step in range(start + 1, cfg.trainer.steps + 1):
-            t0 = time.perf_counter()
-            revived = fleet.revive_reward_engines()  # a judge that died is started again before this rollout
-            weights.catch_up(actor)  # attached engines that restarted: back to the current weights
-            batch, metrics = plane.take_batch(weights.version)  # finished groups within the staleness bound
-            t_rollout = time.perf_counter() - t0
-            failed = invalids.check(step, batch, metrics)  # no valid trajectory: nothing to learn, nothing to push
-            metrics.update({**fleet.engine_metrics(t_rollout), **revived})
-            t_update, t_sync = time.time(), 0.0
-            if not failed:
-                metrics.update(fleet.sleep())
-                plane.training(True)
-                t_update, busy = time.time(), fleet.engine_busy_s()
-                metrics.update(learn(batch, actor, run.ref, cfg.algorithm, cfg.actor, critic=run.critic))
-                drift.check(step, metrics, weights.mismatched)  # warns, or (trainer.max_drift) stops the run
-                plane.training(False)
-                if rank == 0:  # how much the engines generated while the trainer updated (0: they idled)
-                    metrics["time/engine_busy_in_update"] = (fleet.engine_busy_s() - busy) / max(
-                        1e-9, (time.time() - t_update) * len(fleet.engines))
-                fleet.wake()  # colocated engines come back; the push below is what they serve with
-                # asynchronous: running generations stop for the push and go on with the new weights
-                t_sync = weights.publish(actor, preempt=overlap)
-            if overlap and step < cfg.trainer.steps:  # asynchronous: rollout runs on once the weights are in,
-                plane.trained(weights.version)  # not after this step's logging, validation and checkpoint
-            metrics.update({"weight_version": weights.version, "time/rollout_s": t_rollout, "time/sync_s": t_sync,
-                            "time/step_s": time.perf_counter() - t0, "data/epoch": stream.position[0],
-                            "data/index": stream.position[1], **weights.last_sync})
-            if overlap:  # the benchmark's overlap figures
-                metrics.update({"time/update_start_t": t_update, "time/update_end_t": time.time()})
-            if validator is not None and validator.due(step, cfg.trainer.steps, cfg.trainer.val_every):
-                metrics.update(_validate(validator, plane, step, weights.version))  # logged with the step: once per step
-            if logger is not None:
-                logger.log(step, metrics, console=CONSOLE_KEYS)
-            if step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
-                save_run(ckpt, step, actor, stream, weights.version, rank, sharded, barrier,
-                         rollout=plane.rollout_state() if rank == 0 else None, critic=run.critic, config=config)
-            if not overlap and step < cfg.trainer.steps:  # the next rows start on the weights just pushed
-                plane.trained(weights.version)
-            barrier()
-        invalids.finish()  # every step failed: the run trained nothing, and exits non-zero
+            plane.start_rollout(stream, cfg.data.prompts_per_step, plane.version, rollout_state)
+        _steps(cfg, run, start, ckpt, sharded, logger, validator, config)
         summary = summarize(logger, REWARD_KEY, VAL_KEY) if logger is not None else {}
         if cfg.trainer.export_hf:
             actor.save_hf(out / "hf")  # every rank: a sharded actor gathers to rank 0, which writes
@@ -149,7 +83,7 @@ def _train(cfg: Config) -> dict[str, Any]:
         barrier()  # every node keeps its engines until rank 0 is done with them
         return summary
     except BaseException:
-        fleet.print_engine_logs()
+        plane.print_engine_logs()
         raise
     finally:
         plane.close()
@@ -157,34 +91,37 @@ def _train(cfg: Config) -> dict[str, Any]:
             logger.close()
 
 
-def _validator(cfg: Config, run: Any) -> Any:
-    from engines.models import load_tokenizer
-    from launch.validation import Validator
+def _steps(cfg: Config, run: Any, start: int, ckpt: Any, sharded: bool, logger: Any, validator: Any,
+           config: dict[str, Any]) -> None:
+    """The RL steps after `start`: rollout -> learn -> weight sync -> metrics -> checkpoint."""
+    from launch.algorithm import learn
+    from launch.checkpoint import save_run
+    from launch.guards import DriftGuard, InvalidGuard
+    from launch.metrics import CONSOLE_KEYS
+    from launch.validation import validate_step
 
-    return Validator(run.val_rows, cfg.val, cfg.rollout.max_tokens, Path(cfg.trainer.output_dir),
-                     load_tokenizer(run.model_dir))
-
-
-def _validate(validator: Any, plane: Any, step: int, version: int) -> dict[str, Any]:
-    """Rank 0: validate the weights of `version` after `step` steps; its records go to val/step_N.jsonl."""
-    from launch.validation import describe
-
-    metrics = validator.run(plane, f"step_{step}", version)
-    print(describe(metrics, f"validation after step {step}"), flush=True)
-    return metrics
-
-
-def _exit_with_launcher(every_s: float = 1.0) -> None:
-    """Under torchrun each rank runs in its own session, so a launcher killed with -9 (a node
-    lost, a job cancelled) would leave its ranks and their engines running on; a rank whose
-    launcher is gone exits, and its engines follow it (they watch their parent)."""
-    from parallel.lifetime import watch_parent
-
-    def gone() -> None:
-        print("the launcher is gone; this rank exits", file=sys.stderr, flush=True)
-        os._exit(1)
-
-    watch_parent(gone, every_s=every_s, name="launcher-watch")
+    actor, plane, rank, last = run.actor, run.plane, run.rank, cfg.trainer.steps
+    drift = DriftGuard(cfg.model.dtype, cfg.trainer.drift_warn, cfg.trainer.max_drift, cfg.rollout.top_p < 1,
+                       show=rank == 0)
+    invalids = InvalidGuard(cfg.trainer.max_invalid_fraction, show=rank == 0)
+    for step in range(start + 1, last + 1):
+        batch, metrics = plane.next_batch(actor)  # finished groups within the staleness bound
+        if not invalids.check(step, batch, metrics):  # no valid trajectory: nothing to learn, nothing to push
+            with plane.updating(metrics):
+                metrics.update(learn(batch, actor, run.ref, cfg.algorithm, cfg.actor, critic=run.critic))
+                drift.check(step, metrics, plane.mismatched)  # warns, or (trainer.max_drift) stops the run
+            plane.publish(actor)
+        metrics.update(plane.after_update(last=step == last))
+        if validator is not None and validator.due(step, last, cfg.trainer.val_every):
+            metrics.update(validate_step(validator, plane, step, plane.version))  # logged with the step: once per step
+        if logger is not None:
+            logger.log(step, metrics, console=CONSOLE_KEYS)
+        if step % cfg.trainer.save_every == 0 or step == last:
+            save_run(ckpt, step, actor, run.stream, plane.version, rank, sharded, run.barrier,
+                     rollout=plane.rollout_state() if rank == 0 else None, critic=run.critic, config=config)
+        plane.after_checkpoint(last=step == last)
+        run.barrier()
+    invalids.finish()  # every step failed: the run trained nothing, and exits non-zero
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,10 +146,13 @@ def main(argv: list[str] | None = None) -> int:
         return plan_main(path, argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        _exit_with_launcher()
+        from parallel.lifetime import exit_with_launcher
+
+        exit_with_launcher()
     from engines.models import ModelUnavailableError
     from launch.checkpoint import CheckpointWriteError, ResumeError
     from launch.guards import DriftError, InvalidError
+    from launch.metrics import print_summary
     from launch.run_lock import RunLockError
     from rollout.bus.auth import AuthError
 
@@ -236,13 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         from parallel.mesh import close_process_group
 
         close_process_group()  # in the launcher's own exit path, whatever ended the run
-    if summary:
-        print("SUMMARY " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
-        if summary.get("no_signal_steps") and summary["no_signal_steps"] == summary.get("steps"):
-            print(f"warning: no step of this run had a learning signal: in every group all trajectories scored "
-                  f"alike (reward {summary.get('reward_last5', 0):.3g}), so every advantage was 0 and the reward "
-                  f"taught the policy nothing; check the reward (reward.*), make the task reachable for this model "
-                  f"(an SFT warm-up, sft.*), or raise rollout.n", file=sys.stderr)
+    print_summary(summary)
     return 0
 
 

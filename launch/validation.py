@@ -155,6 +155,21 @@ class Validator:
         return m
 
 
+def validator_for(cfg: Any, run: Any) -> Validator:
+    """Rank 0 of a training run with held-out rows: its Validator."""
+    from engines.models import load_tokenizer
+
+    return Validator(run.val_rows, cfg.val, cfg.rollout.max_tokens, Path(cfg.trainer.output_dir),
+                     load_tokenizer(run.model_dir))
+
+
+def validate_step(validator: Any, plane: Any, step: int, version: int) -> dict[str, Any]:
+    """Rank 0: validate the weights of `version` after `step` steps; its records go to val/step_N.jsonl."""
+    metrics = validator.run(plane, f"step_{step}", version)
+    print(describe(metrics, f"validation after step {step}"), flush=True)
+    return metrics
+
+
 def write_records(path: Path, recs: Sequence[Mapping[str, Any]]) -> Path:
     """Write the records whole or not at all (a temporary file renamed into place)."""
     path.parent.mkdir(parents=True, exist_ok=True)

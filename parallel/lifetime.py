@@ -5,6 +5,7 @@ Each of them watches its parent and, once it is gone (the process was re-parente
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from typing import Callable
@@ -23,3 +24,15 @@ def watch_parent(on_gone: Callable[[], None], parent: int | None = None, every_s
     thread = threading.Thread(target=watch, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def exit_with_launcher(every_s: float = 1.0) -> None:
+    """Under torchrun each rank runs in its own session, so a launcher killed with -9 (a node
+    lost, a job cancelled) would leave its ranks and their engines running on; a rank whose
+    launcher is gone exits, and its engines follow it (they watch their parent)."""
+
+    def gone() -> None:
+        print("the launcher is gone; this rank exits", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    watch_parent(gone, every_s=every_s, name="launcher-watch")

@@ -28,3 +28,10 @@ def on_every_rank(ok: bool) -> bool:
     """True when every rank passed True (each rank calls it): a decision all ranks take alike."""
     failed, _ = over_ranks([0.0 if ok else 1.0])
     return failed[0] == 0
+
+
+def most_over_ranks(n: int) -> int:
+    """The largest `n` any rank has: how many passes every rank must make when the passes hold
+    collectives (FSDP's gathers, ZeRO-3's), whatever its own share of rows."""
+    _, (most,) = over_ranks([], [float(n)])
+    return int(most)

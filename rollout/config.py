@@ -69,6 +69,25 @@ class RolloutConfig:
     engines: list[str] = field(default_factory=list)
     engine_keys: str | None = None  # their CURVE keys file (python -m rollout.service keys PATH); tcp needs it
 
+    @property
+    def asynchronous(self) -> bool:
+        """Whether rollout runs on through the updates (`staleness` >= 1), and with it what that
+        implies, decided here: engines must generate during the update, so they never sleep
+        (placement colocated is refused; `auto` picks split or cpu: `rollout.fleet.resolve_placement`);
+        a push preempts running generations; the next rows start as soon as the weights are in,
+        not after the step's checkpoint (`RolloutPlane.after_update`, `after_checkpoint`)."""
+        return self.staleness > 0
+
+    def sleep_level_for(self, adapter_rank: int) -> int:
+        """How deep colocated engines sleep: `sleep_level`, or by default 2 (free the weights, the push
+        resends them) and 1 with a LoRA actor of `adapter_rank` (the base stays; each push is the adapter)."""
+        return self.sleep_level or (1 if adapter_rank > 0 else 2)
+
+    @property
+    def assistant_turns(self) -> int:
+        """How many assistant turns a trajectory may take (the tool agent's `max_assistant_turns`; 3 unset)."""
+        return int(self.agent.get("tool_agent", {}).get("max_assistant_turns", 3))
+
     def __post_init__(self) -> None:
         choice("rollout", "engine", self.engine, ROLLOUT_ENGINES)
         check_options(self.engine, self.engine_options)
@@ -85,7 +104,7 @@ class RolloutConfig:
             raise ValueError(f"rollout.temperature={self.temperature} must be > 0 for RL (sampling, not greedy)")
         if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
             raise ValueError(f"rollout.staleness={self.staleness!r} must be an integer >= 0 (0 = synchronous)")
-        if self.staleness and self.placement == "colocated":
+        if self.asynchronous and self.placement == "colocated":
             raise ValueError(f"rollout.staleness={self.staleness} needs engines that generate during the update, but "
                              "colocated engines sleep through it; set rollout.placement=split (or cpu), or staleness=0")
         if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.engine_cores):

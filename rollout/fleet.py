@@ -17,7 +17,6 @@ import json
 import os
 import socket
 import sys
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,23 @@ from engines.inference import ENGINES
 from rollout.bus.control import ControlClient
 from rollout.config import RolloutConfig
 from rollout.engine_stats import engine_metrics, statuses
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What every rank knows of the run's engines once they started (`EngineFleet.start` returns it):
+    all that the weight sync (`rollout/weights/sync.py`) is given of the fleet."""
+
+    rank: int
+    world: int
+    node: int  # this process's node, of `nodes`
+    nodes: int
+    local_rank: int
+    leaders: tuple[int, ...]  # the global rank that started each node's engines (its local rank 0)
+    engines: tuple["EngineInfo", ...]
+    placement: str  # rollout.placement, `auto` decided
+    keys: Any = None  # the bus keys of the run's engines (None: none)
+    inproc: Any = None  # rollout.in_process: the engine this process serves
 
 
 @dataclass(frozen=True)
@@ -87,13 +103,14 @@ def resolve_placement(mode: str, staleness: int = 0) -> str:
 
 
 class EngineFleet:
-    def __init__(self, cfg: RolloutConfig, model_dir: str, dtype: str, rank: int, world: int, dp_rank: int = 0,
-                 adapter_rank: int = 0) -> None:
+    def __init__(self, cfg: RolloutConfig, model_dir: str, dtype: str, rank: int, world: int,
+                 sleep_level: int = 2) -> None:
+        """`sleep_level`: how deep colocated engines sleep through the update (`RolloutConfig.sleep_level_for`)."""
         self.cfg, self.model_dir, self.dtype, self.rank, self.world = cfg, model_dir, dtype, rank, world
-        self.dp_rank, self.adapter_rank = dp_rank, adapter_rank
-        self.replica_of: list[int] = [dp_rank]  # every rank's data-parallel replica (start)
+        self.sleep_level = sleep_level
+        self.replica_of: list[int] = [0]  # every rank's data-parallel replica (start)
         self.node, self.nodes, self.local_rank = node_topology()
-        self.placement = resolve_placement(cfg.placement, cfg.staleness)
+        self.placement = resolve_placement(cfg.placement, cfg.staleness)  # never colocated when asynchronous
         self.sleeps = self.placement == "colocated"
         self.procs: list[Any] = []
         self.engines: list[EngineInfo] = []
@@ -108,17 +125,11 @@ class EngineFleet:
         self.reward_engines: Any = None  # rank 0: the reward model's engines (rollout/reward_engines.py)
         self.launched: list[tuple[Any, ...]] | None = None  # this node's engines once spawned (launch/start)
 
-    @property
-    def sleep_level(self) -> int:
-        """How deep colocated engines sleep: `rollout.sleep_level`, or by default 2 (free the weights,
-        the push resends them) and 1 with a LoRA actor (the base stays; each push is the adapter)."""
-        return self.cfg.sleep_level or (1 if self.adapter_rank > 0 else 2)
-
     # ------------------------------------------------------------------ start-up
-    def start(self, run_dir: Path, engine_options: dict[str, Any], check_room: Callable[[], None]) -> None:
+    def start(self, run_dir: Path, engine_options: dict[str, Any], dp_rank: int = 0) -> Topology:
         """Every node's local rank 0 starts its engines (`engine_options` on top of the config's
-        defaults; `check_room` first, for engines it starts); every rank learns every engine's
-        addresses."""
+        defaults), unless `launch` did; every rank learns every engine's addresses and every rank's
+        data-parallel replica (this one's: `dp_rank`). Returns what every rank now knows of them."""
         self.run_dir = run_dir
         multi = self.nodes > 1
         attached = bool(self.cfg.engines)  # engines as a service (rollout/service.py): started elsewhere
@@ -132,14 +143,13 @@ class EngineFleet:
             box = [BusKeys.generate() if self.rank == 0 else None]
             torch.distributed.broadcast_object_list(box, src=0)  # never written to the run directory
             self.keys = box[0]
-        if self.launched is None and not attached and self.local_rank == 0:
-            check_room()
+        if self.spawns(launching=False):
             self.launched = self._spawn(run_dir, multi, engine_options)
         local = self._bound(self.launched, multi) if self.launched is not None else []
         self._keep_off_engine_cores()
         if self.world > 1:
             everyone: list[Any] = [None] * self.world
-            torch.distributed.all_gather_object(everyone, (local, self.dp_rank, self.local_rank))
+            torch.distributed.all_gather_object(everyone, (local, dp_rank, self.local_rank))
             self.engines = [e for part, _, _ in everyone for e in part]
             self.replica_of = [dp for _, dp, _ in everyone]
             self.leaders = [r for r, (_, _, lr) in enumerate(everyone) if lr == 0]
@@ -153,6 +163,15 @@ class EngineFleet:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "placement.txt").write_text(text + "\n")
             (run_dir / "engines.json").write_text(json.dumps([asdict(e) for e in self.engines], indent=1) + "\n")
+        return Topology(self.rank, self.world, self.node, self.nodes, self.local_rank, tuple(self.leaders),
+                        tuple(self.engines), self.placement, self.keys, self.inproc)
+
+    def spawns(self, launching: bool) -> bool:
+        """Whether this process spawns its node's engines at `launch` (`launching`) or at `start`:
+        local rank 0, engines of the run's own, not spawned yet."""
+        if self.launched is not None or self.local_rank != 0:
+            return False
+        return self.loads_beside_the_trainer if launching else not self.cfg.engines
 
     @property
     def loads_beside_the_trainer(self) -> bool:
@@ -161,16 +180,15 @@ class EngineFleet:
         colocated_gpu = self.placement == "colocated" and torch.cuda.is_available()
         return not (self.cfg.engines or self.cfg.in_process or self.nodes > 1 or colocated_gpu)
 
-    def launch(self, run_dir: Path, engine_options: dict[str, Any], check_room: Callable[[], None]) -> None:
+    def launch(self, run_dir: Path, engine_options: dict[str, Any]) -> None:
         """One node, engines of its own on the CPU or on GPUs apart from the trainer's: their processes
         are spawned now and load while the trainer builds its actor (`start` then waits for them).
         Elsewhere (several nodes exchange keys first; colocated engines measure the GPU memory they
         find free, so the actor must hold its share first; in-process or attached engines) `start`
         does it all."""
-        if self.launched is not None or not self.loads_beside_the_trainer or self.local_rank != 0:
+        if not self.spawns(launching=True):
             return
         self.run_dir = run_dir
-        check_room()
         self.launched = self._spawn(run_dir, False, engine_options)
 
     def _spawn(self, run_dir: Path, tcp: bool, engine_options: dict[str, Any]) -> list[tuple[Any, ...]]:
@@ -244,19 +262,6 @@ class EngineFleet:
             from parallel.mesh import keep_off_cores
 
             keep_off_cores(list(self.cfg.engine_cores))
-
-    def behind(self, version: int) -> list[int]:
-        """Every rank: the attached engines that serve an older weight version than `version` (they
-        restarted), to push the weights to again before the rollout (rollout/service.py); the others
-        already hold `version` and would refuse it."""
-        if not self.cfg.engines:
-            return []
-        from rollout.service import behind
-
-        box = [behind(self.control, len(self.engines), version) if self.control is not None else []]
-        if self.world > 1:
-            torch.distributed.broadcast_object_list(box, src=0)
-        return list(box[0])
 
     def describe(self) -> str:
         if self.cfg.engines:

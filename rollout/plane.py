@@ -6,14 +6,23 @@ least-loaded placement, failover across nodes: `rollout.bus.router`). Rows go ou
 path, the feeder (`start_rollout`, `take_batch`, `trained`; `rollout/feeder.py`), synchronous at
 `rollout.staleness=0` and running on through the updates above it; the finished trajectories are
 padded into a `Batch` and every rank gets its data-parallel replica's rows (`rollout/handoff.py`).
+
+The plane orders the rollout side of every step, so the entry point only calls: `begin` (engines,
+workers and first weights, around the warm-up), `next_batch`, `updating` (around the trainer's
+update), `publish`, `after_update` and `after_checkpoint` (when the next rows start). The fleet and
+the weights meet through the fleet's `Topology` and what the plane hands each, never each other.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
 
 from engines.training.batch import Batch
 from rollout.config import RolloutConfig
@@ -25,29 +34,41 @@ class RolloutPlane:
     """`fleet`: the engines; `weights`: their weights and the run's weight version; batches here."""
 
     def __init__(self, cfg: RolloutConfig, model_dir: str, dtype: str, rank: int, world: int,
-                 tools_config: Path | None = None, interaction_config: Path | None = None, dp_rank: int = 0,
+                 tools_config: Path | None = None, interaction_config: Path | None = None,
                  reward: dict[str, Any] | None = None, adapter_rank: int = 0) -> None:
-        """`dp_rank`: this rank's data-parallel replica, whose rows of each batch it receives.
-        `adapter_rank`: the actor trains a LoRA adapter of that rank (0: none; see `WeightSync.takes_adapters`)."""
+        """`adapter_rank`: the actor trains a LoRA adapter of that rank (0: none; see `WeightSync.takes_adapters`)."""
         self.cfg, self.model_dir, self.dtype, self.rank, self.world = cfg, model_dir, dtype, rank, world
         self.tools_config, self.interaction_config = tools_config, interaction_config
         self.reward = dict(reward or {})  # the `reward:` section, for the agent workers
-        self.fleet = EngineFleet(cfg, model_dir, dtype, rank, world, dp_rank, adapter_rank)
-        self.weights = WeightSync(cfg, self.fleet, dtype, model_dir)  # the adapter's rank: the fleet's
+        self.fleet = EngineFleet(cfg, model_dir, dtype, rank, world, cfg.sleep_level_for(adapter_rank))
+        self.weights = WeightSync(cfg, dtype, model_dir, adapter_rank,
+                                  frees_weights=self.fleet.sleeps and self.fleet.sleep_level == 2)
         self.manager: Any = None
         self.feeder: Any = None  # rank 0: the RolloutFeeder (start_rollout)
         self.run_dir = Path(".")  # the run's output directory (start_engines)
+        self.stream: Any = None  # the rows the rollout draws from (start_rollout)
+        self._clock: dict[str, float] = {}  # the running step's times (next_batch, updating, publish)
 
     # ------------------------------------------------------------------ start-up
     def launch_engines(self, run_dir: Path) -> None:
         """Where it is safe (`EngineFleet.launch`), this node's engines start loading now, beside the actor."""
-        self.fleet.launch(run_dir, self.weights.adapter_options(), self.weights.check_room)
+        self.fleet.launch(run_dir, self._engine_options(launching=True))
 
-    def start_engines(self, run_dir: Path) -> None:
-        """Every node's engines started (or attached to) and known to every rank; the weight route set up."""
+    def start_engines(self, run_dir: Path, dp_rank: int | None = None) -> None:
+        """Every node's engines started (or attached to) and known to every rank; the weight route set up.
+        `dp_rank`: this rank's data-parallel replica, whose rows of each batch it receives (default: its rank)."""
         self.run_dir = run_dir
-        self.fleet.start(run_dir, self.weights.adapter_options(), self.weights.check_room)
-        self.weights.connect()
+        topology = self.fleet.start(run_dir, self._engine_options(launching=False),
+                                    self.rank if dp_rank is None else dp_rank)
+        self.weights.connect(topology)
+
+    def _engine_options(self, launching: bool) -> dict[str, Any]:
+        """Before this node's engines are spawned (`EngineFleet.spawns`): shared memory checked for the
+        weight route; the engine options that ready them for the actor's adapters."""
+        fleet = self.fleet
+        if fleet.spawns(launching):
+            self.weights.check_room(fleet.node, fleet.nodes, fleet.local_rank)
+        return self.weights.adapter_options()
 
     def start_workers(self) -> None:
         """Rank 0: the trainer's control client and the agent workers, connected to every engine (a
@@ -56,7 +77,7 @@ class RolloutPlane:
         from rollout.bus.auth import WORKER
 
         self.fleet.connect()
-        self.weights.connect_clients()
+        self.weights.connect_clients(self.fleet.control)
         if self.rank != 0:
             return
         from rollout.manager import AgentLoopManager, ManagerConfig
@@ -89,7 +110,96 @@ class RolloutPlane:
                   f"mlflow ui --backend-store-uri {t.tracking_uri}", flush=True)
         return t
 
+    def begin(self, run_dir: Path, actor: Any, dp_rank: int, resumed_version: int | None = None,
+              warm_up: Callable[[], None] | None = None) -> None:
+        """Every rank: engines, workers and weights ready for the first step (`dp_rank`: this rank's
+        data-parallel replica, see `start_engines`). Engines that load beside the trainer
+        (`EngineFleet.loads_beside_the_trainer`) are waited for after `warm_up` (an SFT warm-up that
+        saves itself: an engine that failed to start fails the run with it saved, and a rerun
+        resumes past it); the others start first. Then the engines, started from the base model,
+        are brought to the actor: a resumed run's as the checkpoint's `resumed_version` (fresh
+        engines are at 0: no gap), a warmed-up one's as the next version."""
+        if resumed_version is not None:
+            self.weights.version = resumed_version
+        beside = self.fleet.loads_beside_the_trainer
+        if not beside:
+            self.start_engines(run_dir, dp_rank)
+        if warm_up is not None:
+            warm_up()
+        if beside:
+            self.start_engines(run_dir, dp_rank)
+        self.start_workers()
+        if self.world > 1:  # no node runs ahead (e.g. a resumed run with no steps left) while rank 0 connects
+            torch.distributed.barrier()
+        if resumed_version is not None:
+            self.weights.load(actor, max(self.weights.version, 1))
+        elif warm_up is not None:
+            self.weights.load(actor, self.weights.version + 1)
+
+    @property
+    def version(self) -> int:
+        """The run's weight version: the one the engines serve (`WeightSync.version`)."""
+        return self.weights.version
+
+    @property
+    def mismatched(self) -> dict[int, list[tuple[str, float]]]:
+        """The last push's tensors that an engine serves differently from what was sent, per engine."""
+        return self.weights.mismatched
+
     # ------------------------------------------------------------------ every step
+    def next_batch(self, actor: Any) -> tuple[Batch, dict[str, Any]]:
+        """The step's batch: judges that died started again, attached engines that restarted brought
+        back to the actor's weights, then the finished groups within the staleness bound
+        (`take_batch`), with the engines' metrics."""
+        self._clock = {"start": time.perf_counter()}
+        revived = self.fleet.revive_reward_engines()  # a judge that died is started again before this rollout
+        self.weights.catch_up(actor)  # attached engines that restarted: back to the current weights
+        batch, metrics = self.take_batch(self.weights.version)
+        self._clock["rollout_s"] = time.perf_counter() - self._clock["start"]
+        metrics.update({**self.fleet.engine_metrics(self._clock["rollout_s"]), **revived})
+        self._clock.update(update_t=time.time(), sync_s=0.0)
+        return batch, metrics
+
+    @contextmanager
+    def updating(self, metrics: dict[str, Any]) -> Iterator[None]:
+        """Around the trainer's update: colocated engines asleep, the rollout counting the groups it
+        finishes meanwhile, and into `metrics` how much the engines generated during it."""
+        metrics.update(self.fleet.sleep())
+        self.training(True)
+        self._clock["update_t"], busy = time.time(), self.fleet.engine_busy_s()
+        yield
+        self.training(False)
+        if self.rank == 0:  # how much the engines generated while the trainer updated (0: they idled)
+            metrics["time/engine_busy_in_update"] = (self.fleet.engine_busy_s() - busy) / max(
+                1e-9, (time.time() - self._clock["update_t"]) * len(self.fleet.engines))
+        self.fleet.wake()  # colocated engines come back; the push that follows is what they serve with
+
+    def publish(self, actor: Any) -> None:
+        """The actor's weights into every engine as the next version; asynchronous, running
+        generations stop for the push and go on with the new weights."""
+        self._clock["sync_s"] = self.weights.publish(actor, preempt=self.cfg.asynchronous)
+
+    def after_update(self, last: bool) -> dict[str, Any]:
+        """The step's update is done (or skipped): asynchronous, the rollout runs on with the weights
+        just pushed now, not after the step's logging, validation and checkpoint. The step's version,
+        times, data position and sync figures."""
+        asynchronous = self.cfg.asynchronous
+        if asynchronous and not last:
+            self.trained(self.weights.version)
+        clock = self._clock
+        metrics = {"weight_version": self.weights.version, "time/rollout_s": clock["rollout_s"],
+                   "time/sync_s": clock["sync_s"], "time/step_s": time.perf_counter() - clock["start"],
+                   "data/epoch": self.stream.position[0], "data/index": self.stream.position[1],
+                   **self.weights.last_sync}
+        if asynchronous:  # the benchmark's overlap figures
+            metrics.update({"time/update_start_t": clock["update_t"], "time/update_end_t": time.time()})
+        return metrics
+
+    def after_checkpoint(self, last: bool) -> None:
+        """The step is logged and saved: synchronous, the next rows start on the weights just pushed."""
+        if not self.cfg.asynchronous and not last:
+            self.trained(self.weights.version)
+
     def validate(self, rows: list[dict[str, Any]], sampling: dict[str, Any], n: int, weight_version: int,
                  timeout_s: float) -> list[Any]:
         """Rank 0: `n` samples of every held-out row on the training engines and workers, returned
@@ -103,9 +213,7 @@ class RolloutPlane:
                       state: dict[str, Any] | None = None) -> None:
         """Rank 0: rollout from `stream` (`rollout.feeder`) on engines serving `version`, continuing
         from a checkpoint's `state`; other ranks have nothing to start."""
-        if self.cfg.staleness > 0 and self.fleet.sleeps:
-            raise ValueError(f"rollout.staleness={self.cfg.staleness} with placement {self.fleet.placement}: colocated engines "
-                             "sleep through the update, so rollout cannot run on; set rollout.placement=split or cpu")
+        self.stream = stream
         if self.rank != 0:
             return
         from rollout.feeder import RolloutFeeder
@@ -164,6 +272,10 @@ class RolloutPlane:
 
         shard, cost = hand_out(batch, self.fleet.replica_of, self.rank, transfer_device())
         return shard, {**metrics, **cost}
+
+    def print_engine_logs(self) -> None:
+        """The last lines of this node's engine logs, on stderr: what a failed run needs."""
+        self.fleet.print_engine_logs()
 
     def close(self) -> None:
         if self.feeder is not None:

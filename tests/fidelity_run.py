@@ -80,7 +80,7 @@ def main(engine: str, model_dir: str, out_dir: str) -> None:
             actor = run.actor if mode == "lora" else make_actor(cfg.actor, run.model_dir, cfg.model.dtype,
                                                                 cfg.rollout.temperature, cfg.trainer.seed,
                                                                 progress=False)
-            plane.fleet.adapter_rank = cfg.actor.lora.rank if cfg.actor.lora is not None else 0
+            plane.weights.adapter_rank = cfg.actor.lora.rank if cfg.actor.lora is not None else 0
             before = digests(actor.named_hf_weights())
             for route in routes:
                 plane.cfg.weight_path = route

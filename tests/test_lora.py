@@ -214,8 +214,8 @@ def test_adapters_go_only_to_engines_that_apply_them():
     assert not plane(placement="colocated", sleep_level=2).takes_adapters()  # its base is freed while asleep
     assert plane(placement="colocated", sleep_level=1).takes_adapters()
     # by default a LoRA run's colocated engines keep their base asleep, so every push is the adapter alone
-    assert plane(placement="colocated").takes_adapters() and plane(placement="colocated").fleet.sleep_level == 1
-    assert plane(0, placement="colocated").fleet.sleep_level == 2
+    assert plane(placement="colocated").takes_adapters() and RolloutConfig(placement="colocated").sleep_level_for(8) == 1
+    assert RolloutConfig(placement="colocated").sleep_level_for(0) == 2
     assert not plane(engines=["ipc:///tmp/e0.sock"]).takes_adapters()  # started elsewhere
 
 

@@ -37,7 +37,6 @@ from engines.models import image_token_layout, is_vision_language, load_pretrain
 
 PREFIX_BLOCK = 16  # tokens per block of the modelled prefix cache (vLLM's default block size)
 PREFIX_LRU_ENTRIES = 100_000
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(eq=False)
@@ -91,15 +90,7 @@ class HFEngine(QueuedEngine):
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 64,
                  seed: int = 0) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
-        self.model_name = model
-        self.device = torch.device(device)
-        self.dtype = _DTYPES[dtype]
-        self.max_batch_size = max_batch_size
-        self.seed = seed
+        self._take_options(model, device, dtype, max_batch_size, seed)
         self.model: Any = None
         self.weights_valid = True
         self._weights_freed = False  # parameters are meta tensors (level-2 sleep, not woken yet)
@@ -134,12 +125,8 @@ class HFEngine(QueuedEngine):
                        pixel_values: Any = None) -> GenerateOutput:
         """Queue one request and wait for its row to finish; bad prompts fail here, not mid-batch.
         `pixel_values` ([n, C, H, W]) are the images of a vision-language model's image tokens."""
-        if self._scheduler is None:
-            raise RuntimeError("HFEngine.generate() called before start(); await engine.start() first")
-        if self._aborted_early(request_id):
+        if not self._admit(request_id):
             return GenerateOutput([], [], "abort")
-        if request_id in self._live:
-            raise ValueError(f"request_id {request_id!r} is already running; request ids must be unique")
         if not self.weights_valid:
             raise RuntimeError(f"HFEngine({self.model_name!r}) discarded its weights in sleep(level=2) and no "
                                f"weight update was committed since; wake(), send every tensor with "
@@ -159,15 +146,7 @@ class HFEngine(QueuedEngine):
                        self._count_cached_prefix(prompt_ids), pixel_values=pixels, matcher=matcher)
         self._stats.prompt_tokens += len(prompt_ids)
         self._stats.cached_prompt_tokens += req.cached_prompt_tokens
-        self._live[request_id] = req
-        self._pending.append(req)
-        self._has_work.set()
-        try:
-            return await req.future
-        except asyncio.CancelledError:
-            req.aborted = True  # the caller went away: free its row at the next step
-            self._resolve_pending(req)
-            raise
+        return await self._queued(req, self._resolve_pending)  # a caller gone: its row freed at the next step
 
     async def abort(self, request_id: str) -> None:
         req = self._abort_target(request_id)

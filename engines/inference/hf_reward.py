@@ -35,7 +35,6 @@ from engines.inference.queued import QueuedEngine
 from engines.models import resolve_model
 
 log = logging.getLogger("switchyard.hf_reward")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NO_WEIGHT_UPDATES = ("HFRewardEngine serves a reward model, which takes no weight updates: it scores with the "
                      "checkpoint it was started on. Do not route weight sync to it (a new reward model is a new "
                      "engine started on the new checkpoint)")
@@ -60,18 +59,10 @@ class HFRewardEngine(QueuedEngine):
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 64,
                  max_batch_tokens: int = 65536, seed: int = 0) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        self._take_options(model, device, dtype, max_batch_size, seed)  # the seed: unused (scoring is exact)
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens={max_batch_tokens} must be >= 1")
-        self.model_name = model
-        self.device = torch.device(device)
-        self.dtype = _DTYPES[dtype]
-        self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
-        self.seed = seed  # unused: scoring is deterministic; kept so HFEngine's options carry over
         self.model: Any = None
         self.pad_token_id: int | None = None
         self.vocab_size = 0
@@ -96,25 +87,13 @@ class HFRewardEngine(QueuedEngine):
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
         """Score the whole prompt; the answer has no tokens and the score in `score`."""
-        if self._scheduler is None:
-            raise RuntimeError("HFRewardEngine.generate() called before start(); await engine.start() first")
-        if self._aborted_early(request_id):
+        if not self._admit(request_id):
             return GenerateOutput([], [], "abort")
-        if request_id in self._live:
-            raise ValueError(f"request_id {request_id!r} is already running; request ids must be unique")
         prompt_ids = id_list(prompt_ids)
         self._check_prompt(prompt_ids)
         req = _Request(request_id, prompt_ids, asyncio.get_running_loop().create_future())
         self._stats.prompt_tokens += len(prompt_ids)
-        self._live[request_id] = req
-        self._pending.append(req)
-        self._has_work.set()
-        try:
-            return await req.future
-        except asyncio.CancelledError:
-            req.aborted = True  # the caller went away
-            self._drop_pending(req)
-            raise
+        return await self._queued(req, self._drop_pending)
 
     async def abort(self, request_id: str) -> None:
         req = self._abort_target(request_id)

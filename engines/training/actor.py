@@ -55,13 +55,19 @@ def gather_rows(local: torch.Tensor, total: int, parts: int, group: Any = None,
     return torch.cat([c[:n].to(local.device) for c, n in zip(chunks, sizes)])
 
 
-def max_over_ranks(n: int, device: torch.device) -> int:
-    """The largest `n` any rank has: how many passes every rank must make when the passes hold
-    collectives (FSDP's gathers, ZeRO-3's), whatever its own share of rows."""
-    t = torch.tensor([n], device=device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t[0])
+def logprob_gap(rollout: torch.Tensor, actor: torch.Tensor, mask: torch.Tensor) -> list[float]:
+    """[sum, tokens, max] of the |rollout - actor| logprob gap over the mask-1 tokens: how far the
+    engines and the trainer disagree about the policy (dtype, a missed weight sync, top-p). Drift is
+    measured with it on both paths: the update's own forward (on-policy) and the old logprobs' pass
+    (`launch/algorithm.py`); `drift_over_ranks` makes the run's figures."""
+    gap = (rollout - actor).abs().double()[mask.bool()]
+    return [float(gap.sum()), float(gap.numel()), float(gap.max()) if gap.numel() else 0.0]
+
+
+def drift_over_ranks(gap: list[float], reduce: bool = True) -> tuple[float, float]:
+    """(mean, max) of `logprob_gap` figures, over every rank when `reduce` (each holds its share)."""
+    (total, tokens), (top,) = over_ranks(gap[:2], gap[2:]) if reduce else (gap[:2], gap[2:])
+    return (total / tokens if tokens > 0 else 0.0), top
 
 
 def adamw(params: Any, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -99,11 +105,8 @@ class _Tally:
             self.weights[k] += 0.0 if k in _ADDITIVE else tokens
 
     def add_drift(self, rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> None:
-        gap = (rollout - old).abs().double()[mask.bool()]
-        if gap.numel():
-            self.drift[0] += float(gap.sum())
-            self.drift[1] += gap.numel()
-            self.drift[2] = max(self.drift[2], float(gap.max()))
+        total, tokens, top = logprob_gap(rollout, old, mask)
+        self.drift = [self.drift[0] + total, self.drift[1] + tokens, max(self.drift[2], top)]
 
 
 class ActorBase:
@@ -215,10 +218,10 @@ class ActorBase:
 
     def _global_denominator(self, mask: torch.Tensor, agg: str) -> float:
         """A shard's mini-batch denominator summed over the data-parallel replicas."""
-        t = torch.tensor([_denominator(mask, agg)], dtype=torch.float64, device=self.device)
-        if self.dp_size > 1:
-            dist.all_reduce(t, group=self.dp_group)
-        return float(t[0])
+        if self.dp_size == 1:
+            return _denominator(mask, agg)
+        (total,), _ = over_ranks([_denominator(mask, agg)], group=self.dp_group)
+        return total
 
     def _mini_batches(self, batch: Batch, mini: int, gen: torch.Generator, shuffle: bool) -> list[torch.Tensor]:
         """One epoch's mini-batches, as this replica's row indices into `batch`. A whole batch is
@@ -429,9 +432,8 @@ class ActorBase:
         return out
 
     def _reduce_drift(self, tally: _Tally) -> dict[str, float]:
-        own = self._owns_metrics()
-        (gap, tokens), (top,) = over_ranks(tally.drift[:2] if own else [0.0, 0.0], [tally.drift[2] if own else 0.0])
-        return {"drift_mean": gap / tokens if tokens > 0 else 0.0, "drift_max": top}
+        mean, top = drift_over_ranks(tally.drift if self._owns_metrics() else [0.0, 0.0, 0.0])
+        return {"drift_mean": mean, "drift_max": top}
 
 
 def _sft_micro(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor,

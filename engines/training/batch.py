@@ -11,29 +11,11 @@ widest prompt and response, the window every forward pass uses.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
 
-
-class Finished(Protocol):
-    """A finished trajectory as `pad_outputs` reads it (`agent.loop.AgentLoopOutput` is one)."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_mask: list[int]
-    response_logprobs: list[float]
-    reward: float
-    num_turns: int
-    termination: str
-    turns: list[dict[str, Any]]
-    weight_versions: list[int]
-    request_ids: list[str]
-    reward_extra: dict[str, float]
-    session_id: str
-    error: str
-
-    def check(self) -> None: ...
+from engines.training.trajectory import AgentLoopOutput
 
 
 @dataclass
@@ -218,7 +200,7 @@ def filter_overlong(batch: Batch) -> dict[str, float]:
     return {"rollout/overlong_filtered": float(cut.sum())}
 
 
-def equal_rewards(outputs: Sequence[Finished]) -> bool:
+def equal_rewards(outputs: Sequence[AgentLoopOutput]) -> bool:
     """Whether a GRPO group carries no signal: every sample has the same reward."""
     return len({float(o.reward) for o in outputs}) <= 1
 
@@ -259,7 +241,7 @@ def _cut_failed(o: Any) -> Any:
     return dataclasses.replace(o, **changes)
 
 
-def pad_outputs(outputs: Sequence[Finished], pad_id: int, group_index: Sequence[int],
+def pad_outputs(outputs: Sequence[AgentLoopOutput], pad_id: int, group_index: Sequence[int],
                 prompt_length: int | None = None, response_length: int | None = None) -> Batch:
     """Pad trajectories into a Batch. Fixed `prompt_length`/`response_length` give static shapes;
     a trajectory longer than them is an error (cutting it would train on a different sequence

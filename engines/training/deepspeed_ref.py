@@ -20,11 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engines.training.actor import gather_rows, max_over_ranks
+from engines.training.actor import gather_rows
 from engines.training.batch import Batch
 from engines.training.config import compute_dtype
 from engines.training.hf_model import default_device, response_logprobs
 from parallel.mesh import process_group_backend
+from parallel.reduce import most_over_ranks
 
 
 def _import_deepspeed() -> Any:
@@ -90,7 +91,7 @@ class DeepSpeedReference:
         n, r = len(batch), batch.responses.shape[1]
         if batch.is_shard:  # this rank's rows only; ZeRO-3 gathers are collective, so all ranks take
             local = torch.arange(n)  # as many forward passes as the rank with the most rows
-            steps = math.ceil(max_over_ranks(n, self.device) / self.micro_batch_size)
+            steps = math.ceil(most_over_ranks(n) / self.micro_batch_size)
         else:
             local = torch.tensor_split(torch.arange(n), self.world)[self.rank]
             steps = math.ceil(math.ceil(n / self.world) / self.micro_batch_size)

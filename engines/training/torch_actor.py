@@ -25,10 +25,11 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from engines.training.actor import ActorBase, LossFn, adamw, dist_info, max_over_ranks
+from engines.training.actor import ActorBase, LossFn, adamw, dist_info
 from engines.training.batch import MicroBatch
 from engines.training.config import ActorConfig
 from engines.training.hf_model import default_device, load_causal_lm, micro_logprobs
+from parallel.reduce import most_over_ranks
 
 SHARD_BYTES = 2 << 30  # HF export: safetensors files of at most this many bytes
 
@@ -134,7 +135,7 @@ class TorchActor(ActorBase):
         """(micro-batch, real) pairs, padded under FSDP to the most any rank has."""
         pairs = [(mb, True) for mb in micro]
         if self.fsdp:
-            pairs += [(_dummy_micro(), False)] * (max_over_ranks(len(micro), self.device) - len(micro))
+            pairs += [(_dummy_micro(), False)] * (most_over_ranks(len(micro)) - len(micro))
         return pairs
 
     # ------------------------------------------------------------------ the backend hooks

@@ -37,12 +37,9 @@ def training_rows(data: Any, agent_names: Sequence[str], tools: Sequence[str], i
                   ) -> list[dict[str, Any]]:
     """The rows a run trains on, for the `data:` config section, each checked against the loops,
     tools and interactions the run has (a bad row fails here, before any model loads)."""
-    if data.task == "arithmetic":
-        from launch.data.arithmetic import arithmetic_rows
-
-        rows = arithmetic_rows(4096, "train", data.seed, _arithmetic_config(data))
-    else:
-        rows = rows_from_source(str(data.train_path), "train")
+    source = _source(data, "train")
+    rows = rows_from_source(source, "train", 4096 if source == "arithmetic" else None, data.seed,
+                            arithmetic=_arithmetic_config(data))
     return _checked(rows, data, agent_names, tools, interactions)
 
 
@@ -52,16 +49,20 @@ def validation_rows(data: Any, max_rows: int | None, agent_names: Sequence[str],
     split (arithmetic: `max_rows` or 200 problems with the training knobs, disjoint from training
     by expression; gsm8k: the hub's test split), anything else a file as `rows_from_source` reads
     it. Checked like the training rows."""
-    if data.val_path == "test" and data.task == "arithmetic":
-        from launch.data.arithmetic import arithmetic_rows
-
-        rows = arithmetic_rows(max_rows or 200, "test", data.seed, _arithmetic_config(data))
-    else:
-        source = str(data.train_path) if data.val_path == "test" else str(data.val_path)
-        rows = rows_from_source(source, "test", n=max_rows)
+    source = _source(data, "test")
+    rows = rows_from_source(source, "test", (max_rows or 200) if source == "arithmetic" else max_rows, data.seed,
+                            arithmetic=_arithmetic_config(data))
     if not rows:
         raise ValueError(f"data.val_path={data.val_path!r} holds no rows")
     return _checked(rows, data, agent_names, tools, interactions)
+
+
+def _source(data: Any, split: str) -> str:
+    """What `rows_from_source` reads for `split` of the `data:` section: the task's own rows (the
+    arithmetic generator or `train_path`; for validation when `val_path` is "test"), or `val_path`."""
+    if split == "train" or data.val_path == "test":
+        return "arithmetic" if data.task == "arithmetic" else str(data.train_path)
+    return str(data.val_path)
 
 
 def _arithmetic_config(data: Any) -> "ArithmeticConfig":

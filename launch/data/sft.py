@@ -232,3 +232,13 @@ def warm_up(actor: Any, rows: Sequence[Mapping[str, Any]], tools: Mapping[str, A
         epoch += 1
     bar.close()
     actor.set_lr(lr)
+
+
+def warm_up_run(cfg: Any, run: Any, ckpt: Any, sharded: bool, config: dict[str, Any] | None = None) -> None:
+    """The SFT warm-up (`sft.*`) of a fresh run, saved as step 0 (a rerun resumes past it) with the
+    run's resolved `config` (what a resume compares with)."""
+    from launch.checkpoint import save_run
+
+    warm_up(run.actor, run.rows, run.tools, run.model_dir, cfg.sft, cfg.rollout.assistant_turns - 1, show=run.rank == 0)
+    save_run(ckpt, 0, run.actor, run.stream, run.plane.version, run.rank, sharded, run.barrier, critic=run.critic,
+             config=config)

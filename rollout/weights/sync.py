@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from engines.inference import ENGINES
+from rollout.fleet import Topology
 from rollout.weights.link import Link, Placement, Push, drain
 from rollout.weights.routes import ROUTES, choose
 from rollout.weights.shm import free_bytes, shm_dir
@@ -30,10 +31,16 @@ from rollout.weights.verify import DigestTap, check_engines, tied_embeddings, wa
 
 
 class WeightSync:
-    """The run's weights into its fleet's engines. Every rank holds one; rank 0 is the source."""
+    """The run's weights into its fleet's engines. Every rank holds one; rank 0 is the source.
+    `adapter_rank`: the actor trains a LoRA adapter of that rank (0: none); `frees_weights`: the
+    engines free their weights while asleep (colocated, sleep level 2). What it knows of the engines
+    themselves is the fleet's `Topology` (`connect`) and rank 0's control client (`connect_clients`)."""
 
-    def __init__(self, cfg: Any, fleet: Any, dtype: str, model_dir: str) -> None:
-        self.cfg, self.fleet, self.dtype, self.model_dir = cfg, fleet, dtype, model_dir
+    def __init__(self, cfg: Any, dtype: str, model_dir: str, adapter_rank: int = 0, frees_weights: bool = False) -> None:
+        self.cfg, self.dtype, self.model_dir = cfg, dtype, model_dir
+        self.adapter_rank, self.frees_weights = adapter_rank, frees_weights
+        self.topology: Topology | None = None  # the engines, once started (connect)
+        self.control: Any = None  # rank 0's control client to every engine (connect_clients)
         self.version = 0  # the weight version the engines serve (or are being sent)
         self.routes: dict[str, Any] = {}  # the routes used so far, by name (they keep their buffers)
         self.last_sync: dict[str, float] = {}  # the last push's figures (engines per route, GB, GB/s, digests)
@@ -52,46 +59,51 @@ class WeightSync:
         spec = ENGINES[self.cfg.engine]
         if self.cfg.in_process and spec.in_process:
             spec = ENGINES[spec.in_process]
-        return (self.fleet.adapter_rank > 0 and spec.adapters and not self.cfg.engines
-                and not (self.fleet.sleeps and self.fleet.sleep_level == 2))
+        return self.adapter_rank > 0 and spec.adapters and not self.cfg.engines and not self.frees_weights
 
     def adapter_options(self) -> dict[str, Any]:
         """Engine options that ready an engine for adapters of the actor's rank (`EngineSpec.adapter_option`)."""
         spec = ENGINES[self.cfg.engine]
         option = spec.adapter_option
-        return {option: self.fleet.adapter_rank} if option and self.takes_adapters() else {}
+        return {option: self.adapter_rank} if option and self.takes_adapters() else {}
 
     def route(self) -> str:
         """How weights reach the engines: the first route of `rollout.weights.routes.ROUTES` that
         applies to this run's placement (in_process, bus, collective, handle, shm; see there)."""
         path = "bus" if self.cfg.engines else self.cfg.weight_path  # attached engines: only the bus reaches them
+        nodes = self._topology().nodes
         return choose(Placement(in_process=bool(self.cfg.in_process), weight_path=path,
-                                shm_room=not self._no_room, nodes=self.fleet.nodes,
-                                engines_on_my_gpu=self.fleet.nodes == 1 and self._engines_on_my_gpu()))
+                                shm_room=not self._no_room, nodes=nodes,
+                                engines_on_my_gpu=nodes == 1 and self._engines_on_my_gpu()))
+
+    def _topology(self) -> Topology:
+        if self.topology is None:
+            raise RuntimeError("the weight sync knows no engines yet: connect(topology) once the fleet started")
+        return self.topology
 
     def _engines_on_my_gpu(self) -> bool:
         """Colocated on one GPU node with every engine on rank 0's GPU: buckets go by CUDA IPC handle
         (`rollout.weights.handle`) and never leave the device. Written for GPUs, not run here."""
-        engines = self.fleet.engines
-        if self.fleet.placement != "colocated" or not torch.cuda.is_available() or not engines:
+        engines = self._topology().engines
+        if self._topology().placement != "colocated" or not torch.cuda.is_available() or not engines:
             return False
         mine = (torch.cuda.current_device(),)
         return all(tuple(e.devices) == mine for e in engines)
 
-    def check_room(self) -> None:
-        """Shared memory must hold two buckets (a container's /dev/shm is often 64 MiB): one node falls
-        back to the bus with a warning; several nodes, whose leaders all take the collective path,
-        stop with what to change."""
+    def check_room(self, node: int, nodes: int, local_rank: int) -> None:
+        """Before this node's engines are spawned: shared memory must hold two buckets (a container's
+        /dev/shm is often 64 MiB): one node falls back to the bus with a warning; several nodes, whose
+        leaders all take the collective path, stop with what to change."""
         need = 2 * (self.cfg.weight_bucket_mb << 20)
-        if self.cfg.weight_path == "bus" or self.cfg.in_process or self.fleet.local_rank != 0:
+        if self.cfg.weight_path == "bus" or self.cfg.in_process or local_rank != 0:
             return
         free = free_bytes()
         if free >= need:
             return
         text = (f"{shm_dir()} has {free >> 20} MiB free, the weight path through shared memory needs "
                 f"{need >> 20} MiB (2 x rollout.weight_bucket_mb)")
-        if self.fleet.nodes > 1:
-            raise RuntimeError(f"node {self.fleet.node}: {text}; enlarge it (docker run --shm-size=2g), lower "
+        if nodes > 1:
+            raise RuntimeError(f"node {node}: {text}; enlarge it (docker run --shm-size=2g), lower "
                                "rollout.weight_bucket_mb, or set rollout.weight_path=bus")
         print(f"WARNING: {text}; weights go over the bus instead (slower). Enlarge it (docker run --shm-size=2g) "
               "or lower rollout.weight_bucket_mb to use it.", file=sys.stderr, flush=True)
@@ -106,8 +118,8 @@ class WeightSync:
         the run's engines; the bus routes), e.g. attached engines that restarted and lag behind.
         `last_sync` holds the step's figures (engines per route, GB, GB/s)."""
         name = self.route()
-        fleet = self.fleet
-        if name != "collective" and (fleet.rank != 0 or fleet.control is None):
+        t = self._topology()
+        if name != "collective" and (t.rank != 0 or self.control is None):
             drain(named)
             return 0.0
         if name not in self.routes:
@@ -119,12 +131,12 @@ class WeightSync:
         sent = self.routes[name].send(
             Push(tap if tap is not None else named, version, preempt, self.cfg.weight_bucket_mb << 20,
                  self.engine_dtype(), timeout_s, engines),
-            Link(fleet.rank, fleet.local_rank, fleet.control, self.local_control, self.group, fleet.inproc))
+            Link(t.rank, t.local_rank, self.control, self.local_control, self.group, t.inproc))
         seconds = time.perf_counter() - t0
-        if fleet.rank == 0:
-            here = sum(e.node == fleet.node for e in fleet.engines)
-            self.last_sync = {f"sync/engines_{name}": float(len(fleet.engines) - here if name == "collective" else
-                                                             len(fleet.engines)),
+        if t.rank == 0:
+            here = sum(e.node == t.node for e in t.engines)
+            self.last_sync = {f"sync/engines_{name}": float(len(t.engines) - here if name == "collective" else
+                                                             len(t.engines)),
                               "sync/gb": sent / 1e9, "sync/gb_per_s": sent / 1e9 / max(seconds, 1e-9)}
             if name == "collective":
                 self.last_sync["sync/engines_shm"] = float(here)
@@ -132,21 +144,23 @@ class WeightSync:
                 self._verify(tap, version, engines)
         return seconds
 
-    def connect(self) -> None:
-        """Every rank, once the fleet started: the node leaders' process group for the collective route
-        (torch.distributed asks every rank to create it)."""
+    def connect(self, topology: Topology) -> None:
+        """Every rank, once the fleet started (`topology`): the node leaders' process group for the
+        collective route (torch.distributed asks every rank to create it)."""
+        self.topology = topology
         if self.route() == "collective":
-            self.group = torch.distributed.new_group(self.fleet.leaders)
+            self.group = torch.distributed.new_group(list(topology.leaders))
 
-    def connect_clients(self) -> None:
-        """Another node's leader on the collective route: a control client to its own engines."""
+    def connect_clients(self, control: Any) -> None:
+        """Once the fleet's control client is up: rank 0 pushes through `control`. Another node's leader
+        on the collective route: a control client to its own engines."""
         from rollout.bus.auth import TRAINER
         from rollout.bus.control import ControlClient
 
-        fleet = self.fleet
-        if fleet.rank != 0 and fleet.local_rank == 0 and self.route() == "collective":
-            mine = [e.ipc for e in fleet.engines if e.node == fleet.node]
-            self.local_control = ControlClient(mine, fleet.keys.for_role(TRAINER) if fleet.keys is not None else None,
+        t, self.control = self._topology(), control
+        if t.rank != 0 and t.local_rank == 0 and self.route() == "collective":
+            mine = [e.ipc for e in t.engines if e.node == t.node]
+            self.local_control = ControlClient(mine, t.keys.for_role(TRAINER) if t.keys is not None else None,
                                                self.cfg.startup_timeout_s)
 
     def publish(self, actor: Any, preempt: bool = False) -> float:
@@ -163,20 +177,34 @@ class WeightSync:
     def catch_up(self, actor: Any) -> float:
         """Attached engines that restarted (and serve an older version) get the current weights
         again before a rollout (rollout/service.py); the others already hold them."""
-        lagging = self.fleet.behind(self.version)
+        lagging = self._behind()
         if not lagging:
             return 0.0
         return self.push(actor.named_sync_weights(self.takes_adapters()), self.version, engines=lagging)
 
+    def _behind(self) -> list[int]:
+        """Every rank: the attached engines that serve an older weight version than the run's (they
+        restarted), to push the weights to again before the rollout (rollout/service.py); the others
+        already hold it and would refuse it."""
+        if not self.cfg.engines:
+            return []
+        from rollout.service import behind
+
+        t = self._topology()
+        box = [behind(self.control, len(t.engines), self.version) if self.control is not None else []]
+        if t.world > 1:
+            torch.distributed.broadcast_object_list(box, src=0)
+        return list(box[0])
+
     def _verifies(self) -> bool:
         """Whether this push is checked against the engines' digests (rank 0, whole weights, not off)."""
-        return self.fleet.rank == 0 and self.fleet.control is not None and self.cfg.verify_weights \
+        return self._topology().rank == 0 and self.control is not None and self.cfg.verify_weights \
             and not self.takes_adapters()
 
     def _verify(self, tap: DigestTap, version: int, engines: list[int] | None) -> None:
         """Compare what every engine serves now with what `tap` saw sent; name what differs (verify.py)."""
         dtype = str(self.engine_dtype()).removeprefix("torch.")
-        found = check_engines(self.fleet.control, tap.sent, dtype, tied_embeddings(self.model_dir), engines)
+        found = check_engines(self.control, tap.sent, dtype, tied_embeddings(self.model_dir), engines)
         self.mismatched = found["mismatched"]
         self.last_sync.update({"sync/verified_tensors": float(found["compared"]),
                                "sync/mismatched_tensors": float(sum(len(b) for b in self.mismatched.values())),
@@ -185,6 +213,7 @@ class WeightSync:
             warn_mismatched(self.mismatched, version, dtype)
 
     def close(self) -> None:
+        self.control = None  # the fleet's: it closes it
         if self.local_control is not None:
             self.local_control.close()
             self.local_control = None
@@ -203,18 +232,18 @@ class WeightSync:
     def _attached(self) -> str:
         """Rank 0: the dtype every attached engine reports in its status (asked once); engines that hold
         different dtypes cannot take one push, and are named."""
-        if self._attached_dtype is not None or self.fleet.control is None:
+        if self._attached_dtype is not None or self.control is None:
             return self._attached_dtype or str(self.dtype)
         from rollout.engine_stats import statuses
 
         held = {self.cfg.engines[i]: st.stats.get("dtype") for i, st in
-                enumerate(statuses(self.fleet.control, len(self.fleet.engines))) if st is not None}
+                enumerate(statuses(self.control, len(self._topology().engines))) if st is not None}
         kinds = {d for d in held.values() if d}
         if len(kinds) > 1:
             raise RuntimeError(f"the attached engines hold different dtypes ({held}); one push cannot serve them all: "
                                "start every engine server with the same --option dtype=...")
         self._attached_dtype = kinds.pop() if kinds else str(self.dtype)
-        if self._attached_dtype != str(self.dtype) and self.fleet.rank == 0:
+        if self._attached_dtype != str(self.dtype) and self._topology().rank == 0:
             print(f"the attached engines hold {self._attached_dtype} and this run trains in model.dtype={self.dtype}: "
                   f"each push is cast to {self._attached_dtype} on the way", flush=True)
         return self._attached_dtype
