@@ -124,10 +124,12 @@ def run_policy(args: argparse.Namespace, policy: str, rows: list[dict[str, Any]]
     tools.write_text(yaml.safe_dump({"tools": [{"class_name": "sim_nodes.LatencyTool", "tool_schema": TOOL_SCHEMA,
                                                 "config": {"median_s": args.tool_median, "p99_s": args.tool_p99,
                                                            "time_scale": args.time_scale, "timeout_s": 1e6}}]}))
+    t0 = time.monotonic()
     hosts = start_hosts(addresses, args.hosts, options)
     control = manager = feeder = None
     try:
         control = ControlClient(addresses, None, 120)
+        t_engines = time.monotonic() - t0
         cfg = ManagerConfig(addresses=addresses, tokenizer=tok_path, num_workers=args.workers, n=args.n,
                             sampling={"temperature": 1.0, "max_tokens": args.max_tokens}, tools_config=str(tools),
                             agent_configs={"tool_agent": {"max_assistant_turns": args.turns,
@@ -140,6 +142,8 @@ def run_policy(args: argparse.Namespace, policy: str, rows: list[dict[str, Any]]
         pids = [os.getpid(), *manager.worker_pids]
         host_pids = [p.pid for p in hosts]
         blob = torch.zeros(int(args.push_mb * (1 << 20)), dtype=torch.uint8)
+        print(f"[{policy}] {engines} engines up in {t_engines:.1f} s, {args.workers} agent workers in "
+              f"{time.monotonic() - t0 - t_engines:.1f} s", flush=True)
         feeder.start()
         steps, version = [], 0
         before, t_prev = engine_totals(control, engines), time.monotonic()
