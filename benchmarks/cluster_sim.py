@@ -190,6 +190,15 @@ def run_policy(args: argparse.Namespace, policy: str, rows: list[dict[str, Any]]
                 p.kill()
     measured = steps[1:] or steps  # the first step includes start-up (the pipeline filling)
     mean = {k: sum(s[k] for s in measured) / len(measured) for k in measured[0] if k != "step"}
+    # rates over the measured steps together, not means of per-step rates (steps differ in length)
+    sim, reqs = sum(s["sim_s"] for s in measured), max(1.0, sum(s["requests"] for s in measured))
+    mean["tokens_per_sim_s"] = sum(s["tokens_per_sim_s"] * s["sim_s"] for s in measured) / sim
+    mean["gpu_idle"] = sum(s["gpu_idle"] * s["sim_s"] for s in measured) / sim
+    mean["cp_share"] = sum(s["cp_share"] * s["sim_s"] for s in measured) / sim
+    mean["engine_host_share"] = sum(s["engine_host_share"] * s["sim_s"] for s in measured) / sim
+    mean["cp_ms_per_req"] = sum(s["cp_ms_per_req"] * max(1.0, s["requests"]) for s in measured) / reqs
+    mean["host_ms_per_req"] = sum(s["host_ms_per_req"] * max(1.0, s["requests"]) for s in measured) / reqs
+    mean["requests_per_sim_s"] = reqs / sim
     failed = [h.returncode for h in hosts if h.returncode not in (0, -15)]
     if failed:
         raise RuntimeError(f"an engine host exited with {failed}; see its output above")
