@@ -228,7 +228,7 @@ async def _serve(index: int, cfg: "ManagerConfig", experiment_id: str | None, ta
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         reader.shutdown(wait=False)
-        sender.shutdown(wait=True)
+        sender.shutdown(wait=False, cancel_futures=True)  # stopping: the parent reads no more results
         await worker.close()
 
 
