@@ -203,6 +203,12 @@ async def _serve(index: int, cfg: "ManagerConfig", experiment_id: str | None, ta
         return
     results.send({"op": "ready"})
     reader = ThreadPoolExecutor(1, thread_name_prefix="tasks")  # the event loop keeps running while idle
+    # results leave from a thread of their own, in order: a full pipe (the parent busy submitting)
+    # must not stop the event loop, else no task is read either and both sides wait on each other
+    sender = ThreadPoolExecutor(1, thread_name_prefix="results")
+
+    def send(msg: dict[str, Any]) -> None:
+        sender.submit(results.send, msg)
     loop = asyncio.get_running_loop()
     running: set[asyncio.Task] = set()
     try:
@@ -213,7 +219,7 @@ async def _serve(index: int, cfg: "ManagerConfig", experiment_id: str | None, ta
                 break  # the parent is gone
             if msg["op"] == "stop":
                 break
-            task = asyncio.create_task(_run_call(worker, msg, results))
+            task = asyncio.create_task(_run_call(worker, msg, send))
             running.add(task)
             task.add_done_callback(running.discard)
     finally:
@@ -222,13 +228,14 @@ async def _serve(index: int, cfg: "ManagerConfig", experiment_id: str | None, ta
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         reader.shutdown(wait=False)
+        sender.shutdown(wait=False, cancel_futures=True)  # stopping: the parent reads no more results
         await worker.close()
 
 
-async def _run_call(worker: AgentWorker, msg: dict[str, Any], results: Connection) -> None:
+async def _run_call(worker: AgentWorker, msg: dict[str, Any], send: Callable[[dict[str, Any]], None]) -> None:
     call = msg["call"]
     try:
         await worker.run_items(msg["items"], msg["sampling"], msg["weight_version"],
-                               lambda d: results.send({**d, "call": call}))
+                               lambda d: send({**d, "call": call}))
     except Exception:
-        results.send({"op": "call_failed", "call": call, "error": traceback.format_exc()})
+        send({"op": "call_failed", "call": call, "error": traceback.format_exc()})

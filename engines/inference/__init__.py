@@ -46,6 +46,8 @@ ENGINES: dict[str, EngineSpec] = {
     "sglang": EngineSpec("engines.inference.sglang:SGLangEngine", memory_option="mem_fraction_static",
                          tp_option="tp_size"),  # its scheduler runs in processes of its own
     "echo": EngineSpec("engines.inference.echo:EchoEngine", rollout=False),
+    # a modelled GPU's timing without a model (engines/inference/sim.py): the cluster simulator's engines
+    "sim": EngineSpec("engines.inference.sim:SimEngine", rollout=False),
     # a reward model (sequence classification, one output): scores prompts, is never a policy nor weight-synced
     "hf_reward": EngineSpec("engines.inference.hf_reward:HFRewardEngine", {"max_batch_size": 64}, rollout=False,
                             on_gpu={"device": "cuda"}),
