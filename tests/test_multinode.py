@@ -132,9 +132,10 @@ def test_two_nodes_serve_every_step_and_resume_after_kill_9(tmp_path: Path):
 
 def test_killing_node_1_engine_mid_rollout_loses_no_trajectory(tmp_path: Path):
     out = tmp_path / "run"
-    # engines batch 2 requests at a time, so node 1's first answer leaves most of its share in flight
+    # engines run one request at a time, so node 1's first answer leaves the rest of its share in flight
+    # (queued at its engine) however long a loaded box takes to see that answer and kill it
     args = [*TINY, "trainer.steps=4", "rollout.request_log=true", "rollout.max_tokens=48",
-            "rollout.engine_options.max_batch_size=2", f"trainer.output_dir={out}"]
+            "rollout.engine_options.max_batch_size=1", f"trainer.output_dir={out}"]
     port = _free_port()
     procs = [_launch(n, port, args, tmp_path / f"node{n}.log") for n in (0, 1)]
     log1 = out / "engines" / "node1-engine0.jsonl"
