@@ -121,3 +121,19 @@ def unknown(cfg: Any, key: str) -> str:
             section, list(sections(cfg)), n=3, cutoff=0.5)
     hint = f"; did you mean {' or '.join(close)}?" if close else f"; the sections are {', '.join(sections(cfg))}"
     return f"{key!r} is not a {'key' if '.' in key else 'section'} of the config{hint} (python launch/train.py --help)"
+
+
+def help_main(cfg: Any, args: list[str], doc: str) -> int:
+    """`launch/train.py --help [SECTION]`: the entry point's `doc` and every section and key of config
+    `cfg` (the typed defaults), or one section."""
+    import sys
+
+    section = args[0] if args else None
+    try:
+        text = describe(cfg, section)  # first: a section that is not there says so, alone
+    except KeyError as e:
+        print(f"config error: {e.args[0]}", file=sys.stderr)
+        return 2
+    print(text if section else doc + "\nThe config, `key=default  meaning` (launch/config.py; with no config file "
+          "the demo's launch/configs/cpu_demo.yaml sets some of them; `--help SECTION` shows one section):\n\n" + text)
+    return 0

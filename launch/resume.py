@@ -135,3 +135,24 @@ def set_aside(output_dir: Path, show: bool) -> Path | None:
         print(f"this run starts at step 0: the earlier run's {', '.join(p.name for p in found)} moved into {dest}",
               flush=True)
     return dest
+
+
+def resume(cfg: Any, run: Any, ckpt: Checkpointer, sharded: bool, config: dict[str, Any],
+           agree: Callable[[bool], bool]) -> tuple[Path | None, int, int | None, dict[str, Any] | None]:
+    """Where this run starts: (the checkpoint it continues from or None, its step, its weight version,
+    the feeder's saved state), every rank agreeing; a fresh start sets the earlier run aside first."""
+    from launch.checkpoint import load_run
+
+    show = run.rank == 0
+    latest = choose(ckpt, cfg.trainer.resume, run.rank if sharded else None, agree, show=show)
+    if cfg.trainer.resume == "fresh" and show:
+        set_aside(ckpt.dir.parent, show=True)  # an earlier run's checkpoints and metrics are kept, never overwritten
+    run.barrier()
+    if latest is None:
+        return None, 0, None, None
+    start, version, rollout_state = load_run(
+        ckpt, latest, run.actor, run.stream, run.rank, sharded, critic=run.critic,
+        check=lambda saved: compare(saved, config, cfg.trainer.resume_changes, latest, show=show))
+    if show:
+        print(f"resuming from {latest} (step {start}, data position {run.stream.position})", flush=True)
+    return latest, start, version, rollout_state

@@ -11,6 +11,7 @@ a holder on this host whose pid is gone is taken over, any other is refused.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -20,6 +21,11 @@ from pathlib import Path
 from types import TracebackType
 
 LOCK_NAME = ".lock"
+
+
+def run_lock(output_dir: Path) -> "RunLock | contextlib.nullcontext[None]":
+    """The lock this process holds for its run: rank 0's (RANK as torchrun sets it), none on other ranks."""
+    return RunLock(output_dir) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
 
 
 class RunLockError(RuntimeError):

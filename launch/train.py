@@ -20,49 +20,38 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
 
-from launch.config import Config, ConfigError, load_config  # noqa: E402
+from launch.config import Config, load_config  # noqa: E402
 
 
 def train(cfg: Config) -> dict[str, Any]:
     """One run; its rank 0 holds the output directory's lock (launch/run_lock.py) from start to exit."""
-    from launch.run_lock import RunLock
+    from launch.run_lock import run_lock
 
-    if int(os.environ.get("RANK", "0")) != 0:
-        return _train(cfg)
-    with RunLock(Path(cfg.trainer.output_dir)):
+    with run_lock(Path(cfg.trainer.output_dir)):
         return _train(cfg)
 
 
 def _train(cfg: Config) -> dict[str, Any]:
     from engines.training.backends import ACTORS
-    from launch.checkpoint import Checkpointer, load_run
+    from launch.checkpoint import Checkpointer
     from launch.config import resolved
     from launch.data.sft import warm_up_run
     from launch.metrics import REWARD_KEY, VAL_KEY, MetricsLogger, summarize
-    from launch.resume import choose, compare, flat_config, set_aside
+    from launch.resume import flat_config, resume
     from launch.setup import setup
     from launch.validation import validate_step, validator_for
     from parallel.reduce import on_every_rank
 
     run = setup(cfg)
     actor, plane, stream, rank, barrier = run.actor, run.plane, run.stream, run.rank, run.barrier
-    out, start, version, rollout_state = Path(cfg.trainer.output_dir), 0, None, None
+    out = Path(cfg.trainer.output_dir)
     sharded = cfg.actor.sharding in ACTORS[cfg.actor.backend].per_rank_checkpoint  # a checkpoint file per rank
     ckpt, config = Checkpointer(out), flat_config(cfg)  # the config as resolved (model.dtype made concrete)
     try:
-        latest = choose(ckpt, cfg.trainer.resume, rank if sharded else None, on_every_rank, show=rank == 0)
-        if cfg.trainer.resume == "fresh" and rank == 0:
-            set_aside(out, show=True)  # an earlier run's checkpoints and metrics are kept, never overwritten
-        barrier()
-        if latest is not None:
-            start, version, rollout_state = load_run(
-                ckpt, latest, actor, stream, rank, sharded, critic=run.critic,
-                check=lambda saved: compare(saved, config, cfg.trainer.resume_changes, latest, show=rank == 0))
+        latest, start, version, rollout_state = resume(cfg, run, ckpt, sharded, config, on_every_rank)
     except BaseException:
         plane.close()
         raise
-    if latest is not None:
-        print(f"resuming from {latest} (step {start}, data position {stream.position})", flush=True)
     logger = MetricsLogger(out, cfg.trainer.loggers, resolved(cfg), start, cfg.trainer.wandb_project) if rank == 0 \
         else None
     validator = validator_for(cfg, run) if rank == 0 and run.val_rows else None
@@ -127,18 +116,9 @@ def _steps(cfg: Config, run: Any, start: int, ckpt: Any, sharded: bool, logger: 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):  # every section and key with its default and meaning, or one section
-        from launch.config_help import describe
+        from launch.config_help import help_main
 
-        try:
-            section = argv[1] if argv[1:] else None
-            text = describe(Config(), section)  # first: a section that is not there says so, alone
-            print(text if section else __doc__ + "\nThe config, `key=default  meaning` (launch/config.py; with no "
-                  "config file the demo's launch/configs/cpu_demo.yaml sets some of them; `--help SECTION` "
-                  "shows one section):\n\n" + text)
-        except KeyError as e:
-            print(f"config error: {e.args[0]}", file=sys.stderr)
-            return 2
-        return 0
+        return help_main(Config(), argv[1:], __doc__ or "")
     path = argv.pop(0) if argv and "=" not in argv[0] and not argv[0].startswith("--") else None
     if "--plan" in argv:  # what the config would start where, checked without a model or a GPU
         from launch.plan import plan_main
@@ -149,32 +129,18 @@ def main(argv: list[str] | None = None) -> int:
         from parallel.lifetime import exit_with_launcher
 
         exit_with_launcher()
-    from engines.models import ModelUnavailableError
-    from launch.checkpoint import CheckpointWriteError, ResumeError
-    from launch.guards import DriftError, InvalidError
+    from launch.exits import exit_status
     from launch.metrics import print_summary
-    from launch.run_lock import RunLockError
-    from rollout.bus.auth import AuthError
+    from parallel.mesh import close_process_group
 
     try:
         summary = train(load_config(path, argv))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except ModelUnavailableError as e:  # a user error like a bad config value: one line, exit 2
-        print(f"config error: model.path: {e}", file=sys.stderr)
-        return 2
-    except AuthError as e:  # engines refused this run's keys (rollout.engines with another deployment's keys)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    # the run did not do what it was asked (a drift or invalid batches stopped it, the earlier run in its
-    # output_dir cannot be continued as configured, another trainer holds it, a checkpoint did not fit): said, exit 1
-    except (DriftError, InvalidError, ResumeError, RunLockError, CheckpointWriteError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except Exception as e:  # the user's to act on: one line and a status; anything else keeps its traceback
+        status = exit_status(e)
+        if status is None:
+            raise
+        return status
     finally:
-        from parallel.mesh import close_process_group
-
         close_process_group()  # in the launcher's own exit path, whatever ended the run
     print_summary(summary)
     return 0
