@@ -303,3 +303,17 @@ def test_bwrap_runs_an_interpreter_in_a_venv_under_tmp(tmp_path: Path, monkeypat
         with caplog.at_level(logging.WARNING, logger="switchyard"):
             assert make().isolation == "namespaces"  # (pytest's 0700 tmp dirs hide the venv from its uid)
         assert "weaker than bwrap" in caplog.text and "bwrap is not installed" in caplog.text
+
+
+def test_the_working_directory_is_not_where_the_interpreter_lives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A venv in a checkout under the host's /work is bound into the sandbox where it lives: the
+    program's own folder is then elsewhere, or the venv's bind would show in it."""
+    from agent.tools import bwrap
+
+    monkeypatch.setattr(bwrap, "interpreter_roots", lambda python: ["/opt/py"])
+    assert bwrap.sandbox_workdir("python") == "/work"
+    monkeypatch.setattr(bwrap, "interpreter_roots", lambda python: ["/work/checkout/.venv", "/opt/py"])
+    assert bwrap.sandbox_workdir("python") == "/sandbox"
+    if shutil.which("bwrap"):
+        argv = bwrap.bwrap_argv("python", "/tmp/main.py", 1 << 20, {})
+        assert argv[argv.index("--chdir") + 1] == "/sandbox" and "/sandbox/main.py" in argv

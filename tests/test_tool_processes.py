@@ -45,9 +45,10 @@ class _Spawner(BaseTool):
         if forked == 0:  # a raw fork: the child sleeps on (as a new program: a forked child that ran on
             os.execvp("sleep", ["sleep", "300"])  # as Python would keep every fd it inherited, among them the
             # pipe through which a Popen on another thread waits for its child's exec: that Popen would hang)
-        time.sleep(0.3)
-        left = [c.pid for c in psutil.Process(q.pid).children() if os.getsid(c.pid) != os.getsid(q.pid)]
-        assert left, "the setsid grandchild did not start"
+        deadline = time.monotonic() + 60  # the setsid grandchild started (slower on a loaded box)
+        while not (left := [c.pid for c in psutil.Process(q.pid).children() if os.getsid(c.pid) != os.getsid(q.pid)]):
+            assert time.monotonic() < deadline, "the setsid grandchild did not start"
+            time.sleep(0.05)
         return ToolResponse(json.dumps([p.pid, *(c.pid for c in psutil.Process(p.pid).children()), *from_thread,
                                         from_pool, forked, q.pid, *left]))
 

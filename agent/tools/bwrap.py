@@ -36,8 +36,20 @@ def interpreter_roots(python: str) -> list[str]:
     return sorted(roots)
 
 
+def sandbox_workdir(python: str) -> str:
+    """The program's working directory inside the sandbox: /work, unless the interpreter lives under a
+    /work of the host (a venv in a checkout there), whose bind would then show in the program's folder."""
+    roots = interpreter_roots(python)
+    for name in ("/work", "/sandbox", "/sandbox-work"):
+        if not any(r == name or r.startswith(name + "/") for r in roots):
+            return name
+    raise RuntimeError(f"the interpreter's folders {roots} cover every working directory the sandbox could use")
+
+
 def bwrap_argv(python: str, main_py: str, disk_bytes: int, env: dict[str, str]) -> list[str]:
-    """bwrap + the interpreter: main.py read-only in a tmpfs /work of `disk_bytes`."""
+    """bwrap + the interpreter: main.py read-only in a tmpfs working directory of `disk_bytes`
+    (`sandbox_workdir`; the caller's `env` names it)."""
+    work = sandbox_workdir(python)
     exe = shutil.which("bwrap")
     if exe is None:
         raise FileNotFoundError("bwrap is not installed (apt install bubblewrap)")
@@ -52,7 +64,7 @@ def bwrap_argv(python: str, main_py: str, disk_bytes: int, env: dict[str, str]) 
             argv += ["--ro-bind", target, target]
     # the tmpfs mounts first: an interpreter under /tmp (a venv there) is then bound on top of them
     argv += ["--size", str(16 << 20), "--tmpfs", "/tmp",
-             "--size", str(disk_bytes), "--tmpfs", "/work", "--ro-bind", main_py, "/work/main.py", "--chdir", "/work"]
+             "--size", str(disk_bytes), "--tmpfs", work, "--ro-bind", main_py, f"{work}/main.py", "--chdir", work]
     for root in interpreter_roots(python):
         argv += ["--ro-bind", root, root]
     for k, v in env.items():

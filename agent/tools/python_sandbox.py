@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from agent.tools.base import BaseTool, ToolResponse
-from agent.tools.bwrap import TreeCaps, bwrap_argv
+from agent.tools.bwrap import TreeCaps, bwrap_argv, sandbox_workdir
 
 log = logging.getLogger("switchyard.tools")
 ISOLATIONS = ("auto", "bwrap", "namespaces", "rlimits")
@@ -196,7 +196,7 @@ class PythonTool(BaseTool):
         try:
             main = os.path.join(work, "main.py")
             Path(main).write_text("pass\n")
-            argv = bwrap_argv(self.python, main, 1 << 20, self._env("/work")) + ["-I", "-c", "pass"]
+            argv = bwrap_argv(self.python, main, 1 << 20, self._env(sandbox_workdir(self.python))) + ["-I", "-c", "pass"]
             r = subprocess.run(argv, cwd=work, capture_output=True, timeout=30, preexec_fn=self._preexec_bwrap(None))
             return None if r.returncode == 0 else r.stderr.decode(errors="replace")[-500:]
         except (subprocess.SubprocessError, OSError) as e:
@@ -306,7 +306,7 @@ class PythonTool(BaseTool):
             if dropped:
                 os.chown(main, uid, uid)
             if boxed:
-                argv = bwrap_argv(self.python, main, self.disk_mb << 20, self._env("/work"))
+                argv = bwrap_argv(self.python, main, self.disk_mb << 20, self._env(sandbox_workdir(self.python)))
                 preexec = self._preexec_bwrap(tree)
             else:
                 argv, preexec = [self.python], self._preexec(work, stash, uid, namespaces)
