@@ -105,7 +105,8 @@ def test_missing_tool_class_is_named(tmp_path: Path):
     tools = tmp_path / "tools.yaml"
     tools.write_text(yaml.safe_dump({"tools": [{"class_name": "agent.tools.nowhere.NoSuchTool", "config": {},
                                                 "tool_schema": {"type": "function", "function": {"name": "x"}}}]}))
-    proc = train([f"rollout.tools_config={tools}"], timeout=120, cache=tmp_path / "cache")
+    proc = train([f"rollout.tools_config={tools}", f"trainer.output_dir={tmp_path / 'run'}"], timeout=120,
+                 cache=tmp_path / "cache")  # an output_dir of its own: a trainer holds its run's lock from the start
     assert proc.returncode == 2 and "rollout.tools_config" in proc.stderr and "agent.tools.nowhere" in proc.stderr, \
         proc.stderr[-2000:]
     assert not (tmp_path / "cache").exists()
@@ -115,7 +116,8 @@ def test_rows_naming_unknown_tools_fail_before_models(tmp_path: Path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"agent_name": "tool_agent", "prompt": [{"role": "user", "content": "2+2?"}],
                                 "extra_info": {"tools_kwargs": {"abacus": {}}}}) + "\n")
-    proc = train(["data.task=rows", f"data.train_path={rows}", "data.val_path=null"], timeout=120,
+    proc = train(["data.task=rows", f"data.train_path={rows}", "data.val_path=null",
+                  f"trainer.output_dir={tmp_path / 'run'}"], timeout=120,
                  cache=tmp_path / "cache")
     assert proc.returncode == 2 and "row 0" in proc.stderr and "'abacus'" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "cache").exists()
