@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -72,7 +73,14 @@ def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> Pat
 def model_positions(model_dir: str | Path) -> int | None:
     """The longest sequence a model's config allows (its text model's `max_position_embeddings`), or
     None when the config does not say or cannot be read."""
-    try:
+    try:  # the config's own file says it for most models, without importing transformers (seconds)
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        n = raw.get("text_config", raw).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        n = None
+    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+        return n
+    try:  # a family that names it otherwise (gpt2's n_positions): transformers' mapping of its keys
         from transformers import AutoConfig
 
         n = getattr(AutoConfig.from_pretrained(str(model_dir)).get_text_config(), "max_position_embeddings", None)

@@ -149,4 +149,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from parallel.lifetime import exit_now
+
+    exit_now(main())

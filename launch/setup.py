@@ -85,12 +85,12 @@ def setup(cfg: Config) -> Run:
         resolve_model(cfg.model.path)  # fetch/convert once, before other ranks read it
     barrier()
     model_dir = str(resolve_model(cfg.model.path))
-    rows, val_rows = _fitting(cfg, model_dir, rows, val_rows, show=rank == 0)
     resolve_model_dtype(cfg, show=rank == 0)
     plane = RolloutPlane(r, model_dir, cfg.model.dtype, rank, world, tools_path, inter_path, reward=reward,
                          adapter_rank=cfg.actor.lora.rank if cfg.actor.lora is not None else 0)
-    plane.launch_engines(Path(cfg.trainer.output_dir))  # they load while the actor is built
+    plane.launch_engines(Path(cfg.trainer.output_dir))  # they load while the rows are measured and the actor built
     try:
+        rows, val_rows = _fitting(cfg, model_dir, rows, val_rows, show=rank == 0)
         return _build(cfg, rank, world, barrier, rows, val_rows, tools, model_dir, plane)
     except BaseException:
         plane.close()

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence, TextIO
@@ -30,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from engines.inference import Engine, EngineDeadError, SamplingParams, held_dtype, make_engine
-from parallel.lifetime import watch_parent
+from parallel.lifetime import exit_now, watch_parent
 from rollout.bus import protocol as P
 from rollout.bus.eager import start_eagerly
 from rollout.bus.reader import Wire
@@ -488,12 +487,8 @@ def main(argv: list[str] | None = None) -> None:
         await running
 
     asyncio.run(serve())
-    # the engine, its sockets and the request log are closed: leave without the interpreter's teardown,
-    # which for a vLLM server (its modules, torch's, threads it cannot join) took 2.4 s of doing nothing
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(server.exit_code)
+    # the engine, its sockets and the request log are closed: a vLLM server's teardown took 2.4 s of nothing
+    exit_now(server.exit_code)
 
 
 if __name__ == "__main__":
