@@ -95,7 +95,7 @@ def test_gsm8k_with_calculator_is_token_exact(servers, tool_caller):
 @pytest.mark.slow
 def test_smollm2_tool_agent_is_token_exact(servers):
     srv = servers(1, backend="hf", model="smollm2-135m-instruct")
-    rows = gsm8k_rows(GSM8K / "test.jsonl", 6)
+    rows = gsm8k_rows(GSM8K / "test.jsonl", 3)
     outs = asyncio.run(_run_rows(srv.addresses, _tokenizer("smollm2-135m-instruct"), rows,
                                  [{"calculator": _calculator()}] * len(rows),
                                  {"max_assistant_turns": 3, "max_turn_tokens": 96, "max_response_tokens": 384},
