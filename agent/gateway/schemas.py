@@ -1,7 +1,8 @@
 """Output schemas checked at the gateway before any engine sees them.
 
 A request's JSON schema (chat's `response_format`, Responses' `text.format`, Messages'
-`output_config.format`, and a forced tool call's constraint built from the declared tools) is
+`output_config.format`, a forced tool call's constraint built from the declared tools, and the union
+of an output schema with one call per declared tool when both are offered) is
 converted to a grammar by xgrammar here, as the engines will convert it, so a schema the engines
 cannot decode under (an unsupported type, a bad `pattern` regex, an unresolvable `$ref`) is a 400
 naming the fault instead of an engine's 500, and a schema over `max_schema_kb` is a 413.
@@ -54,27 +55,28 @@ class SchemaCheck:
         self._running: dict[bytes, asyncio.Future] = {}
         self.counts = {"schemas_checked": 0, "schemas_refused": 0, "schemas_over_budget": 0}
 
-    async def check(self, schema: str, suffix: str = "", param: str = "response_format") -> None:
-        """Nothing when the engines can decode under `schema` (JSON schema text; `suffix` as in
-        engines.inference.grammar), else a RequestError: 413 for a schema over the size limit, 400
+    async def check(self, schema: str, suffix: str = "", param: str = "response_format", calls: str = "") -> None:
+        """Nothing when the engines can decode under `schema` (JSON schema text; `suffix` and `calls`
+        as in engines.inference.grammar), else a RequestError: 413 for a schema over the size limit, 400
         naming the schema's fault or the time budget it ran over, 429 when too many are compiling."""
-        what = "the output schema" if not suffix else "the forced call's constraint (from the tools' parameters)"
-        size = len(schema.encode()) + len(suffix.encode())
+        what = ("a call offered beside the output schema (its constraint from the tools' parameters)" if calls else
+                "the output schema" if not suffix else "the forced call's constraint (from the tools' parameters)")
+        size = len(schema.encode()) + len(suffix.encode()) + len(calls.encode())
         if size > self.max_schema:
             raise RequestError(413, f"{what} has {size} bytes, over the gateway's {self.max_schema >> 10} KiB "
                                     "(max_schema_kb): send a smaller schema, or raise max_schema_kb",
                                code="schema_too_large", param=param)
-        key = hashlib.sha256(schema.encode() + b"\0" + suffix.encode()).digest()
+        key = hashlib.sha256(schema.encode() + b"\0" + suffix.encode() + b"\0" + calls.encode()).digest()
         verdict = self._verdicts.get(key)
         if verdict is None:
-            verdict = await self._verdict(key, schema, suffix)
+            verdict = await self._verdict(key, schema, suffix, calls)
         else:
             self._verdicts.move_to_end(key)
         if verdict:
             self.counts["schemas_refused"] += 1
             raise RequestError(400, f"{what} cannot be decoded under: {verdict}", code="invalid_schema", param=param)
 
-    async def _verdict(self, key: bytes, schema: str, suffix: str) -> str:
+    async def _verdict(self, key: bytes, schema: str, suffix: str, calls: str = "") -> str:
         future = self._running.get(key)
         if future is None:
             if len(self._running) >= self.max_compiles:
@@ -83,7 +85,7 @@ class SchemaCheck:
             future = asyncio.get_running_loop().create_future()
             self._running[key] = future
             self.counts["schemas_checked"] += 1
-            threading.Thread(target=self._convert, args=(asyncio.get_running_loop(), key, future, schema, suffix),
+            threading.Thread(target=self._convert, args=(asyncio.get_running_loop(), key, future, schema, suffix, calls),
                              name="gateway-schema", daemon=True).start()
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.budget_s)
@@ -93,13 +95,13 @@ class SchemaCheck:
                     f"schema (less nesting, fewer alternatives), or raise {RAISE}")
 
     def _convert(self, loop: asyncio.AbstractEventLoop, key: bytes, future: asyncio.Future, schema: str,
-                 suffix: str) -> None:
+                 suffix: str, calls: str = "") -> None:
         """On its own thread: the schema's verdict, "" when it converts."""
         from engines.inference.grammar import grammar
 
         t0 = time.perf_counter()
         try:
-            grammar(schema, suffix)
+            grammar(schema, suffix, calls)
             verdict = ""
         except Exception as e:  # xgrammar raises RuntimeError with the converter's message
             verdict = fault(e)

@@ -352,13 +352,8 @@ class Gateway:
         if body.get("stop"):
             raise RequestError(400, "stop is not supported by the gateway (the engines stop on token ids)", param="stop")
         schema = output_schema(body.get("response_format"), "response_format")
-        if schema:  # decoded under the schema by the engine (constrained decoding)
-            if tools and choice != "none":
-                raise RequestError(400, "response_format with tools offered is not supported: the whole reply is "
-                                        "decoded under the schema, which leaves no room for a tool call; offer no "
-                                        "tools (or tool_choice=none) on the request that asks for structured output",
-                                   param="response_format")
-            sampling["json_schema"] = schema
+        if schema:  # decoded under the schema by the engine (constrained decoding); beside tools offered, the
+            sampling["json_schema"] = schema  # reply is the answer under it or one call (Conversation.generate)
         if body.get("parallel_tool_calls") not in (None, True, False):
             raise RequestError(400, f"parallel_tool_calls={body['parallel_tool_calls']!r} must be true or false",
                                param="parallel_tool_calls")

@@ -15,6 +15,14 @@ with its own mask.
 never counted as the model's), the model continues inside the call, and the parser reads opening +
 generation. The recorded assistant message holds that whole text, as any reply's does, so a client
 that resends it continues the segment.
+
+An output schema beside tools offered (`tool_choice` auto or unset) is a choice the model makes
+itself: the engine decodes under the union of the schema's compact JSON (the final answer) and one
+call per declared tool in the parser's own format (its named opening, arguments under the tool's
+parameters, its closing; `SamplingParams.json_calls`). Nothing is forced, so every token of the reply
+is the model's; a reply that begins with a call's opening is parsed as the call, any other is the
+answer's JSON as content. A forced call (required, named) stays forced, the schema left for the
+answer of a later turn.
 """
 
 from __future__ import annotations
@@ -330,6 +338,21 @@ class Conversation:
             str(t["function"]["name"]): t["function"].get("parameters") or {} for t in tools or []
             if isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]})
 
+    def _calls(self, parser: ToolParser, tools: list[dict[str, Any]]) -> str:
+        """`SamplingParams.json_calls` for an output schema beside `tools`: per declared tool its
+        call's opening, arguments schema and closing in the parser's format; a 400 when the format
+        cannot write a call under a grammar."""
+        out = []
+        for name in dict.fromkeys(str(t["function"]["name"]) for t in tools):
+            opening, constraint = parser.call_prefix(name), parser.call_constraint(name)
+            if not opening or constraint is None:
+                raise RequestError(400, f"an output schema beside tools is decoded as the answer or one call, and "
+                                        f"tool_parser {self.tool_parser!r} has no call format a grammar can write "
+                                        f"(for tool {name!r}); use a parser that has (hermes, llama3_json), offer "
+                                        "no tools, or send tool_choice=none", param="response_format")
+            out.append([opening, constraint[0], constraint[1]])
+        return json.dumps(out)
+
     def _opening(self, parser: ToolParser, force: bool | str) -> str:
         """The call opening that forces `force` (see forced_call); "" when nothing is forced."""
         if force is False:
@@ -350,8 +373,10 @@ class Conversation:
         function forces a call (the parser's call opening is appended to the prompt, mask 0), and
         where the format says what follows its opening (`ToolParser.call_constraint`) the engine
         decodes the rest of the call under the declared tools' schemas: one well-formed call. With
-        `parallel_calls` False a reply's first call is returned and any others are dropped.
-        `check_schema(schema, suffix, param)` (the gateway's SchemaCheck.check) vets the schema
+        `parallel_calls` False a reply's first call is returned and any others are dropped. An
+        output schema (`sampling["json_schema"]`) beside tools not forced is the answer or one call,
+        the model's choice (module docstring); a forced call leaves the schema out of that turn.
+        `check_schema(schema, suffix, param, calls)` (the gateway's SchemaCheck.check) vets what is
         decoded under before any engine sees it. A client's `max_tokens` over the context the
         prompt leaves is refused (400, context_length_exceeded), as OpenAI does; the trainer's own
         is cut to fit."""
@@ -359,11 +384,19 @@ class Conversation:
         parser = self.parser(tools)
         prefix = self._opening(parser, force)
         constraint = parser.call_constraint(None if force is True else force) if prefix else None
-        if constraint is not None and not sampling.get("json_schema"):
-            sampling = {**sampling, "json_schema": json.dumps(constraint[0]), "json_suffix": constraint[1]}
+        openings: tuple[str, ...] = ()
+        if prefix:  # the reply is the forced call: an output schema is for the answer of a later turn
+            sampling = {k: v for k, v in sampling.items() if k != "json_schema"}
+            if constraint is not None:
+                sampling = {**sampling, "json_schema": json.dumps(constraint[0]), "json_suffix": constraint[1]}
+        elif sampling.get("json_schema") and parse_calls and tools:  # the answer, or one call: the model chooses
+            sampling = {**sampling, "json_calls": self._calls(parser, tools)}
+            openings = tuple(opening for opening, _, _ in json.loads(sampling["json_calls"]))
         if check_schema is not None and sampling.get("json_schema"):
             await check_schema(sampling["json_schema"], sampling.get("json_suffix", ""),
                                "tools" if sampling.get("json_suffix") else "response_format")
+            if sampling.get("json_calls"):  # the schema alone passed: a fault now is in a tool's parameters
+                await check_schema(sampling["json_schema"], "", "tools", sampling["json_calls"])
         async with self._lock:  # one session's calls are sequential, as an agent's are
             self.last_used = time.monotonic()
             undo = self._mark(messages, tools)
@@ -408,14 +441,16 @@ class Conversation:
             replies = []
             for target, result in zip(bases, results):
                 replies.append(self._record(target, result, parser, parse_calls or bool(prefix), len(prompt),
-                                            time.perf_counter() - t0, declared, prefix, force, parallel_calls))
+                                            time.perf_counter() - t0, declared, prefix, force, parallel_calls,
+                                            openings))
                 if params.get("json_schema"):  # the trajectory says its tokens were drawn under a constraint
-                    target.turns[-1]["constraint"] = "tool_call" if params.get("json_suffix") else "json_schema"
+                    target.turns[-1]["constraint"] = ("tool_call_or_json_schema" if params.get("json_calls") else
+                                                      "tool_call" if params.get("json_suffix") else "json_schema")
             return replies
 
     def _record(self, seg: Segment, result: Any, parser: ToolParser, parse_calls: bool, prompt_tokens: int,
                 latency: float, declared: set[str] | frozenset[str] = frozenset(), prefix: str = "",
-                force: bool | str = False, parallel_calls: bool = True) -> Reply:
+                force: bool | str = False, parallel_calls: bool = True, openings: tuple[str, ...] = ()) -> Reply:
         seg.traj.add_model(result.token_ids, result.logprobs)
         seg.unclosed = list(result.token_ids)
         seg.request_ids.append(result.request_id)
@@ -429,7 +464,10 @@ class Conversation:
         text = prefix + self.tokenizer.decode(ids, skip_special_tokens=False)  # a forced call's opening and the rest
         if prefix:
             seg.turns[-1]["forced_call"] = force if isinstance(force, str) else "required"
-        parsed = parser.parse(text) if parse_calls else ParseResult(content=text)
+        if openings and not text.startswith(openings):  # decoded as the answer or a call: it chose the answer
+            parsed = ParseResult(content=text)
+        else:
+            parsed = parser.parse(text) if parse_calls else ParseResult(content=text)
         if isinstance(force, str) and parsed.calls and parsed.calls[0].name != force:  # it wrote on past the name
             parsed = ParseResult(content=text.strip(), errors=[f"the forced call to {force!r} became a call to "
                                                                f"{parsed.calls[0].name!r}"])

@@ -67,6 +67,25 @@ def _logit_bias(value: Any) -> dict[int, float]:
     return out
 
 
+def call_options(calls: str) -> list[tuple[str, str, str]]:
+    """`json_calls` text (a JSON list of [opening, JSON schema of the arguments, closing]) as
+    (opening, schema text, closing) triples; a ValueError naming what is malformed."""
+    try:
+        items = json.loads(calls)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"json_calls is not valid JSON ({e}); send a list of [opening, schema, closing]") from None
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"json_calls={calls!r:.80} must be a non-empty list of [opening, schema, closing]")
+    out = []
+    for i, item in enumerate(items):
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and item[0]
+                and isinstance(item[1], dict) and isinstance(item[2], str)):
+            raise ValueError(f"json_calls[{i}]={item!r:.80} must be [opening (non-empty text), schema (a JSON "
+                             "object), closing (text)]")
+        out.append((item[0], json.dumps(item[1]), item[2]))
+    return out
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling. `logprobs` are always returned for every generated token.
@@ -102,6 +121,11 @@ class SamplingParams:
     # text that must follow the JSON value, when json_schema is set (a forced tool call's closing,
     # e.g. '}\n</tool_call>'); "" = the output ends with the value
     json_suffix: str = ""
+    # JSON text of a list of [opening, JSON schema, closing]: with json_schema, the output is either
+    # the value under json_schema (the final answer) or one of these tool calls (its opening, an
+    # optional space, arguments under its schema, its closing); the model chooses, nothing is
+    # forced; "" = the output is the json_schema value (and json_suffix) only
+    json_calls: str = ""
 
     def __post_init__(self) -> None:
         """Every field checked for type and range, so a request that would poison a batch (a
@@ -147,6 +171,17 @@ class SamplingParams:
         if self.json_suffix and not self.json_schema:
             raise ValueError(f"json_suffix={self.json_suffix!r:.80} needs a json_schema: it is the text after the "
                              "JSON value the schema describes")
+        if not isinstance(self.json_calls, str):
+            raise ValueError(f"json_calls={self.json_calls!r:.80} must be text (a JSON list of [opening, schema, "
+                             "closing])")
+        if self.json_calls:
+            if not self.json_schema:
+                raise ValueError(f"json_calls={self.json_calls!r:.80} needs a json_schema: the calls are the "
+                                 "alternatives to the JSON value it describes")
+            if self.json_suffix:
+                raise ValueError(f"json_calls={self.json_calls!r:.80} with json_suffix={self.json_suffix!r:.40}: a "
+                                 "suffix closes a forced call, the calls are offered beside the answer; send one")
+            call_options(self.json_calls)
 
     def to_dict(self) -> dict[str, Any]:
         """A dict for the bus: msgpack maps take string keys only, so logit_bias ids go as strings."""

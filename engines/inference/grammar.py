@@ -8,9 +8,13 @@ is then of the constrained distribution, the one it was actually drawn from (wha
 off-policy correction weighs against the policy). JSON is written compact (no free whitespace
 between tokens: a model cannot fill its budget with blank lines). A `json_suffix` (a forced tool
 call's closing) is literal text after the value, and one space may come before it (where a model
-writes `"arguments": {`). Compiled grammars are kept per schema and suffix, within a size in bytes,
-and compiled without blocking other schemas' requests (`Grammars`). vLLM and SGLang get
-the same grammar as EBNF text (`ebnf`) when there is a suffix, their JSON-schema route otherwise.
+writes `"arguments": {`). `json_calls` (SamplingParams) makes the grammar a choice: the value under
+`json_schema` (a final answer), or one tool call, each call an opening literal, then an optional space,
+the arguments as compact JSON under that tool's parameters, and a closing literal, so the model picks
+the branch itself and nothing is forced. Compiled grammars are kept per schema, suffix and calls,
+within a size in bytes, and compiled without blocking other schemas' requests (`Grammars`). vLLM and
+SGLang get the same grammar as EBNF text (`ebnf`) when there is a suffix or calls, their JSON-schema
+route otherwise.
 """
 
 from __future__ import annotations
@@ -23,27 +27,41 @@ from typing import Any
 
 import torch
 
+from engines.inference.base import call_options
+
 MAX_GRAMMARS = 64  # EBNF texts kept for vLLM and SGLang (least recently used dropped)
 MAX_GRAMMAR_BYTES = 256 << 20  # compiled grammars the hf engine keeps, by their size (least recently used dropped)
 
 
-def grammar(schema: str, suffix: str = "") -> Any:
+def _literal(text: str) -> Any:
+    import xgrammar
+
+    return xgrammar.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
+
+
+def grammar(schema: str, suffix: str = "", calls: str = "") -> Any:
     """The xgrammar Grammar of compact JSON matching `schema`; with `suffix`, an optional space, the
-    value, then `suffix` verbatim."""
+    value, then `suffix` verbatim; with `calls` (`json_calls` text), that value or any one of the
+    calls: its opening, an optional space, its arguments' compact JSON, its closing."""
     import xgrammar
 
     value = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
+    space = 'root ::= " " | ""'
+    if calls:
+        return xgrammar.Grammar.union(value, *(
+            xgrammar.Grammar.concat(_literal(opening), xgrammar.Grammar.from_ebnf(space),
+                                    xgrammar.Grammar.from_json_schema(args, any_whitespace=False), _literal(closing))
+            for opening, args, closing in call_options(calls)))
     if not suffix:
         return value
-    return xgrammar.Grammar.concat(xgrammar.Grammar.from_ebnf('root ::= " " | ""'), value,
-                                   xgrammar.Grammar.from_ebnf("root ::= " + json.dumps(suffix, ensure_ascii=False)))
+    return xgrammar.Grammar.concat(xgrammar.Grammar.from_ebnf(space), value, _literal(suffix))
 
 
 @functools.lru_cache(maxsize=MAX_GRAMMARS)
-def ebnf(schema: str, suffix: str = "") -> str:
-    """`grammar(schema, suffix)` as EBNF text, for engines that take a grammar (vLLM, SGLang; kept
-    per schema and suffix: it is asked for on every such request)."""
-    return str(grammar(schema, suffix))
+def ebnf(schema: str, suffix: str = "", calls: str = "") -> str:
+    """`grammar(schema, suffix, calls)` as EBNF text, for engines that take a grammar (vLLM, SGLang;
+    kept per schema, suffix and calls: it is asked for on every such request)."""
+    return str(grammar(schema, suffix, calls))
 
 
 class Grammars:
@@ -59,9 +77,9 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, int(vocab_size), sorted(stop_ids)
         self.max_bytes = int(max_bytes)
         self._compiler: Any = None
-        self._compiled: collections.OrderedDict[tuple[str, str], tuple[Any, int]] = collections.OrderedDict()
+        self._compiled: collections.OrderedDict[tuple[str, str, str], tuple[Any, int]] = collections.OrderedDict()
         self._bytes = 0
-        self._compiling: dict[tuple[str, str], threading.Event] = {}
+        self._compiling: dict[tuple[str, str, str], threading.Event] = {}
         self._lock = threading.Lock()  # guards the cache's bookkeeping only, never held over a compile
 
     def _compiler_once(self) -> Any:
@@ -77,12 +95,13 @@ class Grammars:
     def cached_bytes(self) -> int:
         return self._bytes
 
-    def matcher(self, schema: str, suffix: str = "") -> Any:
-        """A fresh matcher of `schema` (JSON schema text) and `suffix`; compiling them the first time."""
+    def matcher(self, schema: str, suffix: str = "", calls: str = "") -> Any:
+        """A fresh matcher of `schema` (JSON schema text), `suffix` and `calls` (see `grammar`);
+        compiling them the first time."""
         import xgrammar
 
         compiler = self._compiler_once()
-        key = (schema, suffix)
+        key = (schema, suffix, calls)
         while True:
             with self._lock:
                 held = self._compiled.get(key)
@@ -95,8 +114,8 @@ class Grammars:
                     break
             busy.wait()  # another thread compiles this very schema: take its result (or compile if it failed)
         try:
-            compiled = compiler.compile_grammar(grammar(schema, suffix))
-            size = int(getattr(compiled, "memory_size_bytes", 0)) + len(schema) + len(suffix)
+            compiled = compiler.compile_grammar(grammar(schema, suffix, calls))
+            size = int(getattr(compiled, "memory_size_bytes", 0)) + len(schema) + len(suffix) + len(calls)
             with self._lock:
                 if size <= self.max_bytes:
                     self._compiled[key] = (compiled, size)

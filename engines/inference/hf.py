@@ -138,7 +138,8 @@ class HFEngine(QueuedEngine):
         matcher = None
         if params.json_schema:  # compiled off the event loop (the first time a schema comes, ~1 s)
             matcher = await asyncio.get_running_loop().run_in_executor(None, self._grammars.matcher,
-                                                                       params.json_schema, params.json_suffix)
+                                                                       params.json_schema, params.json_suffix,
+                                                                       params.json_calls)
         gen = None
         if params.seed is not None and params.temperature > 0:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)

@@ -106,10 +106,10 @@ class SGLangEngine:
             sp.update(frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty)
         if params.logit_bias:
             sp["logit_bias"] = {str(t): b for t, b in params.logit_bias.items()}
-        if params.json_suffix:  # SGLang's own constrained decoding (written for its API, not run here)
-            from engines.inference.grammar import ebnf
+        if params.json_suffix or params.json_calls:  # SGLang's own constrained decoding (written for its API,
+            from engines.inference.grammar import ebnf  # not run here)
 
-            sp["ebnf"] = ebnf(params.json_schema, params.json_suffix)
+            sp["ebnf"] = ebnf(params.json_schema, params.json_suffix, params.json_calls)
         elif params.json_schema:
             sp["json_schema"] = params.json_schema
         top_k = {"top_logprobs_num": params.top_logprobs} if params.top_logprobs else {}

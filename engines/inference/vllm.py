@@ -270,7 +270,8 @@ class VLLMEngine:
             frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
             logit_bias=dict(p.logit_bias) or None,
             # the hf engine's constraint, by vLLM's own structured outputs (xgrammar too), compact JSON alike
-            structured_outputs=(StructuredOutputsParams(grammar=ebnf(p.json_schema, p.json_suffix)) if p.json_suffix
+            structured_outputs=(StructuredOutputsParams(grammar=ebnf(p.json_schema, p.json_suffix, p.json_calls))
+                                if p.json_suffix or p.json_calls
                                 else StructuredOutputsParams(json=p.json_schema, disable_any_whitespace=True))
             if p.json_schema else None,
             output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY)
@@ -283,10 +284,10 @@ class VLLMEngine:
 
         prompt_ids = self._checked_prompt(prompt_ids)
         prompt = self._prompt(prompt_ids, pixel_values)
-        if params.json_suffix:  # its EBNF text made off the event loop (vLLM compiles it on its own threads)
-            from engines.inference.grammar import ebnf
+        if params.json_suffix or params.json_calls:  # its EBNF text made off the event loop (vLLM compiles it
+            from engines.inference.grammar import ebnf  # on its own threads)
 
-            await asyncio.to_thread(ebnf, params.json_schema, params.json_suffix)
+            await asyncio.to_thread(ebnf, params.json_schema, params.json_suffix, params.json_calls)
         self._in_flight += 1
         final = None
         try:

@@ -142,10 +142,10 @@ class VLLMInProcessEngine(VLLMEngine):
             raise EngineDeadError(f"the in-process vLLM engine failed: {self._dead!r}")
         prompt_ids = self._checked_prompt(prompt_ids)
         prompt = self._prompt(prompt_ids, pixel_values)
-        if params.json_suffix:  # its EBNF text made off the event loop
+        if params.json_suffix or params.json_calls:  # its EBNF text made off the event loop
             from engines.inference.grammar import ebnf
 
-            await asyncio.to_thread(ebnf, params.json_schema, params.json_suffix)
+            await asyncio.to_thread(ebnf, params.json_schema, params.json_suffix, params.json_calls)
         if request_id in self._replies:
             raise ValueError(f"request id {request_id!r} is already running on this engine")
         reply = _Reply(asyncio.get_running_loop().create_future(), len(prompt_ids), k=params.top_logprobs)
