@@ -70,14 +70,24 @@ def test_sample_draws_from_the_adjusted_logits_and_reports_their_logprobs() -> N
     ("presence_penalty", float("nan"), "presence_penalty"), ("logit_bias", {"abc": 1}, "logit_bias key 'abc'"),
     ("logit_bias", {"7": 101}, "logit_bias"), ("logit_bias", [1, 2], "logit_bias"),
     ("top_logprobs", 50, "top_logprobs=50"), ("top_logprobs", 1.5, "top_logprobs"),
-    ("json_suffix", "}", "json_suffix='}' needs a json_schema"), ("json_suffix", 3, "json_suffix=3 must be text")])
+    ("json_suffix", "}", "json_suffix='}' needs a json_schema"), ("json_suffix", 3, "json_suffix=3 must be text"),
+    ("json_calls", '[["<a>", {}, ""]]', "json_calls=.* needs a json_schema"), ("json_calls", 7, "json_calls=7 must be text"),
+    ("json_calls", ("{}", '[["<a>", {}, ""]]', "}"), "with json_suffix='}'"),
+    ("json_calls", ("{}", "[oops"), "json_calls is not valid JSON"), ("json_calls", ("{}", "[]"), "non-empty list"),
+    ("json_calls", ("{}", '[["", {}, ""]]'), r"json_calls\[0\]=.* must be \[opening"),
+    ("json_calls", ("{}", '[["<a>", 3, ""]]'), r"json_calls\[0\]")])
 def test_bad_values_fail_naming_the_field(field: str, value: Any, match: str) -> None:
+    if isinstance(value, tuple):  # (json_schema, json_calls[, json_suffix]): the calls beside a schema
+        value = dict(zip(("json_schema", "json_calls", "json_suffix"), value))
+    else:
+        value = {field: value}
     with pytest.raises(ValueError, match=match):
-        SamplingParams(**{field: value})
+        SamplingParams(**value)
 
 
 def test_the_fields_cross_the_bus_both_ways() -> None:
-    sp = SamplingParams(logit_bias={5: -100.0, 17: 2.5}, frequency_penalty=0.5, presence_penalty=-1.0, top_logprobs=3)
+    sp = SamplingParams(logit_bias={5: -100.0, 17: 2.5}, frequency_penalty=0.5, presence_penalty=-1.0, top_logprobs=3,
+                        json_schema='{"type": "object"}', json_calls='[["<tool_call>", {"type": "object"}, "</tool_call>"]]')
     sent = P.decode(P.Generate(rid="g", prompt_ids=np.array([1, 2], np.int32), sampling=sp.to_dict()).encode())
     assert SamplingParams.from_dict(sent.sampling) == sp  # msgpack maps take string keys: ids go as "5"
     res = P.Result(rid="r", token_ids=[4, 9], logprobs=[-0.1, -0.2], top_ids=[[4, 1, 2], [9, 4, 1]],
