@@ -230,6 +230,18 @@ def test_the_openai_sampling_fields_are_mapped(rig):
             max_tokens=40, temperature=0.0, json_schema=json.dumps(schema), json_suffix="}\n</tool_call>"))
         text = rig.tok.decode(call.token_ids, skip_special_tokens=True)
         assert text.endswith("}\n</tool_call>") and list(json.loads(text[:-len("}\n</tool_call>")])) == ["word"], text
+        # the answer or a call (json_calls): each branch taken where its first token is made the likeliest
+        opening = '<tool_call>\n{"name": "say", "arguments":'
+        union = dict(max_tokens=60, temperature=0.0, json_schema=json.dumps(schema),
+                     json_calls=json.dumps([[opening, schema, "}\n</tool_call>"]]))
+        for first, branch in (("<", "call"), ('{"', "answer")):
+            [tid] = rig.tok.encode(first, add_special_tokens=False)
+            out = await engine.generate(f"mf-{branch}", prompt, SamplingParams(**union, logit_bias={tid: 30}))
+            text = rig.tok.decode(out.token_ids, skip_special_tokens=True)
+            if branch == "call":
+                assert text.startswith(opening) and text.endswith("}\n</tool_call>"), text
+                text = text[len(opening):-len("}\n</tool_call>")]
+            assert out.finish_reason == "stop" and list(json.loads(text)) == ["word"], (branch, text)
 
     rig.run(main())
 
