@@ -12,7 +12,8 @@ stream. `max_tokens` is required; `temperature`, `top_p` and `top_k` are honoure
 and `output_config.effort` are accepted only when off (fields.MESSAGES says why), and any other field
 is refused with a 400 naming it. `tool_choice` any and tool force a call as on the chat route, and its
 `disable_parallel_tool_use` returns the reply's first call only; `output_config.format` (json_schema)
-is decoded under the schema as chat's `response_format` is. Refused with a 400:
+is decoded under the schema as chat's `response_format` is (beside tools: the answer or one call).
+Refused with a 400:
 `stop_sequences`, a final assistant message (prefill), and content blocks
 other than text, image, tool_use and tool_result. Errors are Anthropic-shaped: {"type": "error",
 "error": {"type", "message"}}. The key comes as `x-api-key` or `Authorization: Bearer`.

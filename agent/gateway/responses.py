@@ -15,7 +15,8 @@ What cannot be honoured is refused with a 400 naming it, never silently ignored:
 function tools, `text.verbosity`, `reasoning` settings,
 `truncation: auto`, `background`, `conversation`, stored `prompt`s, `max_tool_calls`,
 and any parameter the API does not have. `strict` on a function tool is accepted but not enforced.
-`text.format` json_schema or json_object is honoured: the engine decodes under the schema.
+`text.format` json_schema or json_object is honoured: the engine decodes under the schema (beside
+function tools not forced, as on chat: the answer under it or one call, the model's choice).
 `parallel_tool_calls: false` returns a reply's first call only.
 The bus returns whole generations, so a streamed response sends the finished reply as events.
 """
