@@ -174,3 +174,49 @@ def test_chat_responses_and_messages_decode_a_call_or_the_answer_token_exactly(s
         else:  # nothing forced: every response token is the model's
             assert turn["constraint"] == "tool_call_or_json_schema" and "forced_call" not in turn, turn
             assert set(out.response_mask) == {1}, case
+
+
+def test_a_reply_that_opens_with_a_call_is_the_call_and_any_other_the_answer(tok):  # noqa: F811
+    """llama3_json: a call and the answer both open with `{`; the reply is a call only when it opens
+    with a declared call's opening, so an answer is never read as a malformed call. A forced call
+    with an output schema still vets the schema (a 400 naming its fault)."""
+    replies = ['{"name": "calculator", "parameters": {"expression": "1+1"}}', '{"verdict": "yes", "score": 3}']
+
+    async def body() -> tuple[list[Any], Any, list[dict], Any]:
+        client = ScriptedClient(tok, replies)
+        samplings: list[dict] = []
+        generate = client.generate
+
+        async def keep(prompt_ids: Any, sampling: dict, **kw: Any) -> Any:
+            samplings.append(dict(sampling))
+            return await generate(prompt_ids, sampling, **kw)
+
+        client.generate = keep
+        gw = Gateway(client, tok, tool_parser="llama3_json")
+        await gw.start()
+        try:
+            async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="k", max_retries=0) as oa:
+                got = [(await oa.chat.completions.create(
+                    model="switchyard", messages=[{"role": "user", "content": "hi"}], tools=[CALCULATOR],
+                    response_format=FORMAT, max_tokens=32)).choices[0].message for _ in replies]
+                try:
+                    await oa.chat.completions.create(
+                        model="switchyard", messages=[{"role": "user", "content": "hi"}], tools=[CALCULATOR],
+                        tool_choice="required", max_tokens=32, response_format={
+                            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+                    refused = None
+                except openai.BadRequestError as e:
+                    refused = e
+            return got, gw.sessions.get("k"), samplings, refused
+        finally:
+            await gw.stop()
+
+    (call, answer), conv, samplings, refused = asyncio.run(body())
+    [c] = call.tool_calls
+    assert (c.function.name, json.loads(c.function.arguments)) == ("calculator", {"expression": "1+1"})
+    assert not answer.tool_calls and json.loads(answer.content) == {"verdict": "yes", "score": 3}
+    assert json.loads(samplings[0]["json_calls"]) == [['{"name": "calculator", "parameters":',
+                                                       CALCULATOR["function"]["parameters"], "}"]]
+    assert refused is not None and "Unsupported type" in str(refused) and len(samplings) == 2
+    assert [t["constraint"] for seg in conv.segments for t in seg.turns if t["kind"] == "generate"] == [
+        "tool_call_or_json_schema"] * 2

@@ -386,6 +386,8 @@ class Conversation:
         constraint = parser.call_constraint(None if force is True else force) if prefix else None
         openings: tuple[str, ...] = ()
         if prefix:  # the reply is the forced call: an output schema is for the answer of a later turn
+            if check_schema is not None and sampling.get("json_schema"):  # vetted all the same
+                await check_schema(sampling["json_schema"], "", "response_format")
             sampling = {k: v for k, v in sampling.items() if k != "json_schema"}
             if constraint is not None:
                 sampling = {**sampling, "json_schema": json.dumps(constraint[0]), "json_suffix": constraint[1]}
