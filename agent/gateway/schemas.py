@@ -23,7 +23,6 @@ import hashlib
 import re
 import threading
 import time
-from typing import Any
 
 from agent.gateway.session import RequestError
 
