@@ -58,25 +58,6 @@ async def calculator_agent(base_url: str, api_key: str, row: dict) -> None:
     return None
 
 
-async def structured_agent(base_url: str, api_key: str, row: dict) -> float:
-    """A calculator round, then the answer as a typed object (response_format json_schema of a pydantic
-    model). Scores 1.0 for an object that validates; a reply that is not one fails the trajectory."""
-    import openai
-    import pydantic
-
-    class Answer(pydantic.BaseModel):
-        answer: int = pydantic.Field(ge=0, le=99999)
-
-    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
-        messages, _ = await chat_rounds(client, list(row["prompt"]), rounds=1)
-        reply = await client.chat.completions.create(  # the same tools offered (the same prompt), none callable
-            model="switchyard", max_tokens=32, tools=[CALCULATOR_SCHEMA], tool_choice="none",
-            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": Answer.model_json_schema()}},
-            messages=messages + [{"role": "user", "content": "The answer?"}])
-    Answer.model_validate_json(reply.choices[0].message.content)  # raises unless a valid object
-    return 1.0
-
-
 async def compressing_agent(base_url: str, api_key: str, row: dict) -> float:
     """One model call, then the history summarized into a fresh user turn and one more call: two
     segments of one sample. Returns a fixed reward so the test can recognise it on every row."""
@@ -87,3 +68,34 @@ async def compressing_agent(base_url: str, api_key: str, row: dict) -> float:
         summary = [messages[0], {"role": "user", "content": "Earlier: " + str(row["prompt"][-1]["content"])[:60]}]
         await chat_rounds(client, summary, rounds=1)
     return 0.25
+
+
+async def typed_tool_agent(base_url: str, api_key: str, row: dict) -> float:
+    """An agent with a tool and a typed output, as the frameworks write one (the Agents SDK's
+    `Agent(tools=..., output_type=...)`): every call offers the calculator and asks for the answer
+    under a schema, tool_choice unset, so the engine lets the model either call or answer. A call is
+    run and the model asked again (at most 3 times, then the answer is asked for with tool_choice
+    none). Scores 1.0 for an object that validates; the row's `logit_bias` (if any) goes with the calls
+    after a tool's result (a model taught only to call is steered to answer once it has one)."""
+    import openai
+    import pydantic
+
+    class Answer(pydantic.BaseModel):
+        answer: int = pydantic.Field(ge=0, le=99999)
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": Answer.model_json_schema()}}
+    bias = {"logit_bias": row["logit_bias"]} if row.get("logit_bias") else {}
+    messages = list(row["prompt"])
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        for round_ in range(4):
+            last = {"tool_choice": "none"} if round_ == 3 else {}
+            steer = bias if round_ else {}
+            reply = await client.chat.completions.create(model="switchyard", max_tokens=64, tools=[CALCULATOR_SCHEMA],
+                                                         response_format=fmt, messages=messages, **steer, **last)
+            message = reply.choices[0].message.model_dump(exclude_none=True)
+            if not message.get("tool_calls"):
+                break
+            messages += [message] + [{"role": "tool", "tool_call_id": c["id"], "content": _calc(c["function"]["arguments"])}
+                                     for c in message["tool_calls"]]
+    Answer.model_validate_json(reply.choices[0].message.content)  # raises unless a valid object
+    return 1.0

@@ -179,7 +179,9 @@ def test_a_heavy_schema_holds_up_no_other_client(servers):
     at_gateway, on_engine, running, heavy_s, alone = asyncio.run(body())
     print(f"compile {compile_s:.2f}s, trivial at the gateway {at_gateway:.2f}s, on the engine {on_engine:.2f}s, "
           f"heavy {heavy_s:.2f}s, a trivial one alone {alone:.2f}s")
+    # the order, not the seconds: a loaded box slows both alike; a trivial schema queued behind the heavy
+    # one could only finish after it
     for where, took, ahead in (("gateway", at_gateway, running[0]), ("engine", on_engine, running[1])):
-        assert ahead and took < compile_s, (
+        assert ahead, (
             f"a trivial schema took {took:.2f}s while the heavy one compiled on the {where} (its conversion alone "
             f"takes {compile_s:.2f}s) and {'finished' if ahead else 'waited behind it: it finished after'} the heavy one")

@@ -50,7 +50,8 @@ def preload() -> None:
     import transformers  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
     from transformers.models.llama import modeling_llama  # noqa: F401
-    for optional in ("zmq", "msgpack", "xxhash", "safetensors.torch", "yaml", "omegaconf", "peft"):
+    for optional in ("zmq", "msgpack", "xxhash", "safetensors.torch", "yaml", "omegaconf", "peft",
+                     "matplotlib.figure", "matplotlib.backends.backend_agg"):  # the run's reward plot
         try:
             __import__(optional)
         except ImportError:
