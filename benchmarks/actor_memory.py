@@ -33,9 +33,9 @@ GB = 2.0**30
 RUNS = {"dp1": (1, "none"), "dp2_ddp": (2, "none"), "dp2_fsdp": (2, "fsdp"), "dp1_lora": (1, "none+lora"),
         "dp2_fsdp_lora": (2, "fsdp+lora")}
 LORA_RANK = 16  # the projection's adapter: every Linear layer of the decoder at this rank
-DEADLINE_S = {True: 45.0, False: 900.0}  # one torchrun configuration (--quick or not): it takes 3-10 s / minutes
+DEADLINE_S = {True: 75.0, False: 900.0}  # one torchrun configuration (--quick or not): it takes 3-10 s / minutes
 COLLECTIVE_TIMEOUT_S = 90.0  # a stuck collective raises, naming itself...
-STACKS_BEFORE_S = 15.0  # ...and every rank prints its threads' stacks this long before the deadline
+STACKS_BEFORE_S = 25.0  # ...and every rank prints its threads' stacks this long before the deadline
 # (hidden, intermediate, layers, key/value width) of the projected shapes: Llama-2-7B, Llama-3-70B
 SHAPES = {7: (4096, 11008, 32, 4096), 70: (8192, 28672, 80, 1024)}
 
