@@ -40,7 +40,7 @@ def __getattr__(name: str) -> Any:
 
 def _messages(messages: Any) -> list[dict[str, Any]]:
     """verifiers' wire messages as the chat template takes them (the gateway's own normalization)."""
-    from agent.gateway.session import RequestError, normalize
+    from agent.gateway.requests import RequestError, normalize
 
     try:
         return normalize([dict(m) for m in messages])

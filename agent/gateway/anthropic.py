@@ -30,7 +30,8 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from agent.gateway.fields import MESSAGES, MESSAGES_OUTPUT
-from agent.gateway.session import Reply, RequestError
+from agent.gateway.requests import RequestError
+from agent.gateway.session import Reply
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,8 @@ from aiohttp import web
 
 from agent.gateway.errors import openai_error
 from agent.gateway.fields import COMPLETIONS, GENERATE, GENERATE_SAMPLING
-from agent.gateway.session import RequestError, Segment
+from agent.gateway.requests import RequestError
+from agent.gateway.session import Segment
 from agent.loop import Trajectory
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

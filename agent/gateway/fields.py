@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.gateway.session import RequestError
+from agent.gateway.requests import RequestError
 
 
 @dataclass(frozen=True)

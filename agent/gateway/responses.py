@@ -35,7 +35,8 @@ from aiohttp import web
 
 from agent.gateway.errors import openai_error as _error
 from agent.gateway.fields import RESPONSES
-from agent.gateway.session import Reply, RequestError, output_schema
+from agent.gateway.requests import RequestError, output_schema
+from agent.gateway.session import Reply
 
 log = logging.getLogger(__name__)
 

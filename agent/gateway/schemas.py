@@ -24,7 +24,7 @@ import re
 import threading
 import time
 
-from agent.gateway.session import RequestError
+from agent.gateway.requests import RequestError
 
 GRAMMAR_BUDGET_S = 10.0  # a schema still converting after this is refused (400)
 MAX_SCHEMA_KB = 1024  # a schema (or a forced call's constraint) over this is refused (413)

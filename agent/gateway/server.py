@@ -39,7 +39,8 @@ from agent.gateway.errors import openai_error as _error
 from agent.gateway.fields import CHAT
 from agent.gateway.responses import responses_route
 from agent.gateway.schemas import GRAMMAR_BUDGET_S, MAX_SCHEMA_KB, SchemaCheck
-from agent.gateway.session import Conversation, Reply, RequestError, normalize, output_schema
+from agent.gateway.requests import RequestError, normalize, output_schema
+from agent.gateway.session import Conversation, Reply
 
 log = logging.getLogger(__name__)
 
