@@ -86,8 +86,10 @@ def main(engine: str, model_dir: str, out_dir: str) -> None:
                 plane.cfg.weight_path = route
                 if weights.version:  # this mode's actor as it is now, whatever the engine served before
                     weights.publish(actor)
+                trained_rewards: set[float] = set()  # what the 2 steps learned from: rewards that vary
                 for _ in range(2):
                     batch, _ = plane.take_batch(weights.version)
+                    trained_rewards.update(batch.rewards[batch.valid].tolist())
                     learn(batch, actor, None, cfg.algorithm, cfg.actor)
                     weights.publish(actor)
                     plane.trained(weights.version)
@@ -105,7 +107,7 @@ def main(engine: str, model_dir: str, out_dir: str) -> None:
                 records.append({"engine": engine, "mode": mode, "route": weights.route(), "tokens": int(total[1]),
                                 "drift_max": float(top[0]) if total[1] else None,
                                 "drift_mean": float(total[0] / total[1]) if total[1] else None,
-                                "rewards": sorted(set(batch.rewards[batch.valid].tolist())),
+                                "rewards": sorted(trained_rewards),
                                 "adapter_push": weights.takes_adapters(), "moved": _moved(actor, before),
                                 "verified": sync.get("sync/verified_tensors"),
                                 "mismatched": sync.get("sync/mismatched_tensors"),
