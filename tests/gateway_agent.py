@@ -90,7 +90,7 @@ async def typed_tool_agent(base_url: str, api_key: str, row: dict) -> float:
         for round_ in range(4):
             last = {"tool_choice": "none"} if round_ == 3 else {}
             steer = bias if round_ else {}
-            reply = await client.chat.completions.create(model="switchyard", max_tokens=64, tools=[CALCULATOR_SCHEMA],
+            reply = await client.chat.completions.create(model="switchyard", max_tokens=128, tools=[CALCULATOR_SCHEMA],
                                                          response_format=fmt, messages=messages, **steer, **last)
             message = reply.choices[0].message.model_dump(exclude_none=True)
             if not message.get("tool_calls"):
