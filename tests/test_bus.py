@@ -110,3 +110,34 @@ def test_killing_a_server_mid_run_loses_no_request(servers):
         engines = [r.engine_id for ss, _, r in sorted(results, key=lambda x: x[1]) if ss == s]
         switches = sum(a != b for a, b in zip(engines, engines[1:]))
         assert switches <= 1 and (switches == 0 or engines[0] == killed["engine"]), engines
+
+
+def test_a_push_from_another_process_is_seen_before_the_next_rollout(servers):
+    """The router passes over engines behind the version a request needs. Right after a push made by
+    another process (another node's trainer rank), before the next heartbeat, this client's view of
+    those engines is old: it asks them before passing them over, so the rollout still spreads."""
+    from rollout.bus import protocol as P
+
+    srv = servers(2, backend="echo")
+
+    async def push(engine: int) -> None:
+        async with GenerateClient(srv.addresses) as trainer:
+            await trainer.wait_ready(timeout_s=60)
+            await trainer.call(engine, P.WeightsBegin(weight_version=1))
+            await trainer.call(engine, P.WeightsCommit(weight_version=1, num_buckets=0))
+
+    async def main() -> list[int]:
+        # heartbeats once an hour: this client hears of versions only by asking or from replies
+        async with GenerateClient(srv.addresses, heartbeat_s=3600.0) as rollout:
+            await rollout.wait_ready(timeout_s=60)
+            await push(0)
+            await rollout.status(0)  # this client knows engine 0 is at version 1
+            await push(1)  # engine 1 too, but no word of it reaches this client
+            assert rollout.versions == [1, 0]
+            out = await asyncio.gather(*(rollout.generate([5, 6, s], {"max_tokens": 2}, session_id=f"s{s}",
+                                                          group_id=f"g{s // 2}", min_weight_version=1)
+                                         for s in range(16)))
+            return [r.engine_index for r in out]
+
+    engines = asyncio.run(main())
+    assert min(Counter(engines)[e] for e in (0, 1)) >= 4, Counter(engines)  # least-loaded spreads the groups

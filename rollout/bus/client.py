@@ -108,6 +108,7 @@ class GenerateClient:
         self._last_seen = [0.0] * len(addresses)
         self._ever_seen = [False] * len(addresses)
         self._refused = [0] * len(addresses)  # CURVE handshakes failed in a row: the keys do not match
+        self._asked: dict[int, tuple[asyncio.Task, float]] = {}  # version questions to engines seen behind
         self._live_changed = asyncio.Event()
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
@@ -155,9 +156,10 @@ class GenerateClient:
                 pass
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *(t for t, _ in self._asked.values())]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for wire in self._wires:
             wire.close()
         for s, mon in zip(self._socks, self._monitors):
@@ -227,7 +229,10 @@ class GenerateClient:
         rid = f"{self._prefix}-{next(self._ids)}"
         failed: set[int] = set()
         for attempt in range(1, self.max_attempts + 1):
-            engine = await self._pick(session_id, group_id, failed | self._stale(min_weight_version))
+            stale = self._stale(min_weight_version)
+            if stale - failed:  # a push may have reached them since their last heartbeat: ask before passing over
+                stale = await self._recheck(stale - failed, min_weight_version)
+            engine = await self._pick(session_id, group_id, failed | stale)
             msg = P.Generate(rid=f"{rid}.{attempt}", prompt_ids=prompt, sampling=sp, session_id=session_id or "",
                              group_id=group_id or "", min_weight_version=min_weight_version,
                              pixel_values=None if pixel_values is None else np.asarray(pixel_values, np.float32))
@@ -252,6 +257,26 @@ class GenerateClient:
                                   top_ids=None if reply.top_ids is None else reply.top_ids.tolist(),
                                   top_logprobs=None if reply.top_logprobs is None else reply.top_logprobs.tolist())
         raise RequestFailed("unavailable", f"request {rid} failed on {self.max_attempts} attempts (engines {sorted(failed)})")
+
+    async def _recheck(self, engines: set[int], need: int) -> set[int]:
+        """Ask the live `engines` for their weight version now (one question per engine at a time, at most
+        once a heartbeat period each, answered within one) and return those still behind `need`. Without
+        it a rollout that starts right after a push, before the next heartbeat, would pass over every
+        engine another process pushed to and pile onto the ones this client pushed to itself."""
+        now = time.monotonic()
+        asks = []
+        for i in engines:
+            task, asked_at = self._asked.get(i, (None, 0.0))
+            if task is None or (task.done() and now - asked_at > self.heartbeat_s):
+                if not self.router.alive[i]:
+                    continue
+                task = asyncio.ensure_future(self.status(i, timeout_s=self.heartbeat_s))
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a timeout just leaves it stale
+                self._asked[i] = (task, now)
+            asks.append(task)
+        if asks:
+            await asyncio.wait(asks, timeout=self.heartbeat_s)
+        return self._stale(need)
 
     def _stale(self, need: int) -> set[int]:
         """Engines that cannot serve weight version `need` soon: at version 0 (restarted, never given
@@ -367,6 +392,8 @@ class GenerateClient:
             self.versions[engine] = msg.weight_version
         elif isinstance(msg, P.Result):
             self.router.report_load(engine, msg.load)
+            self.versions[engine] = max(self.versions[engine], msg.weight_version)
+        elif isinstance(msg, P.Ack):  # a commit's ack says the new version is loaded
             self.versions[engine] = max(self.versions[engine], msg.weight_version)
         fut = self._pending[engine].get(msg.rid)
         if fut is not None and not fut.done():
