@@ -28,10 +28,21 @@ SITE="$PWD/$WHEELS/site-$TAG"
 VLLM_SITE="$PWD/$WHEELS/vllm/site-$TAG"
 [ -d "$VLLM_SITE" ] && export PYTHONPATH="$VLLM_SITE${PYTHONPATH:+:$PYTHONPATH}"
 [ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-missing=()
-for pair in $NEEDED; do
-    "$PY" -c "import ${pair%%:*}" 2>/dev/null || missing+=("${pair#*:}")
-done
+# the distributions of the pairs "import:dist" whose module Python cannot find (one interpreter for all)
+absent() {
+    "$PY" - "$@" <<'PYEOF'
+import importlib.util, sys
+for pair in sys.argv[1:]:
+    name, dist = pair.split(":")
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        print(dist)
+PYEOF
+}
+read -r -a missing <<< "$(absent $NEEDED | tr '\n' ' ')"
 if [ ${#missing[@]} -gt 0 ]; then
     if ! ls "$WHEELS"/wheels/*.whl >/dev/null 2>&1; then
         echo "gpu_smoke: ${missing[*]} not importable and no wheels in $WHEELS/wheels; run" \
@@ -56,9 +67,8 @@ fi
 OPTIONAL="megatron.core:megatron-core einops:einops hjson:hjson ninja:ninja cpuinfo:py-cpuinfo pydantic_core:pydantic-core
 pydantic:pydantic annotated_types:annotated-types typing_inspection:typing-inspection deepspeed:deepspeed"
 optional=()
-for pair in $OPTIONAL; do
-    "$PY" -c "import ${pair%%:*}" 2>/dev/null && continue
-    ls "$WHEELS"/wheels/"$(echo "${pair#*:}" | tr - _)"-*.whl >/dev/null 2>&1 && optional+=("${pair#*:}")
+for dist in $(absent $OPTIONAL); do
+    ls "$WHEELS"/wheels/"$(echo "$dist" | tr - _)"-*.whl >/dev/null 2>&1 && optional+=("$dist")
 done
 if [ ${#optional[@]} -gt 0 ]; then
     echo "gpu_smoke: installing ${optional[*]} from $WHEELS/wheels into $SITE" >&2
