@@ -89,11 +89,35 @@ def model_positions(model_dir: str | Path) -> int | None:
     return int(n) if isinstance(n, int) and n > 0 else None
 
 
+_TOKENIZERS: dict[tuple[str, int], bytes] = {}  # (directory, newest file's mtime) -> the tokenizer, pickled
+
+
 def load_tokenizer(name_or_path: str, cache_dir: str | Path | None = None) -> "PreTrainedTokenizerBase":
-    """The tokenizer of a model, by any name `resolve_model` accepts (agents need only this)."""
+    """The tokenizer of a model, by any name `resolve_model` accepts (agents need only this).
+
+    Read from its files once per process (0.25-0.5 s for a 49k vocabulary, most of it parsing
+    tokenizer.json); a run asks for it from several places (the row filter, the agent loops, the
+    engine, validation, the export), and each later call gets its own copy of the first (~0.1 s),
+    so a caller that changes its tokenizer (padding side, a pad token) changes only its own."""
+    import pickle
+
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model(name_or_path, cache_dir))
+    path = resolve_model(name_or_path, cache_dir)
+    try:
+        stamp = max((e.stat().st_mtime_ns for e in os.scandir(path) if e.is_file()), default=0)
+    except OSError:  # a hub name or an unreadable folder: no memo
+        return AutoTokenizer.from_pretrained(path)
+    key = (os.path.realpath(path), stamp)
+    blob = _TOKENIZERS.get(key)
+    if blob is not None:
+        return pickle.loads(blob)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        _TOKENIZERS[key] = pickle.dumps(tokenizer)
+    except Exception:  # noqa: BLE001 - a tokenizer class that does not pickle is loaded every time
+        pass
+    return tokenizer
 
 
 def tiny_llama(tokenizer: "PreTrainedTokenizerBase", seed: int = 0, tie_word_embeddings: bool = True,

@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import json
 import importlib.util
+import random
 import re
 from pathlib import Path
 from typing import Any
@@ -355,3 +356,21 @@ def test_calculator_result_matches_tool() -> None:
     tool = CalculatorTool({}, {"type": "function", "function": {"name": "calculator"}})
     for expr in ["16-3-4", "48/2", "7/2", "2**10", "10/3", "5*0.5"]:
         assert calculator_result(expr) == asyncio.run(tool.execute("i", {"expression": expr})).text
+
+
+def test_prompts_over_the_token_limit_are_found_as_the_template_counts_them() -> None:
+    """too_long counts plain chats in one batch (texts + the template's own tokens, within a slack) and
+    renders only those near the limit: the rows it names are exactly those whose rendered prompt is
+    over the limit, at limits that cut through the middle of the lengths."""
+    from engines.models import load_tokenizer
+    from launch.data.rows import _rendered_tokens, too_long, tool_row
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    rng = random.Random(0)
+    words = ["apples", "12", "Janet's", "ducks", "+", "lay", "eggs", "per", "day.", "How", "many", "$3", "\n"]
+    rows = [tool_row("gsm8k", "Solve it. " * rng.randrange(1, 30), " ".join(rng.choices(words, k=rng.randrange(5, 120))),
+                     "1", {}) for _ in range(300)]
+    rows.append({"prompt": [{"role": "user", "content": [{"type": "text", "text": "parts " * 80}]}]})  # not plain
+    exact = [_rendered_tokens(tok, r["prompt"]) for r in rows]
+    for limit in sorted(exact)[::60]:
+        assert too_long(rows, tok, limit) == [i for i, n in enumerate(exact) if n > limit], limit

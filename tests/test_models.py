@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,29 @@ def test_parallel_processes_build_once(tmp_path: Path, tiny_dir: Path) -> None:
     from safetensors.torch import load_file
 
     assert load_file(built / "model.safetensors").keys() == load_file(tiny_dir / "model.safetensors").keys()
+
+
+def test_a_tokenizer_is_read_once_and_each_caller_gets_its_own_copy(tmp_path: Path) -> None:
+    """load_tokenizer parses a model's tokenizer files once per process; a caller that changes its copy
+    leaves the next caller's alone, and files changed on disk are read again."""
+    import shutil
+
+    import engines.models as M
+
+    src = Path(M.resolve_model("tiny-llama"))
+    local = tmp_path / "tok"
+    local.mkdir()
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, local / f.name)
+    first = M.load_tokenizer(str(local))
+    first.padding_side = "left"
+    first.add_special_tokens({"pad_token": "<|only-mine|>"})
+    second = M.load_tokenizer(str(local))
+    assert second.padding_side != "left" and second.pad_token != "<|only-mine|>" and len(second) < len(first)
+    assert second("two plus two")["input_ids"] == first("two plus two")["input_ids"]
+    assert sum(key[0] == os.path.realpath(local) for key in M._TOKENIZERS) == 1  # parsed once
+    config = json.loads((local / "tokenizer_config.json").read_text())
+    (local / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
+    os.utime(local / "tokenizer_config.json", ns=(time.time_ns() + 10**9,) * 2)
+    assert M.load_tokenizer(str(local)).model_max_length == 77  # changed on disk: read again

@@ -33,7 +33,7 @@ from engines.inference.queued import QueuedEngine
 from engines.inference.grammar import Grammars
 from engines.inference.sampling import check_vocab, sample
 from engines.lora import HookedAdapter
-from engines.models import image_token_layout, is_vision_language, load_pretrained, resolve_model
+from engines.models import image_token_layout, is_vision_language, load_pretrained, load_tokenizer, resolve_model
 
 PREFIX_BLOCK = 16  # tokens per block of the modelled prefix cache (vLLM's default block size)
 PREFIX_LRU_ENTRIES = 100_000
@@ -294,12 +294,10 @@ class HFEngine(QueuedEngine):
     # ------------------------------------------------------------------ worker thread
 
     def _load(self) -> None:
-        from transformers import AutoTokenizer
-
         path = resolve_model(self.model_name)
         self.model = load_pretrained(path, self.dtype).to(self.device).eval()
         self.adapter = HookedAdapter(self.model)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
         if is_vision_language(self.model.config):
             self.takes_images = True
             self._image_token, self._tokens_per_image = image_token_layout(self.model.config, path)

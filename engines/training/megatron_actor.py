@@ -397,7 +397,8 @@ class MegatronActor(ActorBase):
     def save_hf(self, path: Path) -> None:
         """Gather to rank 0 and write safetensors + config + tokenizer there; every rank calls it."""
         from safetensors.torch import save_file
-        from transformers import AutoTokenizer
+
+        from engines.models import load_tokenizer
 
         tensors = {name: t.cpu().contiguous() for name, t in self.named_hf_weights()}
         if self.mesh.rank != 0:
@@ -408,4 +409,4 @@ class MegatronActor(ActorBase):
         cfg = self.hf_config.to_dict()
         cfg["torch_dtype"] = self.dtype
         self.hf_config.__class__.from_dict(cfg).save_pretrained(path)
-        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+        load_tokenizer(str(self.model_path)).save_pretrained(path)

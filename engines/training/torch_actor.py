@@ -285,11 +285,9 @@ class TorchActor(ActorBase):
             self._save_tokenizer(path)
 
     def _save_tokenizer(self, path: Path) -> None:
-        from transformers import AutoTokenizer
+        from engines.models import load_tokenizer, resolve_model
 
-        from engines.models import resolve_model
-
-        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+        load_tokenizer(str(self.model_path)).save_pretrained(path)
         source = resolve_model(str(self.model_path))
         for name in PROCESSOR_FILES:  # a vision-language model's image processor goes along
             if (source / name).is_file():

@@ -267,11 +267,36 @@ def _text_chars(messages: Any) -> int:
     return n
 
 
+SLACK_PER_MESSAGE = 4  # tokens a message's text may gain inside its template (merges at its edges)
+
+
+def _rendered_tokens(tokenizer: Any, messages: Any) -> int:
+    try:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        return len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+    except Exception:  # noqa: BLE001 - a template that cannot render it: count its text instead
+        return len(tokenizer(str(messages), add_special_tokens=False)["input_ids"])
+
+
+def _plain_texts(messages: Any) -> list[str] | None:
+    """The texts of a conversation of plain {role, content: str} messages; None for anything else."""
+    if not isinstance(messages, list) or not messages:
+        return None
+    if not all(isinstance(m, Mapping) and set(m) == {"role", "content"} and isinstance(m["content"], str)
+               for m in messages):
+        return None
+    return [m["content"] for m in messages]
+
+
 def too_long(rows: Sequence[Mapping[str, Any]], tokenizer: Any, limit: int) -> list[int]:
     """The indices of rows whose prompt (chat template applied) holds more than `limit` tokens. Short
     prompts pass without tokenizing (3 tokens a character at most, plus the template), prompts of more
-    than 32 characters a token for every allowed token fail without it; only the rest are tokenized."""
-    out = []
+    than 32 characters a token for every allowed token fail without it. Of the rest, plain chat
+    conversations are counted in one batch: their texts' tokens plus what the template adds to the
+    same roles with empty texts, give or take SLACK_PER_MESSAGE a message (a template renders the
+    prompt of a few thousand rows a second, the batch a few hundred thousand); only prompts within
+    that slack of the limit, and the others, are rendered whole."""
+    out, plain, overheads = [], [], {}
     for i, row in enumerate(rows):
         messages = row.get("prompt")
         chars = _text_chars(messages)
@@ -280,14 +305,27 @@ def too_long(rows: Sequence[Mapping[str, Any]], tokenizer: Any, limit: int) -> l
         if chars > 32 * limit:
             out.append(i)
             continue
-        try:
-            ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-            n = len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
-        except Exception:  # noqa: BLE001 - a template that cannot render it: count its text instead
-            n = len(tokenizer(str(messages), add_special_tokens=False)["input_ids"])
-        if n > limit:
-            out.append(i)
-    return out
+        texts = _plain_texts(messages)
+        roles = tuple(m["role"] for m in messages) if texts is not None else ()
+        if texts is not None and roles not in overheads:
+            try:
+                overheads[roles] = _rendered_tokens(tokenizer, [{"role": r, "content": ""} for r in roles])
+            except Exception:  # noqa: BLE001 - tokenizer(str) failed too: render these rows whole
+                overheads[roles] = None
+        if texts is None or overheads[roles] is None:
+            if _rendered_tokens(tokenizer, messages) > limit:
+                out.append(i)
+            continue
+        plain.append((i, roles, texts))
+    if plain:
+        unique = list(dict.fromkeys(t for _, _, texts in plain for t in texts))  # a shared system prompt once
+        counts = dict(zip(unique, map(len, tokenizer(unique, add_special_tokens=False)["input_ids"])))
+        for i, roles, texts in plain:
+            n = overheads[roles] + sum(counts[t] for t in texts)
+            slack = SLACK_PER_MESSAGE * len(texts)
+            if n - slack > limit or (n + slack > limit and _rendered_tokens(tokenizer, rows[i]["prompt"]) > limit):
+                out.append(i)
+    return sorted(out)
 
 
 class RowStream:
