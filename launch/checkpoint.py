@@ -221,14 +221,29 @@ class Checkpointer:
                 _save(full, tmp / "state.pt")
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(tmp, final)
-                for old in self.all()[self.keep:]:
-                    shutil.rmtree(old, ignore_errors=True)
+                self._prune(final)
         except OSError as e:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # the space it took back; the last complete one stays
             raise _write_error(e, final, self.latest(), need) from None
         barrier()
         return final
+
+    def _prune(self, newest: Path) -> None:
+        """Remove all but the `keep` newest complete checkpoints. Each goes by an atomic rename to
+        `.trash-<name>` first, so a process killed while deleting leaves a folder this sweep removes next
+        time, never a half-deleted `step_*` that looks like a checkpoint; incomplete `step_*` folders
+        older than `newest` (left so by an earlier version) go the same way."""
+        doomed = self.all()[self.keep:]
+        doomed += [p for p in self.dir.iterdir() if p.name.startswith(_PREFIX) and p.name < newest.name
+                   and not (p / "state.pt").exists() and p not in doomed]
+        for old in doomed:
+            try:
+                os.replace(old, self.dir / f".trash-{old.name}")
+            except OSError:  # a trash folder of the same name is in the way: the sweep below clears it
+                shutil.rmtree(old, ignore_errors=True)
+        for trash in self.dir.glob(".trash-*"):
+            shutil.rmtree(trash, ignore_errors=True)
 
     def preflight(self, obj: Any, final: Path) -> int:
         """`obj`'s estimated size on disk; CheckpointWriteError, before anything is written, when it

@@ -154,3 +154,20 @@ def test_a_checkpoint_that_does_not_fit_says_so_and_keeps_the_last_one(small_fs:
     with pytest.raises(CheckpointWriteError, match="no space left on device: writing the checkpoint at .*step_000002 failed"):
         ckpt.save(2, big)
     assert [p.name for p in (small_fs / "checkpoints").iterdir()] == ["step_000001"]  # the partial one removed
+
+
+def test_a_prune_cut_short_by_a_kill_leaves_nothing_that_lingers(tmp_path):
+    """A kill -9 while an old checkpoint was being deleted left its folder half gone (state.pt removed, a
+    file left) or renamed aside: the next save removes both, so only the `keep` newest remain."""
+    ckpt = Checkpointer(tmp_path)
+    for step in (0, 1):
+        ckpt.save(step, {"step": step})
+    half = ckpt.dir / "step_000000"
+    (half / "state.pt").unlink()  # what rmtree had done when the kill came
+    (half / "left.bin").write_bytes(b"x")
+    aside = ckpt.dir / ".trash-step_000001"
+    aside.mkdir()
+    (aside / "state.pt").write_bytes(b"old")
+    for step in (2, 3):
+        ckpt.save(step, {"step": step})
+    assert sorted(p.name for p in ckpt.dir.iterdir()) == ["step_000002", "step_000003"]
