@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from batches import make_batch
+from waiting import wait_for_unlocked
 from engines.training.advantages import compute_advantages, gae
 from engines.training.losses import value_loss
 
@@ -253,6 +254,7 @@ def test_ppo_with_a_critic_resumes_after_kill_9_with_the_critic_restored(tmp_pat
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    wait_for_unlocked(out)
     saved = torch.load(step2, map_location="cpu", weights_only=False)["critic"]
     head = saved["model"]["lm_head.weight"]
     assert head.shape[0] == 1 and torch.count_nonzero(head) > 0  # the value head has learned, and is saved

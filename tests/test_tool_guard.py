@@ -12,6 +12,7 @@ from typing import Any
 
 from agent.tools.base import BaseTool, ToolResponse
 from agent.tools.guard import call_tool
+from waiting import wait_until
 
 SCHEMA = {"type": "function", "function": {"name": "t", "description": "x", "parameters": {"type": "object"}}}
 
@@ -123,3 +124,28 @@ def test_isolation_loop_keeps_calls_on_the_loop_and_bad_values_are_named():
         assert "isolation='process'" in str(e)
     else:
         raise AssertionError("a bad isolation value must be refused")
+
+
+class Patient(BaseTool):
+    """Awaits a long sleep in its thread's loop and says how the sleep ended."""
+
+    ended: list[str] = []
+
+    async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResponse:
+        try:
+            await asyncio.sleep(arguments["s"])
+        except asyncio.CancelledError:
+            self.ended.append("cancelled")
+            raise
+        self.ended.append("slept")
+        return ToolResponse("slept")
+
+
+def test_an_abandoned_call_in_its_thread_is_cancelled_at_the_deadline():
+    """A call past its deadline is answered as a timeout, and the coroutine in its thread is cancelled
+    then, not left to run to its end in the background (a stuck request holding its connection)."""
+    tool = Patient({}, SCHEMA)
+    resp = asyncio.run(call_tool(tool, "i", {"s": 30.0}, timeout_s=0.3))
+    assert resp.metrics.get("timeout")
+    wait_until(lambda: tool.ended, "the abandoned call's coroutine ended", 10.0)
+    assert tool.ended == ["cancelled"]

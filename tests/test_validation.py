@@ -19,6 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train import REPO, _env, _wait_for, metrics  # noqa: E402
+from waiting import wait_for_unlocked  # noqa: E402
 from tool_model import gsm8k_rows  # noqa: E402
 
 from agent.loop import AgentLoopOutput  # noqa: E402
@@ -172,8 +173,8 @@ def test_sampled_validation_beside_asynchronous_rollout(task: dict[str, Path], t
     assert 0 < rows[-1]["val/accuracy"] < 1, rows[-1]  # sampled tool calls: some pass, some do not
 
 
-def _kill_when(args: list[str], path: Path, log: Path) -> None:
-    """Start a run and kill -9 it as soon as `path` exists."""
+def _kill_when(args: list[str], path: Path, log: Path, out: Path) -> None:
+    """Start a run on `out` and kill -9 it as soon as `path` exists; back once it has ended."""
     proc = subprocess.Popen([sys.executable, "launch/train.py", *args], cwd=REPO, env=_env(), stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -183,16 +184,17 @@ def _kill_when(args: list[str], path: Path, log: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+    wait_for_unlocked(out)
 
 
 def test_kill_9_and_resume_neither_repeat_nor_skip_a_validation(task: dict[str, Path], tmp_path: Path):
     out = tmp_path / "run"
     args = _args(task, out, "trainer.steps=4", "trainer.val_every=1")
     # killed in step 1, before any checkpoint: the run starts over, but step 0's validation is logged already
-    _kill_when(args, out / "metrics.jsonl", tmp_path / "first.log")
+    _kill_when(args, out / "metrics.jsonl", tmp_path / "first.log", out)
     assert [m["step"] for m in metrics(out)] == [0]
     # killed in step 3 (its rollout or its validation), after step 2's checkpoint
-    _kill_when(args, out / "checkpoints" / "step_000002" / "state.pt", tmp_path / "second.log")
+    _kill_when(args, out / "checkpoints" / "step_000002" / "state.pt", tmp_path / "second.log", out)
     assert "validation after step 0" not in (tmp_path / "second.log").read_text()
     assert [m["step"] for m in metrics(out) if "val/accuracy" in m][:3] == [0, 1, 2]
     third = _run("launch/train.py", args)

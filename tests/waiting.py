@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+import os
 from typing import Awaitable, Callable, TypeVar
 
 T = TypeVar("T")
@@ -35,3 +36,29 @@ async def until(check: Callable[[], T | Awaitable[T]], what: str = "the conditio
             return value
         assert time.monotonic() < deadline, f"timed out after {seconds:g} s waiting until {what}"
         await asyncio.sleep(POLL_S)
+
+
+def wait_for_unlocked(output_dir: "os.PathLike[str] | str", seconds: float = 60.0) -> None:
+    """Wait until no trainer holds `output_dir`'s run lock (launch/run_lock.py): a killed trainer that a
+    warm start forked ends a moment after the process the test killed, and a run started before then
+    is rightly refused."""
+    import fcntl
+    from pathlib import Path
+
+    path = Path(output_dir) / ".lock"
+
+    def free() -> bool:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+
+    wait_until(free, f"the run lock of {output_dir} is released (the killed trainer has ended)", seconds)

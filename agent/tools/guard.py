@@ -5,8 +5,9 @@ A worker runs hundreds of trajectories on one event loop, so one tool that block
 the worker, and a tool that swallows its cancellation would never time out. `call_tool` guards
 both:
 
-- the deadline is hard: when it passes the call is abandoned (cancelled, never awaited), so a
-  tool that ignores cancellation still returns a timeout to its trajectory at the deadline;
+- the deadline is hard: when it passes the call is abandoned (cancelled, in its thread's loop too,
+  never awaited), so a tool that ignores cancellation still returns a timeout to its trajectory at
+  the deadline, and one that honours it stops there;
 - by default (`isolation: thread`) every call runs in a thread of its own with its own event
   loop, so a blocking `execute` stalls nothing but itself. A tool whose state is bound to the
   worker's loop (a class with `loop_bound = True`, like the MCP tool, or `isolation: auto`) runs
@@ -76,9 +77,24 @@ def contained(e: BaseException) -> BaseException:
 def _in_thread(tool: BaseTool, instance_id: str, arguments: dict[str, Any]) -> concurrent.futures.Future:
     done: concurrent.futures.Future = concurrent.futures.Future()
 
+    async def execute() -> Any:
+        """The call, cancelled in its own loop when the caller abandons it at the deadline (a tool that
+        honours cancellation stops there instead of running on in its thread)."""
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+
+        def abandoned(f: concurrent.futures.Future) -> None:
+            if f.cancelled() and task is not None:
+                try:
+                    loop.call_soon_threadsafe(task.cancel)
+                except RuntimeError:  # the loop is closed: the call had ended anyway
+                    pass
+
+        done.add_done_callback(abandoned)
+        return await tool.execute(instance_id, arguments)
+
     def run() -> None:
         try:
-            result, error = asyncio.run(tool.execute(instance_id, arguments)), None
+            result, error = asyncio.run(execute()), None
         except BaseException as e:
             result, error = None, contained(e)
         try:  # an abandoned call's future is already cancelled: nobody waits for the answer
