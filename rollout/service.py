@@ -49,13 +49,6 @@ def service_keys(cfg: Any) -> BusKeys | None:
     return BusKeys.read(cfg.engine_keys) if cfg.engine_keys else None
 
 
-def behind(control: Any, count: int, version: int) -> list[int]:
-    """Indices of the live engines serving a weight version older than `version` (restarted ones)."""
-    from rollout.engine_stats import statuses
-
-    return [i for i, st in enumerate(statuses(control, count)) if st is not None and st.weight_version < version]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rollout.service", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
