@@ -39,7 +39,7 @@ def check_service(cfg: Any) -> None:
     if cfg.in_process:
         raise ValueError("rollout.in_process=true serves an engine from the trainer's process; it cannot be combined "
                          "with rollout.engines (servers started elsewhere): drop one")
-    if cfg.staleness == 0 and cfg.placement == "colocated":
+    if cfg.placement == "colocated":  # under asynchronous RL `RolloutConfig` refused it already
         raise ValueError("rollout.placement=colocated puts engines to sleep during updates, which a run never does to "
                          "engines it attached to (rollout.engines); use placement=auto or split")
 
