@@ -18,15 +18,6 @@ from engines.training.advantages import ESTIMATORS, compute_advantages
 from parallel.reduce import over_ranks
 
 
-def _over_ranks(sums: list[float], top: float, shard: bool) -> tuple[list[float], float]:
-    """Sums and a maximum over every rank when each holds a shard of the batch (replicas of one
-    shard count alike in numerator and denominator, so means are unaffected)."""
-    if not shard:
-        return sums, top
-    total, (most,) = over_ranks(sums, [top])
-    return total, most
-
-
 def drift(rollout_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, mask: torch.Tensor,
           shard: bool = False) -> dict[str, float]:
     """The run's drift (`engines.training.actor.logprob_gap`) over trained tokens, of every rank when each
@@ -42,7 +33,7 @@ def _masked_stats(mask: torch.Tensor, shard: bool, **tensors: torch.Tensor) -> d
     for t in tensors.values():
         x = t.double()[keep]
         sums += [float(x.sum()), float((x * x).sum())]
-    sums, _ = _over_ranks(sums, 0.0, shard)
+    sums, _ = over_ranks(sums, shard=shard)
     n = max(sums[0], 1.0)
     out = {}
     for i, name in enumerate(tensors):
@@ -139,7 +130,7 @@ def learn(batch: Batch, actor: Any, ref: Any, algorithm: Any, actor_cfg: ActorCo
             token_rewards = -loss.kl_coef * kl_tok
         else:
             rewards = rewards - loss.kl_coef * kl
-        (kl_sum, rows), _ = _over_ranks([float(kl.sum()), float(len(kl))], 0.0, batch.is_shard)
+        (kl_sum, rows), _ = over_ranks([float(kl.sum()), float(len(kl))], shard=batch.is_shard)
         metrics["kl_in_reward"] = kl_sum / max(rows, 1.0)
 
     # 3. advantages; invalid rows are groups of their own (advantage 0, no effect on siblings)
@@ -159,7 +150,7 @@ def learn(batch: Batch, actor: Any, ref: Any, algorithm: Any, actor_cfg: ActorCo
     # the rows whose advantage is not 0 somewhere: the only ones the reward teaches (every group's rewards
     # alike, as with a model that never solves its task, leaves none; KL and entropy terms still act)
     taught = ((adv != 0) & (mask > 0)).any(1) & batch.valid.bool()
-    (n_taught, n_valid), _ = _over_ranks([float(taught.sum()), float(batch.valid.sum())], 0.0, batch.is_shard)
+    (n_taught, n_valid), _ = over_ranks([float(taught.sum()), float(batch.valid.sum())], shard=batch.is_shard)
     metrics["rollout/signal_fraction"] = n_taught / n_valid if n_valid else 0.0
 
     # 4. the update

@@ -70,7 +70,7 @@ def evaluate(cfg: Config, out: Path, checkpoint: Path | None = None) -> dict[str
             version = _push_checkpoint(cfg, plane, model_dir, checkpoint)
         metrics = validator.run(plane, "eval", version)
     except BaseException:
-        plane.fleet.print_engine_logs()
+        plane.print_engine_logs()
         raise
     finally:
         plane.close()
@@ -97,7 +97,7 @@ def _push_checkpoint(cfg: Config, plane: Any, model_dir: str, checkpoint: Path) 
                           f"section ({type(e).__name__}: {str(e).splitlines()[0][:300]}); pass the run's own config "
                           "and base model") from None
     version = max(1, int(state.get("version", 1)))
-    plane.weights.push(actor.named_hf_weights(), version)
+    plane.load(actor, version)  # the whole weights: an evaluation's plane takes no adapters
     del actor
     return version
 

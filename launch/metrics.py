@@ -81,6 +81,17 @@ class MetricsLogger:
         self.sinks = {}
 
 
+def run_logger(cfg: Any, start: int, rank: int) -> MetricsLogger | None:
+    """Rank 0's logger of a training run that goes on after step `start` (None on the other ranks);
+    its loggers get the config as resolved (`launch.config.resolved`)."""
+    if rank != 0:
+        return None
+    from launch.config import resolved
+
+    return MetricsLogger(Path(cfg.trainer.output_dir), cfg.trainer.loggers, resolved(cfg), start,
+                         cfg.trainer.wandb_project)
+
+
 def _plain(v: Any) -> Any:
     if hasattr(v, "item"):
         v = v.item()

@@ -34,12 +34,11 @@ def train(cfg: Config) -> dict[str, Any]:
 def _train(cfg: Config) -> dict[str, Any]:
     from engines.training.backends import ACTORS
     from launch.checkpoint import Checkpointer
-    from launch.config import resolved
     from launch.data.sft import warm_up_run
-    from launch.metrics import REWARD_KEY, VAL_KEY, MetricsLogger, summarize
+    from launch.metrics import REWARD_KEY, VAL_KEY, run_logger, summarize
     from launch.resume import flat_config, resume
     from launch.setup import setup
-    from launch.validation import validate_step, validator_for
+    from launch.validation import validate_before_training, validator_for
     from parallel.reduce import on_every_rank
 
     run = setup(cfg)
@@ -52,15 +51,12 @@ def _train(cfg: Config) -> dict[str, Any]:
     except BaseException:
         plane.close()
         raise
-    logger = MetricsLogger(out, cfg.trainer.loggers, resolved(cfg), start, cfg.trainer.wandb_project) if rank == 0 \
-        else None
+    logger = run_logger(cfg, start, rank)
     validator = validator_for(cfg, run) if rank == 0 and run.val_rows else None
     try:
         plane.begin(out, actor, run.dp_rank, version, None if latest is not None or not cfg.sft.enabled else
                     lambda: warm_up_run(cfg, run, ckpt, sharded, config))
-        if validator is not None and logger is not None and cfg.trainer.val_before_train and start == 0 \
-                and not logger.logged(0, VAL_KEY):  # once: not again after a kill during step 1
-            logger.log(0, validate_step(validator, plane, 0, plane.version), console=(VAL_KEY,))
+        validate_before_training(validator, logger, plane, cfg, start)
         if start < cfg.trainer.steps:
             plane.start_rollout(stream, cfg.data.prompts_per_step, plane.version, rollout_state)
         _steps(cfg, run, start, ckpt, sharded, logger, validator, config)

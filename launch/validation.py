@@ -170,6 +170,15 @@ def validate_step(validator: Any, plane: Any, step: int, version: int) -> dict[s
     return metrics
 
 
+def validate_before_training(validator: Any, logger: Any, plane: Any, cfg: Any, start: int) -> None:
+    """Rank 0 of a fresh run with `trainer.val_before_train`: the base weights validated and logged as
+    step 0, once (not again after a kill during step 1)."""
+    from launch.metrics import VAL_KEY
+
+    if validator is not None and cfg.trainer.val_before_train and start == 0 and not logger.logged(0, VAL_KEY):
+        logger.log(0, validate_step(validator, plane, 0, plane.version), console=(VAL_KEY,))
+
+
 def write_records(path: Path, recs: Sequence[Mapping[str, Any]]) -> Path:
     """Write the records whole or not at all (a temporary file renamed into place)."""
     path.parent.mkdir(parents=True, exist_ok=True)

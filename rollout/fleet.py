@@ -17,7 +17,7 @@ import json
 import os
 import socket
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,35 +27,7 @@ from engines.inference import ENGINES
 from rollout.bus.control import ControlClient
 from rollout.config import RolloutConfig
 from rollout.engine_stats import engine_metrics, statuses
-
-
-@dataclass(frozen=True)
-class Topology:
-    """What every rank knows of the run's engines once they started (`EngineFleet.start` returns it):
-    all that the weight sync (`rollout/weights/sync.py`) is given of the fleet."""
-
-    rank: int
-    world: int
-    node: int  # this process's node, of `nodes`
-    nodes: int
-    local_rank: int
-    leaders: tuple[int, ...]  # the global rank that started each node's engines (its local rank 0)
-    engines: tuple["EngineInfo", ...]
-    placement: str  # rollout.placement, `auto` decided
-    keys: Any = None  # the bus keys of the run's engines (None: none)
-    inproc: Any = None  # rollout.in_process: the engine this process serves
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """One engine as every rank knows it after the address exchange."""
-
-    engine_id: str
-    node: int
-    devices: tuple[int, ...]  # cores (cpu) or GPU indices on its node
-    ipc: str
-    tcp: str | None
-    pid: int
+from rollout.topology import EngineInfo, Topology
 
 
 def node_topology() -> tuple[int, int, int]:

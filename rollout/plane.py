@@ -132,9 +132,13 @@ class RolloutPlane:
         if self.world > 1:  # no node runs ahead (e.g. a resumed run with no steps left) while rank 0 connects
             torch.distributed.barrier()
         if resumed_version is not None:
-            self.weights.load(actor, max(self.weights.version, 1))
+            self.load(actor, max(self.weights.version, 1))
         elif warm_up is not None:
-            self.weights.load(actor, self.weights.version + 1)
+            self.load(actor, self.weights.version + 1)
+
+    def load(self, actor: Any, version: int) -> None:
+        """The engines (started from the base model) brought to `actor`'s weights as `version`."""
+        self.weights.load(actor, version)
 
     @property
     def version(self) -> int:

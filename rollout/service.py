@@ -39,7 +39,7 @@ def check_service(cfg: Any) -> None:
     if cfg.in_process:
         raise ValueError("rollout.in_process=true serves an engine from the trainer's process; it cannot be combined "
                          "with rollout.engines (servers started elsewhere): drop one")
-    if cfg.staleness == 0 and cfg.placement == "colocated":
+    if cfg.placement == "colocated":  # under asynchronous RL `RolloutConfig` refused it already
         raise ValueError("rollout.placement=colocated puts engines to sleep during updates, which a run never does to "
                          "engines it attached to (rollout.engines); use placement=auto or split")
 
@@ -47,13 +47,6 @@ def check_service(cfg: Any) -> None:
 def service_keys(cfg: Any) -> BusKeys | None:
     """The keys the run's clients use with the attached engines (None: ipc addresses only)."""
     return BusKeys.read(cfg.engine_keys) if cfg.engine_keys else None
-
-
-def behind(control: Any, count: int, version: int) -> list[int]:
-    """Indices of the live engines serving a weight version older than `version` (restarted ones)."""
-    from rollout.engine_stats import statuses
-
-    return [i for i, st in enumerate(statuses(control, count)) if st is not None and st.weight_version < version]
 
 
 def main(argv: list[str] | None = None) -> int:

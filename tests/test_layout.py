@@ -184,3 +184,37 @@ def test_the_design_document_names_folders_and_files_that_exist():
     undrawn = [p.name for p in (REPO / "rollout").iterdir() if p.is_dir() and not p.name.startswith(("_", "."))
                and f"rollout/{p.name}" not in drawn]
     assert not undrawn, f"rollout/ has folders the design's map does not draw: {undrawn}"
+
+
+# rollout/'s rooms that meet only through a value: the weight sync is given the fleet's `Topology`
+# (rollout/topology.py) and reaches the engines through the bus; the fleet knows nothing of the weights
+ROOMS = {
+    "rollout/weights": ("rollout.weights", "rollout.bus", "rollout.topology", "rollout.engine_stats"),
+    "rollout/fleet.py": ("rollout.fleet", "rollout.bus", "rollout.topology", "rollout.engine_stats", "rollout.config",
+                         "rollout.service", "rollout.reward_engines", "rollout.inproc"),
+}
+
+
+def room_imports(root: Path, room: str, allowed: tuple[str, ...]) -> list[str]:
+    """Every import of another part of rollout/ from `room` (a folder or a file) that `allowed` lacks."""
+    known = {module_name(root, p) for top in PRODUCT if (root / top).is_dir() for p in (root / top).rglob("*.py")}
+    paths = sorted((root / room).rglob("*.py")) if (root / room).is_dir() else [root / room]
+    return [f"{path.relative_to(root)}:{line} imports {module}" for path in paths
+            for line, module in imported_modules(root, path, known)
+            if module.startswith("rollout.") and not any(module == a or module.startswith(a + ".") for a in allowed)]
+
+
+def test_the_checker_catches_the_weights_reaching_into_the_fleet(tmp_path):
+    (tmp_path / "rollout" / "weights").mkdir(parents=True)
+    (tmp_path / "rollout" / "fleet.py").write_text("")
+    (tmp_path / "rollout" / "topology.py").write_text("")
+    (tmp_path / "rollout" / "weights" / "sync.py").write_text(
+        "from rollout.topology import Topology\n\ndef f():\n    from rollout.fleet import EngineFleet\n")
+    assert room_imports(tmp_path, "rollout/weights", ROOMS["rollout/weights"]) == [
+        "rollout/weights/sync.py:4 imports rollout.fleet"]
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_the_fleet_and_the_weights_meet_only_through_the_topology(room):
+    bad = room_imports(REPO, room, ROOMS[room])
+    assert not bad, f"{room} reaches past its room (hand it a value instead, as the plane does):\n" + "\n".join(bad)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import ctypes
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -28,7 +27,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from engines.inference.base import EngineStats, GenerateOutput, SamplingParams, check_sleep_level, id_list
+from engines.inference.base import GenerateOutput, SamplingParams, check_sleep_level, id_list
 from engines.inference.queued import QueuedEngine
 from engines.inference.grammar import Grammars
 from engines.inference.sampling import check_vocab, sample
@@ -90,7 +89,7 @@ class HFEngine(QueuedEngine):
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 64,
                  seed: int = 0) -> None:
-        self._take_options(model, device, dtype, max_batch_size, seed)
+        super().__init__(model, device, dtype, max_batch_size, seed, "hf-engine")
         self.model: Any = None
         self.weights_valid = True
         self._weights_freed = False  # parameters are meta tensors (level-2 sleep, not woken yet)
@@ -100,26 +99,13 @@ class HFEngine(QueuedEngine):
         self._image_token: int | None = None
         self._tokens_per_image = 0
         self.adapter: HookedAdapter | None = None  # a LoRA adapter pushed as weights (engines/lora.py)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-engine")
-        self._pending: collections.deque[_Request] = collections.deque()
-        self._live: dict[str, _Request] = {}
-        self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._prefix_lru: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._batch: _Batch | None = None
-        self._running = 0
-        self._stats = EngineStats()
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._has_work = asyncio.Event()
         self._runnable = asyncio.Event()  # awake and weights valid: the scheduler may step
         self._runnable.set()
-        self._scheduler: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ protocol
-
-    async def start(self) -> None:
-        """Load the model in the worker thread so the server can answer health while it loads."""
-        await asyncio.get_running_loop().run_in_executor(self._pool, self._load)
-        self._scheduler = asyncio.create_task(self._schedule(), name=f"hf-engine-scheduler:{self.model_name}")
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        pixel_values: Any = None) -> GenerateOutput:

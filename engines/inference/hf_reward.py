@@ -21,8 +21,6 @@ it is scored one request per forward.
 from __future__ import annotations
 
 import asyncio
-import collections
-import concurrent.futures
 import logging
 import math
 from dataclasses import dataclass
@@ -30,7 +28,7 @@ from typing import Any, Iterable
 
 import torch
 
-from engines.inference.base import EngineStats, GenerateOutput, SamplingParams, check_sleep_level, id_list
+from engines.inference.base import GenerateOutput, SamplingParams, check_sleep_level, id_list
 from engines.inference.queued import QueuedEngine
 from engines.models import resolve_model
 
@@ -59,7 +57,7 @@ class HFRewardEngine(QueuedEngine):
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 64,
                  max_batch_tokens: int = 65536, seed: int = 0) -> None:
-        self._take_options(model, device, dtype, max_batch_size, seed)  # the seed: unused (scoring is exact)
+        super().__init__(model, device, dtype, max_batch_size, seed, "hf-reward")  # the seed: unused (scoring is exact)
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens={max_batch_tokens} must be >= 1")
         self.max_batch_tokens = max_batch_tokens
@@ -67,23 +65,10 @@ class HFRewardEngine(QueuedEngine):
         self.pad_token_id: int | None = None
         self.vocab_size = 0
         self.max_model_len = 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-reward")
-        self._pending: collections.deque[_Request] = collections.deque()
-        self._live: dict[str, _Request] = {}
-        self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._running = 0
-        self._stats = EngineStats()
-        self._has_work = asyncio.Event()
         self._awake = asyncio.Event()
         self._awake.set()
-        self._scheduler: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ protocol
-
-    async def start(self) -> None:
-        """Load the model in the worker thread so the server can answer health while it loads."""
-        await asyncio.get_running_loop().run_in_executor(self._pool, self._load)
-        self._scheduler = asyncio.create_task(self._schedule(), name=f"hf-reward-scheduler:{self.model_name}")
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
         """Score the whole prompt; the answer has no tokens and the score in `score`."""

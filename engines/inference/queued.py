@@ -1,11 +1,12 @@
 """What the in-process transformers engines (hf.py, hf_reward.py) share: their constructor options,
-checked; requests wait in a queue that one scheduler task drains onto a worker thread. Their load
-figures and their shutdown."""
+checked; the queue their requests wait in, which one scheduler task drains onto a worker thread
+once the model has loaded there (`start`); their load figures and their shutdown."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 from collections.abc import Callable
 from typing import Any
 
@@ -19,24 +20,13 @@ EARLY_ABORTS_KEPT = 10_000  # aborts of requests not (yet) seen, remembered so t
 
 
 class QueuedEngine:
-    """Mixed into an engine with `_stats` (EngineStats), `_pending` (queued requests), `_running`,
-    `max_batch_size`, `_scheduler` (its task), `_live` (request id -> request with a `future`),
-    `_early_aborts` (an OrderedDict), `_pool` (the worker thread's executor) and `_has_work` (the
-    scheduler's wake-up)."""
+    """The base of an engine whose requests wait in a queue (`_pending`) that one scheduler task
+    (`_schedule`, the engine's own) drains onto one worker thread (`_pool`), where `_load` loads
+    the model at `start`. `_live` maps a request id to its request, which has a `future`."""
 
-    _stats: EngineStats
-    _pending: Any
-    _running: int
-    max_batch_size: int
-    _scheduler: asyncio.Task | None
-    _live: dict[str, Any]
-    _early_aborts: collections.OrderedDict[str, None]
-    _pool: Any
-    _has_work: asyncio.Event
-
-    def _take_options(self, model: str, device: str, dtype: str, max_batch_size: int, seed: int) -> None:
+    def __init__(self, model: str, device: str, dtype: str, max_batch_size: int, seed: int, name: str) -> None:
         """The options both engines take, checked: the model, its device and dtype, the most rows a
-        batch holds, the seed."""
+        batch holds, the seed. `name` names the worker thread and the scheduler task."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
         if max_batch_size < 1:
@@ -46,6 +36,26 @@ class QueuedEngine:
         self.dtype = DTYPES[dtype]
         self.max_batch_size = max_batch_size
         self.seed = seed
+        self._name = name
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._pending: collections.deque[Any] = collections.deque()
+        self._live: dict[str, Any] = {}
+        self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._running = 0
+        self._stats = EngineStats()
+        self._has_work = asyncio.Event()  # the scheduler's wake-up
+        self._scheduler: asyncio.Task | None = None
+
+    def _load(self) -> None:
+        raise NotImplementedError
+
+    async def _schedule(self) -> None:
+        raise NotImplementedError
+
+    async def start(self) -> None:
+        """Load the model in the worker thread so the server can answer health while it loads."""
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._load)
+        self._scheduler = asyncio.create_task(self._schedule(), name=f"{self._name}-scheduler:{self.model_name}")
 
     def _admit(self, request_id: str) -> bool:
         """Whether a generate for `request_id` may queue: False when `abort` named it first (its

@@ -64,9 +64,9 @@ def logprob_gap(rollout: torch.Tensor, actor: torch.Tensor, mask: torch.Tensor) 
     return [float(gap.sum()), float(gap.numel()), float(gap.max()) if gap.numel() else 0.0]
 
 
-def drift_over_ranks(gap: list[float], reduce: bool = True) -> tuple[float, float]:
-    """(mean, max) of `logprob_gap` figures, over every rank when `reduce` (each holds its share)."""
-    (total, tokens), (top,) = over_ranks(gap[:2], gap[2:]) if reduce else (gap[:2], gap[2:])
+def drift_over_ranks(gap: list[float], shard: bool = True) -> tuple[float, float]:
+    """(mean, max) of `logprob_gap` figures, over every rank when each holds a `shard` of the batch."""
+    (total, tokens), (top,) = over_ranks(gap[:2], gap[2:], shard=shard)
     return (total / tokens if tokens > 0 else 0.0), top
 
 

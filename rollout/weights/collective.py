@@ -79,12 +79,9 @@ def broadcast_buckets(named: Iterable[tuple[str, "torch.Tensor"]] | None, src: i
 
 def commit_everywhere(ok: bool, group: Any = None) -> bool:
     """True only if every rank's engine committed: the version bumps everywhere or nowhere."""
-    import torch
-    import torch.distributed as dist
+    from parallel.reduce import on_every_rank
 
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+    return on_every_rank(ok, group)
 
 
 def relay_buckets(named: Iterable[tuple[str, "torch.Tensor"]] | None, src: int, group: Any, slots: "ShmSlots",

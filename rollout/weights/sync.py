@@ -1,10 +1,10 @@
-"""Weight sync: the actor's weights into every engine of the fleet (`rollout/fleet.py`), one call
-per weight version, by the route the run's placement picks from `routes.ROUTES`. One node: rank 0
-packs each bucket into a shared-memory slot its node's engines map (`shm`), or, colocated on one
-GPU, into a device buffer they open by its CUDA IPC handle (`handle`). Several nodes: rank 0
-broadcasts each bucket to every node's leader, which feeds its engines the same way
-(`collective`). `rollout.weight_path=bus`: frames over the sockets (`bus`); `rollout.in_process`:
-tensors by reference (`in_process`).
+"""Weight sync: the actor's weights into every engine of the run (all it knows of them: the
+`Topology`, `rollout/topology.py`), one call per weight version, by the route the run's placement
+picks from `routes.ROUTES`. One node: rank 0 packs each bucket into a shared-memory slot its
+node's engines map (`shm`), or, colocated on one GPU, into a device buffer they open by its CUDA
+IPC handle (`handle`). Several nodes: rank 0 broadcasts each bucket to every node's leader, which
+feeds its engines the same way (`collective`). `rollout.weight_path=bus`: frames over the sockets
+(`bus`); `rollout.in_process`: tensors by reference (`in_process`).
 
 `WeightSync.version` is the run's weight version, the one place the trainer keeps it: `publish`
 pushes the actor's weights as the next version (preempting running generations under asynchronous
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from engines.inference import ENGINES
-from rollout.fleet import Topology
+from rollout.topology import Topology
 from rollout.weights.link import Link, Placement, Push, drain
 from rollout.weights.routes import ROUTES, choose
 from rollout.weights.shm import free_bytes, shm_dir
@@ -34,7 +34,8 @@ class WeightSync:
     """The run's weights into its fleet's engines. Every rank holds one; rank 0 is the source.
     `adapter_rank`: the actor trains a LoRA adapter of that rank (0: none); `frees_weights`: the
     engines free their weights while asleep (colocated, sleep level 2). What it knows of the engines
-    themselves is the fleet's `Topology` (`connect`) and rank 0's control client (`connect_clients`)."""
+    themselves is the `Topology` the fleet returned (`connect`) and rank 0's control client
+    (`connect_clients`)."""
 
     def __init__(self, cfg: Any, dtype: str, model_dir: str, adapter_rank: int = 0, frees_weights: bool = False) -> None:
         self.cfg, self.dtype, self.model_dir = cfg, dtype, model_dir
@@ -184,14 +185,15 @@ class WeightSync:
 
     def _behind(self) -> list[int]:
         """Every rank: the attached engines that serve an older weight version than the run's (they
-        restarted), to push the weights to again before the rollout (rollout/service.py); the others
-        already hold it and would refuse it."""
+        restarted, by the version each reports: `rollout/engine_stats.py`), to push the weights to again
+        before the rollout (rollout/service.py); the others already hold it and would refuse it."""
         if not self.cfg.engines:
             return []
-        from rollout.service import behind
+        from rollout.engine_stats import statuses
 
         t = self._topology()
-        box = [behind(self.control, len(t.engines), self.version) if self.control is not None else []]
+        box = [[i for i, st in enumerate(statuses(self.control, len(t.engines)))
+                if st is not None and st.weight_version < self.version] if self.control is not None else []]
         if t.world > 1:
             torch.distributed.broadcast_object_list(box, src=0)
         return list(box[0])
