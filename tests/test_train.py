@@ -77,7 +77,10 @@ BAD_CONFIGS = [
 def bad_config_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
     """Every bad config through launch/train.py's entry point, in one process (tests/config_errors.py)."""
     cache = tmp_path_factory.mktemp("bad-configs") / "cache"
-    proc = subprocess.run([sys.executable, "tests/config_errors.py", json.dumps([o for o, _ in BAD_CONFIGS])],
+    # an output directory of their own: checks made after the run lock is taken would otherwise meet another
+    # worker's run of this fixture (or any run on the default directory) holding it
+    out = f"trainer.output_dir={cache.parent / 'run'}"
+    proc = subprocess.run([sys.executable, "tests/config_errors.py", json.dumps([[*o, out] for o, _ in BAD_CONFIGS])],
                           cwd=REPO, capture_output=True, text=True, timeout=600, env=_env(cache))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), cache
