@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -37,7 +36,6 @@ from engines.models import image_token_layout, is_vision_language, load_pretrain
 
 PREFIX_BLOCK = 16  # tokens per block of the modelled prefix cache (vLLM's default block size)
 PREFIX_LRU_ENTRIES = 100_000
-TRIM_EVERY_S = 2.0  # at most this often, the host heap is trimmed when a batch drains (CPU)
 
 
 @dataclass(eq=False)
@@ -103,7 +101,6 @@ class HFEngine(QueuedEngine):
         self.adapter: HookedAdapter | None = None  # a LoRA adapter pushed as weights (engines/lora.py)
         self._prefix_lru: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._batch: _Batch | None = None
-        self._trimmed_at = 0.0  # when the host heap was last trimmed after a batch drained
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._runnable = asyncio.Event()  # awake and weights valid: the scheduler may step
         self._runnable.set()
@@ -318,10 +315,6 @@ class HFEngine(QueuedEngine):
             new = self._advance(*self._prefill(admitted), finished)
             b = new if b is None else (b if new is None else _merge(b, new))
         self._batch = b
-        if b is None and self.device.type == "cpu" and time.monotonic() - self._trimmed_at > TRIM_EVERY_S:
-            # the batch drained: give the freed heap of its decode steps (a new shape every step) back
-            _trim_host_heap()
-            self._trimmed_at = time.monotonic()
         return finished
 
     def _prefill(self, reqs: list[_Request]) -> tuple[_Batch, torch.Tensor]:
