@@ -33,11 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, result_line, write_result  # noqa: E402
 
 
-def _sample(pids: list[int]) -> tuple[float, int]:
-    """(RSS in MiB, open files) summed over `pids` and their children now."""
+def _sample(pids: list[int]) -> tuple[float, int, dict[str, float]]:
+    """(RSS in MiB, open files) summed over `pids` and their children now, and the RSS by kind of
+    process (`_kind`)."""
     import psutil
 
-    rss, files, seen = 0, 0, set()
+    rss, files, seen, kinds = 0, 0, set(), {}
     for pid in pids:
         try:
             top = psutil.Process(pid)
@@ -49,11 +50,19 @@ def _sample(pids: list[int]) -> tuple[float, int]:
                 continue
             seen.add(p.pid)
             try:
-                rss += p.memory_info().rss
+                here = p.memory_info().rss
                 files += p.num_fds()
+                kind = "top" if p.pid == pid else _kind(p.cmdline())
             except (psutil.NoSuchProcess, psutil.AccessDenied):
-                pass
-    return rss / 2**20, files
+                continue
+            rss += here
+            kinds[kind] = kinds.get(kind, 0.0) + here / 2**20
+    return rss / 2**20, files, kinds
+
+
+def _kind(cmdline: list[str]) -> str:
+    """Which part of a run a child process is: an engine server or another process (agent workers)."""
+    return "engine" if "rollout.bus.server" in cmdline else "other"
 
 
 def _growth(samples: list[tuple[float, float, int]]) -> dict[str, float]:
@@ -67,6 +76,14 @@ def _growth(samples: list[tuple[float, float, int]]) -> dict[str, float]:
             "files_first_half": mid[2] - first[2], "files_second_half": last[2] - mid[2], "samples": len(samples)}
 
 
+def _growth_by_kind(kinds: list[dict[str, float]]) -> dict[str, float]:
+    """Each kind of process's RSS growth over the second half of the samples (where the growth is)."""
+    if len(kinds) < 3:
+        return {}
+    mid, last = kinds[len(kinds) // 2], kinds[-1]
+    return {k: round(last.get(k, 0.0) - mid.get(k, 0.0), 1) for k in sorted({*mid, *last})}
+
+
 QUICK = ["rollout.max_tokens=32", "rollout.n=2", "data.prompts_per_step=2", "sft.steps=2"]  # the CI form's steps
 
 
@@ -78,6 +95,7 @@ def soak_training(steps: int, every_s: float, work: Path, quick: bool = False) -
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     log = work / "train.log"
     samples: list[tuple[float, float, int]] = []
+    kinds: list[dict[str, float]] = []
     t0 = time.monotonic()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -86,11 +104,13 @@ def soak_training(steps: int, every_s: float, work: Path, quick: bool = False) -
             time.sleep(every_s)
             logged = metrics.read_text().count("\n") if metrics.exists() else 0
             if 0 < logged < steps:  # between the first step and the last: start-up and shut-down left out
-                rss, files = _sample([proc.pid])
+                rss, files, by_kind = _sample([proc.pid])
                 samples.append((time.monotonic() - t0, rss, files))
+                kinds.append({"trainer" if k == "top" else k: v for k, v in by_kind.items()})
     if proc.returncode != 0:
         raise SystemExit(f"launch/train.py exited {proc.returncode}:\n{log.read_text()[-3000:]}")
     return {"steps": steps, "wall_s": round(time.monotonic() - t0, 1), **_growth(samples),
+            "rss_growth_second_half_mib_by_process": _growth_by_kind(kinds),
             "trace": [(round(t, 1), round(r, 1), n) for t, r, n in samples]}
 
 
@@ -110,7 +130,7 @@ def soak_gateway(requests: int, clients: int, every_s: float, work: Path) -> dic
 
     def sampler() -> None:
         while not stop.wait(every_s):
-            rss, files = _sample([os.getpid()])
+            rss, files, _ = _sample([os.getpid()])
             samples.append((time.monotonic() - t0, rss, files))
 
     async def agent(s: Any, base: str, i: int, n: int) -> int:
@@ -188,7 +208,8 @@ def main() -> None:
     path = write_result("soak", report, args.out)
     print(f"training: {args.steps} steps, RSS {training.get('rss_mib_start')} -> {training.get('rss_mib_end')} MiB "
           f"(first half +{training.get('rss_growth_first_half_mib')}, second half "
-          f"+{training.get('rss_growth_second_half_mib')}), open files +{training.get('files_second_half')} in the "
+          f"+{training.get('rss_growth_second_half_mib')}; by process "
+          f"{training.get('rss_growth_second_half_mib_by_process')}), open files +{training.get('files_second_half')} in the "
           f"second half; gateway: {gateway['requests']} requests, RSS {gateway.get('rss_mib_start')} -> "
           f"{gateway.get('rss_mib_end')} MiB (second half +{gateway.get('rss_growth_second_half_mib')}); {path}")
     print(result_line({"train_rss_growth_second_half_mib": training.get("rss_growth_second_half_mib", float("nan")),

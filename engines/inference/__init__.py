@@ -34,11 +34,14 @@ class EngineSpec:
     # the names of its options for the share of GPU memory it takes and for tensor parallelism (the plan reads them)
     memory_option: str | None = None
     tp_option: str | None = None
+    # its server process gives freed host memory back and caps oneDNN's per-shape cache
+    # (parallel.host.bound_freed_memory): a transformers engine on a CPU otherwise grows every step
+    bounded_heap: bool = False
 
 
 ENGINES: dict[str, EngineSpec] = {
     "hf": EngineSpec("engines.inference.hf:HFEngine", {"max_batch_size": 64}, in_process="hf", images=True,
-                     adapters=True, on_gpu={"device": "cuda"}),  # it defaults to the CPU
+                     adapters=True, on_gpu={"device": "cuda"}, bounded_heap=True),  # it defaults to the CPU
     "vllm": EngineSpec("engines.inference.vllm:VLLMEngine", in_process="vllm_inproc", in_process_one_rank=True,
                        images=True, adapters=True, adapter_option="lora_rank", memory_option="gpu_memory_utilization",
                        tp_option="tensor_parallel_size"),
@@ -50,7 +53,7 @@ ENGINES: dict[str, EngineSpec] = {
     "sim": EngineSpec("engines.inference.sim:SimEngine", rollout=False),
     # a reward model (sequence classification, one output): scores prompts, is never a policy nor weight-synced
     "hf_reward": EngineSpec("engines.inference.hf_reward:HFRewardEngine", {"max_batch_size": 64}, rollout=False,
-                            on_gpu={"device": "cuda"}),
+                            on_gpu={"device": "cuda"}, bounded_heap=True),
 }
 BACKENDS: dict[str, str] = {name: spec.target for name, spec in ENGINES.items()}
 ROLLOUT_ENGINES: tuple[str, ...] = tuple(name for name, spec in ENGINES.items() if spec.rollout)

@@ -28,7 +28,8 @@ from typing import Any, Sequence, TextIO
 import zmq
 import zmq.asyncio
 
-from engines.inference import Engine, EngineDeadError, SamplingParams, held_dtype, make_engine
+from engines.inference import ENGINES, Engine, EngineDeadError, SamplingParams, held_dtype, make_engine
+from parallel.host import bound_freed_memory
 from parallel.lifetime import exit_now, watch_parent
 from rollout.bus import protocol as P
 from rollout.bus.eager import start_eagerly
@@ -461,6 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     cores = os.environ.get("SWITCHYARD_ENGINE_CORES")
     if cores and hasattr(os, "sched_setaffinity"):  # this engine's slice of the box, before any thread starts
         os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
+    if args.backend in ENGINES and ENGINES[args.backend].bounded_heap:
+        bound_freed_memory()  # before the engine computes: a server lives for the run, every step a new shape
     engine = make_engine(args.backend, args.model, **parse_options(args.option))
     keys = BusKeys.read(args.keys) if args.keys else None
     server = EngineServer(engine, args.address, args.engine_id or args.address[0], args.request_log, keys,
