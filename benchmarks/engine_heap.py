@@ -8,8 +8,8 @@ Why: a training run's engine serves a batch of new lengths and takes a fresh cop
 step. With glibc's and oneDNN's defaults the server's RSS grew 6-9 MiB a step on a CPU box for hundreds
 of steps (a 400-step soak: +248 MiB in its second half) while no Python object or tensor was held:
 freed heap glibc keeps and the cache of oneDNN computations torch keeps per shape (1024 of them).
-Each setting runs in a process of its own (both are process-wide), alternating (bounded, default, ...); a round is what a step
-asks of the engine: 16 requests of 50-400 random prompt tokens and 48 sampled tokens each, then every
+Each setting runs in a process of its own (both are process-wide), alternating (bounded, default,
+...); a round is what a step asks of the engine: 16 requests of 50-400 random prompt tokens and 48 sampled tokens each, then every
 weight sent again and committed. Reported per setting: RSS growth over the second half of the rounds
 (a leak grows in both halves, a warm-up in the first), growth after the first 5, and the median round
 time (what the bound costs in speed), with the per-pair ratio of round times.
