@@ -54,21 +54,21 @@ def bind_host(configured: str | None) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-def resolve_placement(mode: str, staleness: int = 0) -> str:
+def resolve_placement(mode: str, asynchronous: bool = False) -> str:
     """`rollout.placement` with `auto` decided: on GPUs colocated, or split where rollout runs on during
-    the update (`staleness` > 0: colocated engines sleep through it) and the node has GPUs past its
-    training ranks; on a CPU-only machine the cores. A GPU node left with none for such engines is an
-    error naming the fixes, raised before any model loads."""
+    the update (`asynchronous`: `RolloutConfig.asynchronous`; colocated engines sleep through it) and
+    the node has GPUs past its training ranks; on a CPU-only machine the cores. A GPU node left with
+    none for such engines is an error naming the fixes, raised before any model loads."""
     if mode != "auto":
         return mode
     if not torch.cuda.is_available():
         return "cpu"
-    if staleness <= 0:
+    if not asynchronous:
         return "colocated"
     gpus, training = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if gpus > training:
         return "split"
-    raise ValueError(f"rollout.staleness={staleness} needs engines that generate during the update, and all {gpus} "
+    raise ValueError(f"rollout.staleness >= 1 needs engines that generate during the update, and all {gpus} "
                      f"GPU(s) of this node train ({training} rank(s)): start fewer ranks so engines get GPUs of their "
                      f"own (rollout.placement=split), put the engines on the CPU (rollout.placement=cpu), or set "
                      f"rollout.staleness=0")
@@ -82,7 +82,7 @@ class EngineFleet:
         self.sleep_level = sleep_level
         self.replica_of: list[int] = [0]  # every rank's data-parallel replica (start)
         self.node, self.nodes, self.local_rank = node_topology()
-        self.placement = resolve_placement(cfg.placement, cfg.staleness)  # never colocated when asynchronous
+        self.placement = resolve_placement(cfg.placement, cfg.asynchronous)  # never colocated when asynchronous
         self.sleeps = self.placement == "colocated"
         self.procs: list[Any] = []
         self.engines: list[EngineInfo] = []

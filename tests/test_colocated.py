@@ -96,12 +96,12 @@ def test_auto_placement_follows_staleness_and_the_gpus_left(monkeypatch):
     from rollout.fleet import resolve_placement
 
     if not torch.cuda.is_available():
-        assert resolve_placement("auto", 1) == "cpu"
+        assert resolve_placement("auto", True) == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert resolve_placement("auto", 0) == "colocated" and resolve_placement("auto", 1) == "split"
-    assert resolve_placement("colocated", 0) == "colocated" and resolve_placement("cpu", 2) == "cpu"
+    assert resolve_placement("auto", False) == "colocated" and resolve_placement("auto", True) == "split"
+    assert resolve_placement("colocated", False) == "colocated" and resolve_placement("cpu", True) == "cpu"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    with pytest.raises(ValueError, match=r"staleness=1 .* all 8 GPU.*placement=split.*placement=cpu.*staleness=0"):
-        resolve_placement("auto", 1)
+    with pytest.raises(ValueError, match=r"staleness >= 1 .* all 8 GPU.*placement=split.*placement=cpu.*staleness=0"):
+        resolve_placement("auto", True)
