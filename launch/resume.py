@@ -34,7 +34,8 @@ HARMLESS = (
     "val", "data.val_path", "sft",  # sft: a resumed run does not warm up again
     "rollout.num_engines", "rollout.placement", "rollout.bind_host", "rollout.request_log", "rollout.engine_options",
     "rollout.policy", "rollout.num_workers", "rollout.startup_timeout_s", "rollout.step_timeout_s",
-    "rollout.weight_bucket_mb", "rollout.weight_path", "rollout.verify_weights", "rollout.in_process",
+    "rollout.weight_bucket_mb", "rollout.weight_path", "rollout.verify_weights", "rollout.verify_weights_every",
+    "rollout.in_process",
     "rollout.engine_cores", "rollout.tracing", "rollout.engines", "rollout.engine_keys",
     "actor.micro_batch_size", "actor.max_tokens_per_micro_batch", "actor.gradient_checkpointing",
     "actor.retain_freed_memory", "actor.attn_implementation", "actor.shared_prefix", "actor.packed_attention",

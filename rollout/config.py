@@ -48,6 +48,10 @@ class RolloutConfig:
     # after each push every engine reports a digest of each tensor it serves, compared with what was
     # sent; a tensor whose copy differs is named in a warning (rollout/weights/verify.py)
     verify_weights: bool = True
+    # N > 1: a push checks a rotating 1/N of the tensors instead of all (each one at least every N pushes;
+    # a run's first push, a resume's and a push to restarted engines check all): the trainer's and the
+    # engines' digests of the others stay off the pause
+    verify_weights_every: int = 1
     # serve the (one, hf) engine from the trainer's own process: weights then load by reference, no
     # bytes in between (rollout/inproc.py); one node only
     in_process: bool = False
@@ -97,7 +101,7 @@ class RolloutConfig:
         if self.sleep_level not in (None, 1, 2):
             raise ValueError(f"rollout.sleep_level={self.sleep_level!r} must be 1 (keep weights), 2 (free them) or "
                              "null (2, or 1 with actor.lora)")
-        positive("rollout", self, "num_engines", "n", "max_tokens", "weight_bucket_mb")
+        positive("rollout", self, "num_engines", "n", "max_tokens", "weight_bucket_mb", "verify_weights_every")
         if self.num_workers < 0:
             raise ValueError(f"rollout.num_workers={self.num_workers} must be >= 0 (0 = run in the trainer process)")
         if self.temperature <= 0:

@@ -107,3 +107,25 @@ def test_a_push_that_skips_a_tensor_is_named_at_once_and_max_drift_stops_the_run
     assert stop and SKIP in stop[0] and "trainer.max_drift=0.0001 stops the run" in stop[0], err[-4000:]
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps[0]["sync/mismatched_tensors"] == 1 and steps[0]["sync/verified_tensors"] >= 19, steps[0]
+
+
+def test_a_rotating_share_of_tensors_is_checked_and_a_skipped_one_is_named_within_its_rounds(tmp_path: Path):
+    """`rollout.verify_weights_every=4`: the run's first checked push digests every tensor, each later
+    one every 4th (the start moving by one a push), so the pushes of versions 2-5 together check each
+    tensor once; the tensor the broken route never sends is named at the first push and then at the
+    one push of those four whose share holds it."""
+    args = ["model.path=tiny-llama", "model.dtype=float32", "rollout.engine=hf", "rollout.in_process=true",
+            "rollout.n=2", "rollout.max_tokens=8", "data.agent_name=single_turn_agent", "data.prompts_per_step=2",
+            "data.val_path=null", "sft.enabled=false", "actor.trainable=[]", "actor.lr=2e-2", "trainer.steps=5",
+            "trainer.export_hf=false", f"trainer.output_dir={tmp_path}", "rollout.verify_weights_every=4",
+            f"reward.function={HERE / 'fidelity_run.py'}:compute_score"]
+    proc = subprocess.run([sys.executable, "-c", BREAK_ROUTE, *args], capture_output=True, text=True, timeout=600,
+                          cwd=HERE.parent)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    named = [v for v in range(1, 6) for line in proc.stderr.splitlines()
+             if line.startswith(f"WARNING: after the push of weight version {v},") and f"{SKIP} (" in line]
+    assert named[:1] == [1] and len(named) == 2, (named, proc.stderr[-3000:])
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    checked = [int(s["sync/verified_tensors"]) for s in steps]
+    assert checked[0] >= 19 and sum(checked[1:]) == checked[0] and max(checked[1:]) <= checked[0] // 4 + 2, checked
+    assert [int(s["sync/mismatched_tensors"]) for s in steps] == [int(v in named) for v in range(1, 6)], steps

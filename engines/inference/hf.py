@@ -22,7 +22,7 @@ import asyncio
 import collections
 import ctypes
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Collection, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -160,14 +160,16 @@ class HFEngine(QueuedEngine):
         self.weights_valid = True
         self._set_runnable()
 
-    async def weight_digest(self) -> dict[str, tuple[float, float]] | None:
-        """{HF name: digest} of the weights served (engines/weight_digest.py); None while they are freed."""
+    async def weight_digest(self, names: Collection[str] | None = None) -> dict[str, tuple[float, float]] | None:
+        """{HF name: digest} of the weights served (engines/weight_digest.py), of `names` only when given;
+        None while they are freed."""
         from engines.weight_digest import digests
 
         if self._weights_freed:
             return None
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, lambda: digests(self.model.state_dict().items()))
+        wanted = None if names is None else set(names)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: digests(
+            (n, t) for n, t in self.model.state_dict().items() if wanted is None or n in wanted))
 
     async def sleep(self, level: int = 1) -> None:
         """Pause scheduling and give memory back; `level` as in the Engine protocol.

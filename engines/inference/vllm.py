@@ -64,7 +64,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from engines.inference.base import (
     EngineDeadError,
@@ -421,10 +421,12 @@ class VLLMEngine:
             shutil.rmtree(self._stage_dir, ignore_errors=True)
             self._stage_dir, self._staged_names = None, set()
 
-    async def weight_digest(self) -> dict[str, tuple[float, float]] | None:
-        """{HF name: digest} of the weights served (engines/weight_digest.py), taken in the worker
-        with the model's own kernels (vllm_worker.py); None where the engine cannot tell (TP > 1)."""
-        return (await self._llm.collective_rpc("weight_digest"))[0]
+    async def weight_digest(self, names: Collection[str] | None = None) -> dict[str, tuple[float, float]] | None:
+        """{HF name: digest} of the weights served (engines/weight_digest.py; of `names` only, when given),
+        taken in the worker with the model's own kernels (vllm_worker.py); None where the engine cannot
+        tell (TP > 1)."""
+        return (await self._llm.collective_rpc("weight_digest",
+                                                args=(None if names is None else sorted(names),)))[0]
 
     async def sleep(self, level: int = 1) -> None:
         """On CUDA, vLLM's own sleep at `level` (1: weights to host RAM, KV cache freed; 2: weights

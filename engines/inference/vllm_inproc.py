@@ -28,7 +28,7 @@ import asyncio
 import concurrent.futures
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Collection, Iterable
 
 from engines.inference.base import EngineDeadError, EngineStats, GenerateOutput, SamplingParams, check_sleep_level
 from engines.inference.vllm import VLLMEngine
@@ -232,8 +232,9 @@ class VLLMInProcessEngine(VLLMEngine):
         finally:
             self._by_ref, self._staged_names = [], set()
 
-    async def weight_digest(self) -> dict[str, tuple[float, float]] | None:
-        return (await self._call(self._llm.collective_rpc, "weight_digest"))[0]
+    async def weight_digest(self, names: Collection[str] | None = None) -> dict[str, tuple[float, float]] | None:
+        return (await self._call(self._llm.collective_rpc, "weight_digest",
+                                 args=(None if names is None else sorted(names),)))[0]
 
     async def sleep(self, level: int = 1) -> None:
         check_sleep_level(level)

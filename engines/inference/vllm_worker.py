@@ -53,9 +53,10 @@ class WorkerTools:
                 head.quant_method.process_weights_after_loading(head)
         return len(heads)
 
-    def weight_digest(self) -> dict[str, tuple[float, float]] | None:
-        """{HF name: digest} of what this worker serves; None with tensor parallelism (each worker
-        holds a shard, which this does not reassemble)."""
+    def weight_digest(self, only: list[str] | None = None) -> dict[str, tuple[float, float]] | None:
+        """{HF name: digest} of what this worker serves (of the HF names `only`, when given: a layer none of
+        whose tensors is asked for is not run); None with tensor parallelism (each worker holds a
+        shard, which this does not reassemble)."""
         import torch
         from vllm.distributed import get_tensor_model_parallel_world_size
         from vllm.model_executor.layers.linear import LinearBase
@@ -67,10 +68,13 @@ class WorkerTools:
             return None
         model = self._switchyard_model()
         packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        wanted = None if only is None else set(only)
         out: dict[str, tuple[float, float]] = {}
         with torch.no_grad():
             for mname, module in model.named_modules():
                 params = dict(module.named_parameters(recurse=False))
+                if wanted is not None:
+                    params = {p: v for p, v in params.items() if wanted.intersection(_hf_names(mname, p, packed))}
                 weight = params.get("weight")
                 sizes: list[int] = []
                 if isinstance(module, (LinearBase, ParallelLMHead)) and weight is not None:
@@ -93,4 +97,4 @@ class WorkerTools:
                     if len(split) == len(names):  # a fused tensor splits into the HF tensors it holds
                         for name, part in zip(names, torch.split(v.flatten(), split)):
                             out[name] = of_output(part)
-        return out
+        return out if wanted is None else {n: d for n, d in out.items() if n in wanted}

@@ -333,9 +333,11 @@ class WeightsCommit(Message):
 @dataclass
 class WeightsDigest(Message):
     """Ask for a digest of every tensor the engine serves now (engines/weight_digest.py): sent after a
-    commit, it is answered in order after it, and the trainer compares it with what it sent."""
+    commit, it is answered in order after it, and the trainer compares it with what it sent. `names`:
+    only these HF tensors (a push that checks a share of them); empty: all."""
 
     TYPE: ClassVar[str] = "weights_digest"
+    names: list[str] = field(default_factory=list)
 
 
 @dataclass

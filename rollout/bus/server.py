@@ -407,7 +407,7 @@ class EngineServer:
                     await self.engine.wake()
                     await self._set_gate(_sleeping=False)
                 elif isinstance(msg, P.WeightsDigest):
-                    self._reply(identity, await weights.digest(msg.rid))
+                    self._reply(identity, await weights.digest(msg.rid, msg.names))
                     continue
                 else:
                     report = await weights.apply(msg)

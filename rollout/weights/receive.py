@@ -60,11 +60,11 @@ class WeightReceiver:
         self.pending: int | None = None  # the version being loaded
         self.loaded = 0
 
-    async def digest(self, rid: str) -> Digest:
-        """What the engine serves now, per tensor (engines/weight_digest.py), for the trainer to compare
-        with what it sent; `available=False` from an engine that cannot take one."""
+    async def digest(self, rid: str, names: list[str] | None = None) -> Digest:
+        """What the engine serves now, per tensor (engines/weight_digest.py; of `names` only, when given),
+        for the trainer to compare with what it sent; `available=False` from an engine that cannot take one."""
         take = getattr(self.host.engine, "weight_digest", None)
-        held = await take() if take is not None else None
+        held = await take(names or None) if take is not None else None
         if held is None:
             return Digest(rid=rid, weight_version=self.host.weight_version, available=False)
         names = sorted(held)

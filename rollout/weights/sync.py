@@ -46,6 +46,7 @@ class WeightSync:
         self.routes: dict[str, Any] = {}  # the routes used so far, by name (they keep their buffers)
         self.last_sync: dict[str, float] = {}  # the last push's figures (engines per route, GB, GB/s, digests)
         self.mismatched: dict[int, list[tuple[str, float]]] = {}  # the last push's differing tensors per engine
+        self.verified_pushes = 0  # pushes checked against the engines' digests so far (which share the next checks)
         self.group: Any = None  # the node leaders' process group, for the collective route (connect)
         self.local_control: Any = None  # another node's leader: its client to its own engines (connect_clients)
         self._no_room = False  # shared memory too small for two buckets on this one-node run: the bus instead
@@ -127,8 +128,9 @@ class WeightSync:
             self.routes[name] = ROUTES[name]()
         t0 = time.perf_counter()
         timeout_s = self.cfg.startup_timeout_s if name == "collective" else 600.0
-        # the source keeps a digest of each tensor it sends, to compare with what the engines then serve
-        tap = DigestTap(named, self.engine_dtype()) if self._verifies() else None
+        # the source keeps a digest of each tensor it sends (or of a rotating share of them), to compare
+        # with what the engines then serve
+        tap = DigestTap(named, self.engine_dtype(), *self._verify_share(engines)) if self._verifies() else None
         sent = self.routes[name].send(
             Push(tap if tap is not None else named, version, preempt, self.cfg.weight_bucket_mb << 20,
                  self.engine_dtype(), timeout_s, engines),
@@ -203,10 +205,22 @@ class WeightSync:
         return self._topology().rank == 0 and self.control is not None and self.cfg.verify_weights \
             and not self.takes_adapters()
 
+    def _verify_share(self, engines: list[int] | None) -> tuple[int, int]:
+        """(every, offset) of the tensors this push checks: all of them on the first push this process
+        makes (a run's start, a resume's) and to restarted engines (`engines`), else with
+        `rollout.verify_weights_every` N every N-th, the start moving by one each push, so each tensor
+        is checked at least every N pushes."""
+        every = self.cfg.verify_weights_every
+        if engines is not None or self.verified_pushes == 0 or every <= 1:
+            return 1, 0
+        return every, self.verified_pushes % every
+
     def _verify(self, tap: DigestTap, version: int, engines: list[int] | None) -> None:
         """Compare what every engine serves now with what `tap` saw sent; name what differs (verify.py)."""
         dtype = str(self.engine_dtype()).removeprefix("torch.")
-        found = check_engines(self.control, tap.sent, dtype, tied_embeddings(self.model_dir), engines)
+        tied = tied_embeddings(self.model_dir)
+        found = check_engines(self.control, tap.sent, dtype, tied, engines, names=tap.asked(tied))
+        self.verified_pushes += 1
         self.mismatched = found["mismatched"]
         self.last_sync.update({"sync/verified_tensors": float(found["compared"]),
                                "sync/mismatched_tensors": float(sum(len(b) for b in self.mismatched.values())),

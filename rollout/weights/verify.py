@@ -20,16 +20,29 @@ if TYPE_CHECKING:
 
 class DigestTap:
     """Passes the named tensors through unchanged, keeping the digest of each as the engines get it
-    (cast to their dtype)."""
+    (cast to their dtype); of every `every`-th tensor only when `every` > 1, starting at the
+    `offset`-th (a push that checks a rotating share)."""
 
-    def __init__(self, named: Iterable[tuple[str, "torch.Tensor"]], dtype: "torch.dtype | None") -> None:
-        self.named, self.dtype = named, dtype
+    def __init__(self, named: Iterable[tuple[str, "torch.Tensor"]], dtype: "torch.dtype | None", every: int = 1,
+                 offset: int = 0) -> None:
+        self.named, self.dtype, self.every, self.offset = named, dtype, max(1, every), offset % max(1, every)
         self.sent: dict[str, tuple[float, float]] = {}
 
     def __iter__(self) -> Iterator[tuple[str, "torch.Tensor"]]:
-        for name, t in self.named:
-            self.sent[name] = of_tensor(t if self.dtype is None else t.to(self.dtype))
+        for i, (name, t) in enumerate(self.named):
+            if i % self.every == self.offset:
+                self.sent[name] = of_tensor(t if self.dtype is None else t.to(self.dtype))
             yield name, t
+
+    def asked(self, tied: bool) -> list[str]:
+        """The names to ask the engines for: all (an empty list) when every tensor was digested, else
+        those digested, with the output head where it is the embedding (an engine's own copy of it)."""
+        if self.every == 1:
+            return []
+        names = sorted(self.sent)
+        if tied and any(n.endswith("embed_tokens.weight") for n in names):
+            names.append("lm_head.weight")
+        return names
 
 
 def tied_embeddings(model_dir: str) -> bool:
@@ -43,11 +56,14 @@ def tied_embeddings(model_dir: str) -> bool:
 
 
 def check_engines(control: Any, sent: dict[str, tuple[float, float]], dtype: str, tied: bool,
-                  engines: list[int] | None = None, timeout_s: float = 120.0) -> dict[str, Any]:
-    """Ask each engine (of `engines`) for its digest and compare. Returns `compared` (tensors compared
-    on every engine that could tell), `unavailable` (engines that could not), and `mismatched`:
-    {engine index: [(tensor name, relative difference), ...]} for engines whose copy differs."""
-    replies = control.run(control.client.broadcast(WeightsDigest(), timeout_s, only=engines, skip_down=True))
+                  engines: list[int] | None = None, timeout_s: float = 120.0, names: list[str] | None = None
+                  ) -> dict[str, Any]:
+    """Ask each engine (of `engines`) for its digest (of `names` only, when given) and compare. Returns
+    `compared` (tensors compared on every engine that could tell), `unavailable` (engines that could
+    not), and `mismatched`: {engine index: [(tensor name, relative difference), ...]} for engines whose
+    copy differs."""
+    replies = control.run(control.client.broadcast(WeightsDigest(names=list(names or [])), timeout_s, only=engines,
+                                                   skip_down=True))
     out: dict[str, Any] = {"compared": 0, "unavailable": 0, "mismatched": {}}
     for i, reply in zip(control.client.live(engines), replies):
         if not isinstance(reply, Digest) or not reply.available:
