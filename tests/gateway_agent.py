@@ -84,13 +84,19 @@ async def typed_tool_agent(base_url: str, api_key: str, row: dict) -> float:
         answer: int = pydantic.Field(ge=0, le=99999)
 
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": Answer.model_json_schema()}}
+    # the call's argument bounded (the grammar holds it to 48 characters), so a call always closes within
+    # max_tokens: an unbounded expression once ran to the limit, and a call cut there is not a call but the
+    # reply's text, which no answer schema validates
+    params = {"type": "object", "properties": {"expression": {"type": "string", "maxLength": 48}},
+              "required": ["expression"]}
+    calculator = {**CALCULATOR_SCHEMA, "function": {**CALCULATOR_SCHEMA["function"], "parameters": params}}
     bias = {"logit_bias": row["logit_bias"]} if row.get("logit_bias") else {}
     messages = list(row["prompt"])
     async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
         for round_ in range(4):
             last = {"tool_choice": "none"} if round_ == 3 else {}
             steer = bias if round_ else {}
-            reply = await client.chat.completions.create(model="switchyard", max_tokens=128, tools=[CALCULATOR_SCHEMA],
+            reply = await client.chat.completions.create(model="switchyard", max_tokens=128, tools=[calculator],
                                                          response_format=fmt, messages=messages, **steer, **last)
             message = reply.choices[0].message.model_dump(exclude_none=True)
             if not message.get("tool_calls"):
