@@ -88,17 +88,22 @@ def test_the_collective_route_across_two_nodes_keeps_engines_on_the_actors_polic
     _check(json.loads((tmp_path / "fidelity.json").read_text()), "hf", model, ["collective"])
 
 
+def _broken_route_run(tmp_path: Path, extra: list[str]) -> subprocess.CompletedProcess:
+    """`launch/train.py` on tiny-llama with the in-process route that never sends `SKIP` (BREAK_ROUTE)."""
+    args = ["model.path=tiny-llama", "model.dtype=float32", "rollout.engine=hf", "rollout.in_process=true",
+            "data.agent_name=single_turn_agent", "data.prompts_per_step=2", "data.val_path=null", "sft.enabled=false",
+            "actor.trainable=[]", "actor.lr=2e-2", "trainer.export_hf=false", f"trainer.output_dir={tmp_path}",
+            f"reward.function={HERE / 'fidelity_run.py'}:compute_score", *extra]
+    return subprocess.run([sys.executable, "-c", BREAK_ROUTE, *args], capture_output=True, text=True, timeout=600,
+                          cwd=HERE.parent)
+
+
 def test_a_push_that_skips_a_tensor_is_named_at_once_and_max_drift_stops_the_run(tmp_path: Path):
     """The in-process route broken on purpose: one tensor never reaches the engine. The push of step 1
     is followed by a warning naming that tensor; at step 2 the drift guard names it again, and with
     trainer.max_drift the run stops, exit 1."""
-    args = ["model.path=tiny-llama", "model.dtype=float32", "rollout.engine=hf", "rollout.in_process=true",
-            "rollout.n=4", "rollout.max_tokens=12", "data.agent_name=single_turn_agent", "data.prompts_per_step=2",
-            "data.val_path=null", "sft.enabled=false", "actor.trainable=[]", "actor.lr=2e-2", "trainer.steps=3",
-            "trainer.export_hf=false", f"trainer.output_dir={tmp_path}", "trainer.max_drift=1e-4",
-            f"reward.function={HERE / 'fidelity_run.py'}:compute_score"]
-    proc = subprocess.run([sys.executable, "-c", BREAK_ROUTE, *args], capture_output=True, text=True, timeout=600,
-                          cwd=HERE.parent)
+    proc = _broken_route_run(tmp_path, ["rollout.n=4", "rollout.max_tokens=12", "trainer.steps=3",
+                                        "trainer.max_drift=1e-4"])
     err = proc.stderr
     pushed = [line for line in err.splitlines() if line.startswith("WARNING: after the push of weight version 1")]
     assert pushed and f"{SKIP} (" in pushed[0] and "1 tensor(s)" in pushed[0], err[-4000:]
@@ -114,13 +119,8 @@ def test_a_rotating_share_of_tensors_is_checked_and_a_skipped_one_is_named_withi
     one every 4th (the start moving by one a push), so the pushes of versions 2-5 together check each
     tensor once; the tensor the broken route never sends is named at the first push and then at the
     one push of those four whose share holds it."""
-    args = ["model.path=tiny-llama", "model.dtype=float32", "rollout.engine=hf", "rollout.in_process=true",
-            "rollout.n=2", "rollout.max_tokens=8", "data.agent_name=single_turn_agent", "data.prompts_per_step=2",
-            "data.val_path=null", "sft.enabled=false", "actor.trainable=[]", "actor.lr=2e-2", "trainer.steps=5",
-            "trainer.export_hf=false", f"trainer.output_dir={tmp_path}", "rollout.verify_weights_every=4",
-            f"reward.function={HERE / 'fidelity_run.py'}:compute_score"]
-    proc = subprocess.run([sys.executable, "-c", BREAK_ROUTE, *args], capture_output=True, text=True, timeout=600,
-                          cwd=HERE.parent)
+    proc = _broken_route_run(tmp_path, ["rollout.n=2", "rollout.max_tokens=8", "trainer.steps=5",
+                                        "rollout.verify_weights_every=4"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     named = [v for v in range(1, 6) for line in proc.stderr.splitlines()
              if line.startswith(f"WARNING: after the push of weight version {v},") and f"{SKIP} (" in line]
