@@ -13,7 +13,10 @@ conversation of growing length through the chat, Responses (with previous_respon
 Messages routes, then start a new one; the process's RSS and open files are sampled the same way.
 
 "Flat after warm-up": the growth over the second half of the samples (last minus the middle),
-reported beside the first half's; a leak grows in both halves, a warm-up only in the first.
+reported beside the first half's; a leak grows in both halves, a warm-up only in the first. Since
+a step's memory rises and falls (the trainer hands its update's buffers back when the update ends),
+the second half is also read by its floor and its peak: the lowest and highest sample of the last
+5% of samples against those around the middle.
 """
 
 from __future__ import annotations
@@ -66,22 +69,41 @@ def _kind(cmdline: list[str]) -> str:
 
 
 def _growth(samples: list[tuple[float, float, int]]) -> dict[str, float]:
-    """RSS and open-file growth over each half of the samples (time, MiB, files)."""
+    """RSS and open-file growth over each half of the samples (time, MiB, files): single samples
+    (last minus middle), and the second half's growth of the floor and of the peak (`_windows`)."""
     if len(samples) < 3:
         return {}
     first, mid, last = samples[0], samples[len(samples) // 2], samples[-1]
+    floor, peak = _windows([s[1] for s in samples])
     return {"rss_mib_start": round(first[1], 1), "rss_mib_end": round(last[1], 1),
             "rss_growth_first_half_mib": round(mid[1] - first[1], 1),
             "rss_growth_second_half_mib": round(last[1] - mid[1], 1),
+            "rss_floor_growth_second_half_mib": floor, "rss_peak_growth_second_half_mib": peak,
             "files_first_half": mid[2] - first[2], "files_second_half": last[2] - mid[2], "samples": len(samples)}
 
 
-def _growth_by_kind(kinds: list[dict[str, float]]) -> dict[str, float]:
-    """Each kind of process's RSS growth over the second half of the samples (where the growth is)."""
+def _windows(values: list[float]) -> tuple[float, float]:
+    """(floor growth, peak growth) over the second half: the lowest and the highest sample in the
+    last 5% of the samples against the same in the 5% around the middle. A process whose memory
+    rises and falls within a step (an update's buffers handed back when it ends) has samples taken
+    in every phase; a leak lifts its floor, a new high-water mark its peak."""
+    w = max(1, len(values) // 20)
+    m = len(values) // 2
+    mid, end = values[max(0, m - w // 2):m - w // 2 + w], values[-w:]
+    return round(min(end) - min(mid), 1), round(max(end) - max(mid), 1)
+
+
+def _growth_by_kind(kinds: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Each kind of process's RSS growth over the second half of the samples (where the growth is):
+    last minus middle, and of its floor and peak (`_windows`)."""
     if len(kinds) < 3:
         return {}
     mid, last = kinds[len(kinds) // 2], kinds[-1]
-    return {k: round(last.get(k, 0.0) - mid.get(k, 0.0), 1) for k in sorted({*mid, *last})}
+    out = {}
+    for k in sorted({*mid, *last}):
+        floor, peak = _windows([s.get(k, 0.0) for s in kinds])
+        out[k] = {"last_minus_middle": round(last.get(k, 0.0) - mid.get(k, 0.0), 1), "floor": floor, "peak": peak}
+    return out
 
 
 QUICK = ["rollout.max_tokens=32", "rollout.n=2", "data.prompts_per_step=2", "sft.steps=2"]  # the CI form's steps
@@ -208,11 +230,14 @@ def main() -> None:
     path = write_result("soak", report, args.out)
     print(f"training: {args.steps} steps, RSS {training.get('rss_mib_start')} -> {training.get('rss_mib_end')} MiB "
           f"(first half +{training.get('rss_growth_first_half_mib')}, second half "
-          f"+{training.get('rss_growth_second_half_mib')}; by process "
+          f"+{training.get('rss_growth_second_half_mib')}, its floor +{training.get('rss_floor_growth_second_half_mib')}, "
+          f"its peak +{training.get('rss_peak_growth_second_half_mib')}; by process "
           f"{training.get('rss_growth_second_half_mib_by_process')}), open files +{training.get('files_second_half')} in the "
           f"second half; gateway: {gateway['requests']} requests, RSS {gateway.get('rss_mib_start')} -> "
           f"{gateway.get('rss_mib_end')} MiB (second half +{gateway.get('rss_growth_second_half_mib')}); {path}")
     print(result_line({"train_rss_growth_second_half_mib": training.get("rss_growth_second_half_mib", float("nan")),
+                       "train_rss_floor_growth_second_half_mib": training.get("rss_floor_growth_second_half_mib",
+                                                                              float("nan")),
                        "gateway_rss_growth_second_half_mib": gateway.get("rss_growth_second_half_mib", float("nan"))}))
 
 

@@ -7,7 +7,11 @@ their fp32 chunks, autocast casts, attention scores), so every one of them is fa
 page again: on a 2-core AVX-512 box, casting a [944, 49152] bf16 chunk to fp32 took 58 ms into fresh
 memory and 7 ms into reused memory. `retain_freed_memory` raises both thresholds so freed blocks stay
 in the process for the next micro-batch (a bf16 update of SmolLM2-135M: 1.14x, page faults 5.9 -> 0.6
-GiB per update, the same peak RSS; `benchmarks/host_memory.py`).
+GiB per update, the same peak RSS; `benchmarks/host_memory.py`). Kept that way, the process's RSS is the
+highest it ever was: a long run's one unusually long batch raises it for good (a 400-step soak's trainer
+stepped up 144 MiB at step 311 and stayed there). So the actor keeps freed memory through an update and
+hands it back when the update ends (`release_freed_memory`, glibc's `malloc_trim`): between steps the
+trainer's RSS is what it holds, and each update faults its buffers in once instead of once per micro-batch.
 
 An engine server is the opposite case: it runs for days, and every step brings new shapes (a batch
 of other lengths, a fresh copy of the weights), so glibc's heap keeps what a step freed in holes it
@@ -42,6 +46,17 @@ def retain_freed_memory() -> bool:
     return _mallopt(RETAIN, RETAIN)
 
 
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the system now (glibc `malloc_trim(0)`: the top of the heap
+    and every free page inside it). True if it ran; False without glibc, which is harmless."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    libc.malloc_trim(0)
+    return True
+
+
 def bound_freed_memory() -> bool:
     """Give freed memory back to the system and cap oneDNN's per-shape cache: a long-lived engine
     server's RSS then follows what it holds, not every shape it ever served. Call it before the
@@ -54,12 +69,19 @@ def bound_freed_memory() -> bool:
 
 def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool:
     """Fix glibc's two thresholds (setting them turns its dynamic adjustment off); False without glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
+
+
+def _libc() -> ctypes.CDLL | None:
+    """glibc, where this is Linux; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None

@@ -152,9 +152,10 @@ def test_host_memory_small_run(tmp_path):
     last, report = _run("benchmarks/host_memory.py", ["--quick", "--pairs", "1", "--updates", "1",
                                                        "--trajectories", "8"], tmp_path)
     assert last.startswith("RESULT retain_vs_default_update_speed=")
-    for setting in ("on", "off"):
+    for setting in ("on", "keep", "off"):
         (run,) = report["runs"][setting]
         assert len(run["update_s"]) == 1 and run["update_s"][0] > 0 and run["peak_rss_gib"] > 0.1
+        assert 0.05 < run["rss_after_gib"] <= run["peak_rss_gib"] + 0.01
     assert report["trajectories"] == 8
     assert report["speedup_per_pair"][0] == pytest.approx(report["runs"]["off"][0]["update_s"][0]
                                                           / report["runs"]["on"][0]["update_s"][0])
@@ -205,6 +206,8 @@ def test_soak_small_run(tmp_path):
     assert last.startswith("RESULT train_rss_growth_second_half_mib=")
     train, gw = report["training"], report["gateway"]
     assert train["steps"] == 8 and train["samples"] >= 3 and train["rss_mib_end"] > 50, train
+    assert {"rss_floor_growth_second_half_mib", "rss_peak_growth_second_half_mib"} <= set(train), train
+    assert train["rss_growth_second_half_mib_by_process"]["trainer"].keys() == {"last_minus_middle", "floor", "peak"}
     assert gw["requests"] == 96 and gw["samples"] >= 3, gw
 
 

@@ -58,6 +58,42 @@ def test_the_cpu_actor_applies_it_unless_turned_off(retain):
     assert (released < 16 << 20) if retain else (released > 200 << 20), got
 
 
+# freed memory kept, then an update: the actor hands what was kept back when the update ends
+UPDATE = """
+import json, os, sys
+sys.path.insert(0, {root!r}); sys.path.insert(0, os.path.join({root!r}, "benchmarks"))
+import torch
+from engines.training.losses import LossConfig
+from engines.models import resolve_model
+from engines.training.config import ActorConfig
+from engines.training.torch_actor import TorchActor
+from micro_batches import demo_batch
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+actor = TorchActor(ActorConfig(lr=1e-6, micro_batch_size=4), str(resolve_model("tiny-llama")), progress=False)
+actor._retaining = {release}
+batch = demo_batch(int(actor.module.config.vocab_size), 4)
+x = torch.ones(64 << 20)
+del x
+kept = rss()
+actor.update(batch, torch.randn(len(batch))[:, None] * batch.response_mask, None, None, LossConfig())
+print(json.dumps({{"kept": kept, "after": rss()}}))
+"""
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_the_actor_hands_kept_memory_back_when_an_update_ends(release):
+    """Retained through an update, not for good: a long run's one long batch does not raise the
+    trainer's RSS between steps for the rest of the run."""
+    out = subprocess.run([sys.executable, "-c", UPDATE.format(root=str(ROOT), release=release)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    given_back = got["kept"] - got["after"]
+    assert (given_back > 200 << 20) if release else (given_back < 64 << 20), got  # the 256 MiB block's pages
+
+
 # An engine step's pattern: a large block freed (glibc's dynamic thresholds rise with it: mmap to its
 # 16 MiB, trim to twice that), then 64 MiB of mid-sized blocks from the heap, freed: by default the heap
 # keeps up to 32 MiB of them (measured: 33 of 64 MiB given back)

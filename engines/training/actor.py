@@ -131,7 +131,9 @@ class ActorBase:
         self.temperature, self.seed, self.progress = temperature, seed, progress
         self.rl_steps = self.sft_steps = 0
         self._lr = cfg.lr
-        if cfg.retain_freed_memory and not torch.cuda.is_available():  # a CPU update's buffers are reused
+        # a CPU update's buffers are reused from one micro-batch to the next, and handed back when it ends
+        self._retaining = cfg.retain_freed_memory and not torch.cuda.is_available()
+        if self._retaining:
             from parallel.host import retain_freed_memory
 
             retain_freed_memory()
@@ -365,6 +367,10 @@ class ActorBase:
                 self._forward_backward(micro, want_entropy, self.temperature, loss_for(denom, tally), bar)
                 norms.append(self._step_optimizer())
         bar.close()
+        if self._retaining:  # between steps the process holds what it uses, not its highest update's peak
+            from parallel.host import release_freed_memory
+
+            release_freed_memory()
         out = self._reduce(tally, len(norms))
         (computed,), _ = over_ranks([float(tokens) if self._owns_metrics() else 0.0])
         out.update({"grad_norm": sum(norms) / max(1, len(norms)), "lr": self._lr, "optimizer_steps": float(len(norms)),

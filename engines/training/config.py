@@ -135,7 +135,8 @@ class ActorConfig(UpdateConfig):
     # default (sdpa); eager was 1.2x faster for a bf16 update of ~200-token rows on an AVX-512 CPU
     attn_implementation: str = "auto"
     # CPU trainers: glibc keeps freed memory for the next micro-batch instead of faulting every large
-    # buffer in again (parallel/host.py; a bf16 update 1.14x, benchmarks/host_memory.py); false = glibc defaults
+    # buffer in again, handed back when the update ends (parallel/host.py; benchmarks/host_memory.py);
+    # false = glibc defaults
     retain_freed_memory: bool = True
 
     def __post_init__(self) -> None:
