@@ -180,16 +180,17 @@ def test_vs_trl_small_run(tmp_path):
         trl_python("1.16.0")
     except subprocess.CalledProcessError as e:  # as tests/test_verifiers_env.py: no package index, no TRL
         pytest.skip(f"could not install TRL into its venv ({e}); the package index may be unreachable")
-    last, report = _run("benchmarks/vs_trl.py", ["--quick", "--extra-rows", "trl_retain,prefix_off"], tmp_path)
-    assert last.startswith("RESULT switchyard_vs_trl=") and "trl_retain_vs_trl=" in last
+    # (the trl_retain row, TRL once more with an allocator setting, is left to the full benchmark: each TRL
+    # run here is mostly its ~15 s start-up)
+    last, report = _run("benchmarks/vs_trl.py", ["--quick", "--extra-rows", "prefix_off"], tmp_path)
+    assert last.startswith("RESULT switchyard_vs_trl=")
     (pair,) = report["pairs"]
     for side in (pair["trl"], pair["switchyard"]):
         assert side["steps"] == 3 and side["step_s"] > 0 and side["peak_rss_gb"] > 0.1
         assert 0 < side["rollout_s"] < side["step_s"] * 1.5 and len(side["reward"]) == 3
     assert pair["trl"]["system"] == "trl" and pair["switchyard"]["system"] == "switchyard hf"
     assert pair["ratio"] == pytest.approx(pair["switchyard"]["steps_per_hour"] / pair["trl"]["steps_per_hour"])
-    (extra,) = report["extra"]  # TRL again, with the host allocator setting switchyard's actor applies
-    assert extra["system"] == "trl retain" and extra["steps"] == 3
+    assert report["extra"] == []
     # switchyard again in the round with actor.shared_prefix=off against the default (auto): fewer tokens computed
     off = pair["prefix_off"]
     assert off["system"] == "switchyard hf shared_prefix off" and off["steps"] == 3

@@ -94,12 +94,15 @@ def test_gsm8k_with_calculator_is_token_exact(servers, tool_caller):
 
 @pytest.mark.slow
 def test_smollm2_tool_agent_is_token_exact(servers):
+    """SmolLM2's own tokenizer and chat template through the tool agent. Sampled at temperature 1 it
+    rarely calls the tool (a turn that stops or runs to its limit is what this checks; the tool rounds
+    are test_gsm8k_with_calculator_is_token_exact's, on a model taught to call it)."""
     srv = servers(1, backend="hf", model="smollm2-135m-instruct")
-    rows = gsm8k_rows(GSM8K / "test.jsonl", 3)
+    rows = gsm8k_rows(GSM8K / "test.jsonl", 2)
     outs = asyncio.run(_run_rows(srv.addresses, _tokenizer("smollm2-135m-instruct"), rows,
                                  [{"calculator": _calculator()}] * len(rows),
-                                 {"max_assistant_turns": 3, "max_turn_tokens": 96, "max_response_tokens": 384},
-                                 {"temperature": 1.0, "max_tokens": 96}))
+                                 {"max_assistant_turns": 3, "max_turn_tokens": 48, "max_response_tokens": 144},
+                                 {"temperature": 1.0, "max_tokens": 48}))
     sent = _server_log(srv.request_logs)
     for out in outs:
         assert out.termination != "error", out.error

@@ -345,7 +345,7 @@ def test_episodes_through_the_openai_agent_loop(vf_python: Path, tmp_path: Path)
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "(16 - 3 - 4) * 2"}}\n</tool_call>'
 TOOL_EPISODES = """
-import asyncio, json, sys
+import asyncio, json, os, sys
 
 from transformers import AutoTokenizer
 
@@ -361,7 +361,13 @@ class Recording(ScriptedClient):  # the engine's side: the prompts and sampling 
         return await super().generate(prompt_ids, sampling, **kw)
 
 
-async def main(rows, out, call):
+async def main(call, *runs):  # (rows, out, rubric log) for each client, one after the other in this process
+    for rows, out, log in zip(runs[::3], runs[1::3], runs[2::3]):
+        os.environ["SY_RUBRIC_LOG"] = log
+        await episodes(rows, out, call)
+
+
+async def episodes(rows, out, call):
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny-llama"))
     done = []
     for i, line in enumerate(open(rows)):
@@ -388,14 +394,15 @@ def test_a_tool_round_on_both_clients_is_token_exact(vf_python: Path, tmp_path: 
 
     tok = _tokenizer("tiny-llama")
     (tmp_path / "episodes.py").write_text(TOOL_EPISODES)
+    rows = {client: _gsm8k_rows(vf_python, tmp_path, client, 1) for client in ("eval", "train")}
+    env = rows["train"][1]
+    env["PYTHONPATH"] += os.pathsep + str(Path(__file__).resolve().parent)
+    ran = _run([vf_python, tmp_path / "episodes.py", CALL,  # each episode: a harness process
+                *(str(tmp_path / f"{name}") for c in rows for name in (f"rows-{c}.jsonl", f"{c}.json", f"rubric-{c}.jsonl"))],
+               timeout=600, cwd=REPO, env=env)
+    assert ran.returncode == 0, ran.stderr[-4000:]
     outs = {}
-    for client in ("eval", "train"):
-        written, env, answers = _gsm8k_rows(vf_python, tmp_path, client, 1)  # each episode: a harness process
-        env["PYTHONPATH"] += os.pathsep + str(Path(__file__).resolve().parent)
-        env["SY_RUBRIC_LOG"] = str(tmp_path / f"rubric-{client}.jsonl")
-        ran = _run([vf_python, tmp_path / "episodes.py", tmp_path / f"rows-{client}.jsonl", tmp_path / f"{client}.json",
-                    CALL], timeout=600, cwd=REPO, env=env)
-        assert ran.returncode == 0, ran.stderr[-4000:]
+    for client, (written, _, answers) in rows.items():
         outs[client] = json.loads((tmp_path / f"{client}.json").read_text())
         scored = {s["task"]: s for s in map(json.loads, (tmp_path / f"rubric-{client}.jsonl").read_text().splitlines())}
         call, answer = (tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in (CALL, "#### 18"))
