@@ -266,6 +266,24 @@ print('kids', [k.wait() for k in kids], flush=True)
     assert not sandbox_processes()
 
 
+def test_a_tree_that_outlives_its_kill_deadline_is_named_not_waited_for(tmp_path: Path, caplog) -> None:
+    """The end of a bwrap run waits for its killed tree to leave the cgroup, up to a deadline, then
+    says which processes were still there (a cgroup listing a pid that never goes stands in)."""
+    from agent.tools.bwrap import TreeCaps
+
+    tree = TreeCaps.__new__(TreeCaps)
+    cgroup = tmp_path / "cg"
+    cgroup.mkdir()
+    (cgroup / "cgroup.procs").write_text("4194304\n")  # above pid_max's ceiling: no such process, ever
+    tree.paths = [cgroup]
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="switchyard.sandbox"):
+        tree.kill_and_remove(deadline_s=0.3)
+    assert 0.3 <= time.monotonic() - start < 3
+    assert "[4194304]" in caplog.text and "still exiting" in caplog.text
+    assert tree.paths == [] and cgroup.exists()  # not removable while it holds a process
+
+
 def test_auto_refuses_without_isolation_unless_unsafe_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     import agent.tools.python_sandbox as sandbox
 

@@ -14,12 +14,19 @@ of its own, so it
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
 import sys
+import time
 import uuid
 from pathlib import Path
+
+log = logging.getLogger("switchyard.sandbox")
+# how long the end of a run waits for its killed tree to exit (a budget of 1 s once ran out in a suite run on
+# a loaded 2-core box: a sandboxed process was still there when the call returned)
+KILL_DEADLINE_S = 10.0
 
 CGROUP_V1 = Path("/sys/fs/cgroup")  # with memory/ and pids/ hierarchies
 CGROUP_V2 = Path("/sys/fs/cgroup")  # unified, when it has cgroup.controllers
@@ -110,24 +117,31 @@ class TreeCaps:
         for path in self.paths:
             (path / "cgroup.procs").write_text(str(os.getpid()))
 
-    def kill_and_remove(self) -> None:
-        """SIGKILL whatever the tree left behind, then remove the cgroups."""
-        import time
-
+    def kill_and_remove(self, deadline_s: float = KILL_DEADLINE_S) -> None:
+        """SIGKILL whatever the tree left behind, wait (at most `deadline_s`) until it has exited,
+        then remove the cgroups. Blocking: call it off the event loop. A process still there at
+        the deadline is named in a warning (its cgroup cannot be removed then)."""
+        end = time.monotonic() + deadline_s
         for path in self.paths:
-            for _ in range(100):
+            pause = 0.005
+            while True:
                 try:
                     pids = [int(x) for x in (path / "cgroup.procs").read_text().split()]
                 except OSError:
                     break
                 if not pids:
                     break
+                if time.monotonic() > end:  # a killed process that takes this long to exit: the box is stalled
+                    log.warning("sandbox: processes %s of cgroup %s were still exiting %.0f s after SIGKILL",
+                                pids, path, deadline_s)
+                    break
                 for pid in pids:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-                time.sleep(0.01)
+                time.sleep(pause)
+                pause = min(0.1, pause * 2)
             try:
                 path.rmdir()
             except OSError:

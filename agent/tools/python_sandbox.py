@@ -323,7 +323,7 @@ class PythonTool(BaseTool):
                 timed_out = True
             await self._kill_all(proc, uid if dropped else None)
             if tree is not None:
-                tree.kill_and_remove()
+                await asyncio.to_thread(tree.kill_and_remove)
             for waitable in (reader, proc.wait()):  # writers are dead now: EOF and exit come promptly
                 try:
                     await asyncio.wait_for(waitable, 2.0)
@@ -338,7 +338,7 @@ class PythonTool(BaseTool):
             if proc is not None and proc.returncode is None:
                 await self._kill_all(proc, uid if dropped else None)
             if tree is not None:
-                tree.kill_and_remove()
+                await asyncio.to_thread(tree.kill_and_remove)
             shutil.rmtree(base, ignore_errors=True)
             self._uids_in_use.discard(uid)
 
