@@ -11,7 +11,8 @@ GiB per update, the same peak RSS; `benchmarks/host_memory.py`). Kept that way, 
 highest it ever was: a long run's one unusually long batch raises it for good (a 400-step soak's trainer
 stepped up 144 MiB at step 311 and stayed there). So the actor keeps freed memory through an update and
 hands it back when the update ends (`release_freed_memory`, glibc's `malloc_trim`): between steps the
-trainer's RSS is what it holds, and each update faults its buffers in once instead of once per micro-batch.
+trainer's RSS is what it holds (at a cost: the next update faults most of its buffers in again, 3.7 GiB
+against 0.5 kept and 5.3 with glibc's defaults in `benchmarks/host_memory.py` on a 2-core AMD EPYC).
 
 An engine server is the opposite case: it runs for days, and every step brings new shapes (a batch
 of other lengths, a fresh copy of the weights), so glibc's heap keeps what a step freed in holes it
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 
@@ -77,8 +79,10 @@ def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
-    """glibc, where this is Linux; None elsewhere."""
+    """glibc, where this is Linux; None elsewhere. Found once: `find_library` runs ldconfig, and the
+    actor asks for it after every update."""
     if not sys.platform.startswith("linux"):
         return None
     try:
