@@ -126,6 +126,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """Stop a `--dist loadgroup` run whose groups did not take (the sandbox files are always one group):
+    each module fixture would start on both workers (vLLM twice) and the sandbox files would run side by side."""
+    config = node.config
+    lost = [i for i in ids if i.split("::")[0].endswith(tuple(f"/{f}.py" for f in SANDBOX_FILES)) and "@" not in i]
+    if config.getvalue("dist") == "loadgroup" and lost:
+        import xdist
+
+        pytest.exit(f"pytest-xdist {xdist.__version__} did not put the tests in their groups (e.g. {lost[0]}) under "
+                    f"pytest {pytest.__version__}; install the versions the dev extra pins: "
+                    f"pip install -c <(echo torch==2.13.0) -e '.[cpu,dev]'", returncode=4)
+
+
 def _uses_module_fixture(item: pytest.Item) -> bool:
     """Whether the test asks for a fixture that lives longer than it and shorter than the session."""
     info = getattr(item, "_fixtureinfo", None)
